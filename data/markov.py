@@ -1,0 +1,48 @@
+"""Synthetic tokens with a known answer: a fixed random first-order Markov chain.
+
+A model that sees the previous token can do no better than the chain's entropy rate
+H = -sum_s pi(s) sum_t P(s,t) log P(s,t) (nats per token), so "did it learn?" has a number to
+hit. The chain always contains the cycle s -> s+1, so it is irreducible and pi is unique.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from data.prepare import write_tokens
+
+
+def transition_matrix(vocab: int, branching: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    P = np.zeros((vocab, vocab))
+    for s in range(vocab):
+        others = rng.permutation([t for t in range(vocab) if t != (s + 1) % vocab])
+        support = [(s + 1) % vocab, *others[: branching - 1]]
+        P[s, support] = rng.dirichlet(np.ones(len(support)))
+    return P
+
+
+def entropy_rate(P: np.ndarray) -> float:
+    pi = np.full(len(P), 1.0 / len(P))
+    for _ in range(10_000):  # power iteration to the stationary distribution
+        pi = pi @ P
+    with np.errstate(divide="ignore", invalid="ignore"):
+        h_rows = -np.nansum(np.where(P > 0, P * np.log(P), 0.0), axis=1)
+    return float(pi @ h_rows)
+
+
+def prepare_markov(vocab: int, branching: int, tokens: int, seed: int, cache_dir: str,
+                   val_fraction: float) -> Path:
+    out = Path(cache_dir) / f"markov-v{vocab}-b{branching}-n{tokens}-s{seed}-val{val_fraction:g}"
+    if (out / "meta.json").exists():
+        return out
+    P = transition_matrix(vocab, min(branching, vocab), seed)
+    cum, rng = np.cumsum(P, axis=1), np.random.default_rng(seed + 1)
+    u, ids, s = rng.random(tokens), np.empty(tokens, dtype=np.uint16), 0
+    for i in range(tokens):
+        ids[i] = s
+        s = min(int(np.searchsorted(cum[s], u[i], side="right")), vocab - 1)
+    meta = {"kind": "markov", "source": f"markov(vocab={vocab}, branching={branching}, seed={seed})",
+            "vocab_size": vocab, "optimal_loss": entropy_rate(P)}
+    return write_tokens(out, ids, val_fraction, meta)

@@ -1,0 +1,60 @@
+"""The resumable data order and the DataLoader built on it.
+
+The order of training samples is a pure function of (seed, epoch, index): global sample g is
+`order(seed, g // n)[g % n]`. Position is g, counted in samples consumed by *optimizer steps*
+(the trainer's counter), not what the DataLoader prefetched; starting a fresh stream at g gives
+exactly the samples the uninterrupted run saw from there on, for any `num_workers`.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
+
+from data.tokens import IGNORE_INDEX
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
+    mixed = hashlib.sha256(f"{seed}/{epoch}".encode()).digest()
+    g = torch.Generator().manual_seed(int.from_bytes(mixed[:8], "little") >> 1)
+    return torch.randperm(n, generator=g)  # (n,)
+
+
+class StreamSampler(Sampler[int]):
+    """Endless dataset indices from global sample `start` on, epoch after epoch."""
+
+    def __init__(self, n: int, seed: int, start: int = 0):
+        self.n, self.seed, self.start = n, seed, start
+
+    def __iter__(self):
+        epoch, i = divmod(self.start, self.n)
+        while True:
+            yield from epoch_order(self.n, self.seed, epoch)[i:].tolist()
+            epoch, i = epoch + 1, 0
+
+
+def collate(samples: list[dict]) -> dict:
+    """Stack samples; count the real targets here, on the CPU, so the loop needs no device sync."""
+    batch = default_collate(samples)
+    batch["n_targets"] = int((batch["y"] != IGNORE_INDEX).sum())
+    return batch
+
+
+def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_workers: int,
+                 prefetch_factor: int, pin_memory: bool) -> DataLoader:
+    return DataLoader(
+        ds, batch_size=batch_size, sampler=StreamSampler(len(ds), seed, start), collate_fn=collate,
+        num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        # Without its own generator the DataLoader draws a worker seed from the global torch RNG
+        # each time an iterator starts, and a resumed run would see different dropout masks.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int) -> list[dict]:
+    """A fixed validation set drawn by its own generator: same batches at every evaluation."""
+    g = torch.Generator().manual_seed(seed + 1)
+    idx = torch.randperm(len(ds), generator=g)[: batch_size * n_batches].tolist()
+    return [collate([ds[i] for i in idx[k : k + batch_size]]) for k in range(0, len(idx), batch_size)]

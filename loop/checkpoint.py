@@ -1,0 +1,133 @@
+"""Checkpoints: the full training state, written atomically, verified before use.
+
+Layout under `<out_dir>/checkpoints/`:
+    step_00000100/state.pt        model, optimizer, scheduler, scaler, progress, config (rank 0)
+    step_00000100/rng_rank0.pt    every RNG stream of rank 0 (one file per rank)
+    step_00000100/manifest.json   step, sizes and sha256 of the files above; written last
+    latest                        name of the newest complete checkpoint (for people and tools)
+A checkpoint is written into a temp dir, fsynced, then renamed into place, so a kill at any
+moment leaves either the complete checkpoint or none. It counts only if its manifest verifies.
+Files hold only tensors and primitives: they load with `torch.load(weights_only=True)`, and a
+pickle that would run code is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from loop.atomic import atomic_write, fsync_dir, write_synced
+from loop.errors import BadInput
+
+MANIFEST = "manifest.json"
+STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+def params_sha256(model: nn.Module) -> str:
+    """sha256 over the bytes of every parameter and buffer, in state_dict order."""
+    h = hashlib.sha256()
+    for t in model.state_dict().values():
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Complete-looking checkpoint dirs, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def verify(path: Path) -> str | None:
+    """None if the manifest verifies; else the reason it does not."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        for name, want in manifest["files"].items():
+            f = path / name
+            if not f.is_file():
+                return f"{name} is missing"
+            if f.stat().st_size != want["size"]:
+                return f"{name} has {f.stat().st_size} bytes, manifest says {want['size']}"
+            if hashlib.sha256(f.read_bytes()).hexdigest() != want["sha256"]:
+                return f"{name} does not match its sha256"
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{MANIFEST} is missing or unreadable ({e})"
+    return None
+
+
+def newest_valid(root: Path) -> Path | None:
+    """The newest checkpoint that verifies; invalid newer ones are skipped with a warning."""
+    dirs = step_dirs(root)
+    for path in reversed(dirs):
+        reason = verify(path)
+        if reason is None:
+            return path
+        print(f"warning: skipping checkpoint {path}: {reason}", file=sys.stderr)
+    if dirs:
+        raise BadInput(f"run.resume=auto: none of the {len(dirs)} checkpoints in {root} verifies "
+                       f"(see the warnings above); expected at least one valid checkpoint. Point "
+                       f"run.resume at one, or use a new run.out_dir.")
+    return None
+
+
+def load(path: Path, name: str) -> dict:
+    f = path / name
+    try:
+        return torch.load(f, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise BadInput(f"checkpoint file {f}: refused to load it: it holds more than tensors and "
+                       f"primitives ({first}). Only load checkpoints you trust.")
+
+
+def save(root: Path, step: int, files: dict[str, object], keep_last: int,
+         midway: Callable[[], None] | None = None) -> Path:
+    """Write `files` (name -> object for torch.save) as checkpoint `step`; return its path."""
+    final = root / f"step_{step:08d}"
+    if final.exists() and verify(final) is None:
+        return final  # same step already saved complete (e.g. a finished run started again)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(".tmp-*"):  # left by a write that was killed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = root / f".tmp-{final.name}-{os.getpid()}"
+    tmp.mkdir()
+    manifest = {"step": step, "files": {}}
+    for i, (name, obj) in enumerate(files.items()):
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        data = buf.getvalue()
+        write_synced(tmp / name, data)
+        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if i == 0 and midway is not None:
+            midway()
+    write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+    fsync_dir(tmp)
+    if final.exists():  # an invalid leftover at this step: replace it
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    fsync_dir(root)
+    atomic_write(root / "latest", final.name.encode())
+    for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def shape_mismatches(model: nn.Module, saved: dict) -> list[str]:
+    """What differs between the model and a saved state_dict, one line per key."""
+    mine = model.state_dict()
+    out = [f"{k}: missing from checkpoint" for k in mine if k not in saved]
+    out += [f"{k}: in checkpoint, not in the model" for k in saved if k not in mine]
+    out += [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
+            for k, v in mine.items() if k in saved and saved[k].shape != v.shape]
+    return out

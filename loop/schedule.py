@@ -1,0 +1,63 @@
+"""Learning-rate schedules as pure functions of the optimizer step, driven by `LambdaLR`.
+
+Each schedule maps step s (0-based count of optimizer steps *taken*; skipped steps do not count)
+to a factor of `optim.lr`. Warmup is linear and starts above zero: factor (s+1)/warmup.
+Because the LR is a function of the step alone, resuming restores it exactly.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from loop.errors import BadInput
+
+
+def _warmup(s: int, w: int) -> float | None:
+    return (s + 1) / w if s < w else None
+
+
+def warmup_cosine(s: int, cfg, max_steps: int) -> float:
+    w = _warmup(s, cfg.warmup_steps)
+    if w is not None:
+        return w
+    progress = min(1.0, (s - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def cosine_restarts(s: int, cfg, max_steps: int) -> float:
+    w = _warmup(s, cfg.warmup_steps)
+    if w is not None:
+        return w
+    t, period = s - cfg.warmup_steps, cfg.restart_period
+    while t >= period:  # SGDR: cycles of period, period*mult, period*mult^2, ...
+        t, period = t - period, period * cfg.restart_mult
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t / period))
+
+
+def inverse_sqrt(s: int, cfg, max_steps: int) -> float:
+    w = _warmup(s, cfg.warmup_steps)
+    return w if w is not None else math.sqrt(max(1, cfg.warmup_steps) / (s + 1))
+
+
+def step_decay(s: int, cfg, max_steps: int) -> float:
+    w = _warmup(s, cfg.warmup_steps)
+    return w if w is not None else cfg.gamma ** ((s - cfg.warmup_steps) // cfg.step_size)
+
+
+def constant(s: int, cfg, max_steps: int) -> float:
+    w = _warmup(s, cfg.warmup_steps)
+    return w if w is not None else 1.0
+
+
+SCHEDULES = {"warmup_cosine": warmup_cosine, "cosine_restarts": cosine_restarts,
+             "inverse_sqrt": inverse_sqrt, "step": step_decay, "constant": constant}
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, max_steps: int) -> LambdaLR:
+    if cfg.name not in SCHEDULES:
+        raise BadInput(f"config key schedule.name: expected one of {', '.join(SCHEDULES)}; "
+                       f"got {cfg.name!r}.")
+    return LambdaLR(optimizer, partial(SCHEDULES[cfg.name], cfg=cfg, max_steps=max_steps))

@@ -1,0 +1,89 @@
+"""A small GPT: causal self-attention through `scaled_dot_product_attention`, tied embeddings.
+
+`forward(batch)` returns the *summed* cross-entropy over the batch's real targets (targets equal to
+-100 are ignored). The loop divides by the target count of the whole optimizer step, so gradient
+accumulation is exact even when micro-batches hold different numbers of targets.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        self.n_head, self.dropout = n_head, dropout
+        self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
+        self.proj = nn.Linear(n_embd, n_embd, bias=bias)
+        self.resid_drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(  # (B, nh, T, hs)
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(n_embd, bias=bias), nn.LayerNorm(n_embd, bias=bias)
+        self.attn = SelfAttention(n_embd, n_head, dropout, bias)
+        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
+                                 nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab_size: int, seq_len: int, n_layer: int, n_head: int, n_embd: int,
+                 dropout: float, bias: bool):
+        super().__init__()
+        self.seq_len = seq_len
+        self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(seq_len, n_embd)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd, bias=bias)
+        self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.lm_head.weight = self.wte.weight  # weight tying
+        self.apply(self._init)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by depth
+            if name.endswith(("attn.proj.weight", "mlp.2.weight")):
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
+
+    @staticmethod
+    def _init(m: nn.Module) -> None:
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+        if isinstance(m, nn.Linear) and m.bias is not None:
+            nn.init.zeros_(m.bias)
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) -> (B, T, vocab)
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.ln_f(x))
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        logits = self.logits(batch["x"])
+        return F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten(),
+                               ignore_index=-100, reduction="sum")
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, n: int, generator: torch.Generator,
+                 temperature: float = 0.8) -> torch.Tensor:
+        """Sample n tokens after idx (1, T) with its own generator, so training RNG is untouched."""
+        for _ in range(n):
+            logits = self.logits(idx[:, -self.seq_len :])[:, -1] / temperature
+            nxt = torch.multinomial(F.softmax(logits.float(), -1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

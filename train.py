@@ -1,0 +1,44 @@
+"""Train a model with the honest loop.
+
+    python train.py [--config configs/default.yaml] [section.key=value ...]
+    torchrun --nproc_per_node=N train.py ...   (same command, many processes)
+
+This file only wires parts together; the loop lives in loop/trainer.py. Exit codes: 0 done,
+2 bad input (config, data, checkpoint) with a message naming the key or file; nothing in
+run.out_dir is written or changed on that path.
+"""
+from __future__ import annotations
+
+import sys
+
+from data import build_data
+from loop.config import load_config, parse_args
+from loop.device import pick_device
+from loop.errors import EXIT_BAD_INPUT, BadInput
+from loop.optim import build_optimizer
+from loop.precision import Precision
+from loop.rng import seed_everything
+from loop.schedule import build_scheduler
+from loop.trainer import Trainer
+from model import build_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = load_config(*parse_args(argv))
+        device = pick_device(cfg.train.device)
+        seed_everything(cfg.run.seed)
+        data = build_data(cfg.data)
+        model = build_model(cfg.model, data).to(device)
+        optimizer = build_optimizer(model, cfg.optim, device)
+        scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
+        precision = Precision(cfg.train.precision, device)
+        Trainer(cfg, model, data, optimizer, scheduler, precision, device).run()
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
