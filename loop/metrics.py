@@ -27,7 +27,8 @@ def truncate_jsonl(path: Path, last_step: int) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, start_step: int, max_steps: int, tensorboard: bool = True):
+    def __init__(self, out_dir: Path, start_step: int, start_tokens: int, max_steps: int,
+                 tensorboard: bool = True):
         from torch.utils.tensorboard import SummaryWriter
 
         self.path, self.max_steps = out_dir / "metrics.jsonl", max_steps
@@ -36,7 +37,7 @@ class MetricsLog:
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
         self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
-        self.mark = (time.perf_counter(), start_step, 0)  # (time, step, tokens) at last flush
+        self.mark = (time.perf_counter(), start_step, start_tokens)  # (time, step, tokens) at last flush
 
     def record(self, fields: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append((fields, torch.stack([loss.float(), grad_norm.float()])))

@@ -104,7 +104,7 @@ class Trainer:
         meta = collect_metadata(config_hash(cfg), self.device, self.precision.name, 1)
         atomic_write(self.out / "metadata.json", json.dumps({**meta, "resumed_from": str(resumed)
                                                              if resumed else None}, indent=1).encode())
-        self.log = MetricsLog(self.out, self.progress.step, tc.max_steps)
+        self.log = MetricsLog(self.out, self.progress.step, self.progress.tokens, tc.max_steps)
         n_params = sum(p.numel() for p in self.model.parameters())
         print(f"{n_params:,} parameters | {self.device} | {self.precision.name} | global batch "
               f"{cfg.data.batch_size * tc.grad_accum} x {self.data.seq_len} tokens")
