@@ -1,0 +1,118 @@
+"""Exact resume, end to end: a run SIGKILLed at random moments and rerun with the same command ends
+bit-identical (params_sha256, every per-step loss, grad norm and lr) to a run never interrupted."""
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from conftest import ROOT, metrics, run_and_kill, run_train, summary
+
+STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
+RNG = random.Random()  # a fresh draw each session; every assertion message carries the steps
+
+
+def resumed_at(stdout: str) -> int:
+    m = re.search(r"resumed from \S+ at step (\d+)", stdout)
+    assert m, stdout
+    return int(m.group(1))
+
+
+def assert_identical(ref, out, note: str) -> None:
+    a, b = metrics(ref), metrics(out)
+    assert [r["step"] for r in b] == list(range(1, 41)), f"{note}: each step once"
+    for x, y in zip(a, b):
+        assert (x["loss"], x["grad_norm"], x["lr"]) == (y["loss"], y["grad_norm"], y["lr"]), \
+            f"{note}: step {x['step']} differs"
+    assert summary(out)["params_sha256"] == summary(ref)["params_sha256"], note
+    assert summary(out)["val_loss"] == summary(ref)["val_loss"], note
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    run_train(out, cache, *STEPS)
+    return out
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_kill_at_random_step_then_rerun(tmp_path, cache, reference, workers):
+    # The reference ran with num_workers=0: the data order must not depend on the worker count.
+    kill = RNG.randint(12, 38)
+    out = tmp_path / "run"
+    run_and_kill(out, kill, cache, *STEPS, f"data.num_workers={workers}")
+    assert not (out / "summary.json").exists()
+    rerun = run_train(out, cache, *STEPS, f"data.num_workers={workers}")
+    assert 10 <= resumed_at(rerun.stdout) <= kill
+    assert_identical(reference, out, f"num_workers={workers}, killed at step {kill}")
+
+
+def test_two_kills_in_one_run(tmp_path, cache, reference):
+    first, second = RNG.randint(11, 22), RNG.randint(25, 38)
+    out = tmp_path / "run"
+    run_and_kill(out, first, cache, *STEPS)
+    run_and_kill(out, second, cache, *STEPS)
+    run_train(out, cache, *STEPS)
+    assert_identical(reference, out, f"killed at steps {first} and {second}")
+
+
+def test_kill_during_checkpoint_write(tmp_path, cache, reference):
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "faults.kill_in_ckpt_at_step=20", check=False)
+    assert proc.returncode == -9, proc.stderr
+    ckpts = out / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_00000010"]
+    assert (ckpts / "latest").read_text() == "step_00000010"
+    assert list(ckpts.glob(".tmp-step_00000020-*")), "the half-written temp dir is left behind"
+    rerun = run_train(out, cache, *STEPS)
+    assert resumed_at(rerun.stdout) == 10
+    assert not list(ckpts.glob(".tmp-*")), "stale temp dirs are cleaned up"
+    assert_identical(reference, out, "killed inside the step-20 checkpoint write")
+
+
+def test_kills_at_random_moments_with_a_checkpoint_every_step(tmp_path, cache, reference):
+    # With a checkpoint after every step, a kill often lands inside a write.
+    out = tmp_path / "run"
+    kills = sorted(RNG.sample(range(5, 39), 3))
+    for k in kills:
+        run_and_kill(out, k, cache, "train.max_steps=40", "train.ckpt_every=1")
+    run_train(out, cache, "train.max_steps=40", "train.ckpt_every=1")
+    assert_identical(reference, out, f"ckpt_every=1, killed at steps {kills}")
+
+
+def test_grad_accum_4(tmp_path, cache):
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, cache, *STEPS, "train.grad_accum=4")
+    kill = RNG.randint(12, 38)
+    run_and_kill(out, kill, cache, *STEPS, "train.grad_accum=4")
+    run_train(out, cache, *STEPS, "train.grad_accum=4")
+    assert_identical(ref, out, f"grad_accum=4, killed at step {kill}")
+
+
+def test_resume_across_epoch_boundary(tmp_path, cache):
+    # 2,600 characters -> 73 training windows of 33 tokens: an epoch is ~9 steps of 8 samples, so
+    # the run crosses four epoch boundaries and checkpoints fall mid-epoch.
+    rnd = random.Random(0)
+    words = ["loop", "step", "grad", "seed", "epoch", "batch", "scale", "resume"]
+    text = " ".join(rnd.choice(words) for _ in range(600))[:2600]
+    (tmp_path / "tiny.txt").write_text(text)
+    data = [cache, f"data.path={tmp_path / 'tiny.txt'}"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, *data, *STEPS)
+    kill = RNG.randint(21, 38)
+    run_and_kill(out, kill, *data, *STEPS)
+    rerun = run_train(out, *data, *STEPS)
+    assert resumed_at(rerun.stdout) in (20, 30)
+    assert_identical(ref, out, f"epoch boundaries, killed at step {kill}")
+    assert summary(ref)["tokens"] == 40 * 8 * 32  # 40 steps x 8 samples x 32 targets
+
+
+def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
+    out = tmp_path / "run"
+    run_train(out, cache, *STEPS)
+    before = summary(out)
+    rerun = run_train(out, cache, *STEPS)
+    assert resumed_at(rerun.stdout) == 40
+    assert summary(out)["params_sha256"] == before["params_sha256"] == summary(reference)["params_sha256"]
+    assert len(metrics(out)) == 40
