@@ -258,8 +258,9 @@ def all_keys(cls=Config, prefix: str = "") -> list[str]:
 
 def _unknown(key: str) -> str:
     keys = all_keys()
-    guess = difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    guess = guess or [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
+    # The same key name in another section (train.lr -> optim.lr) beats a spelling neighbour.
+    guess = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
+    guess = guess or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
     hint = f" Did you mean '{guess[0]}'?" if guess else ""
     return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."
 

@@ -19,4 +19,6 @@ def pick_device(name: str) -> torch.device:
         raise BadInput(f"config key train.device: expected auto, cpu, cuda, cuda:N or mps; got {name!r}.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BadInput(f"config key train.device: {name!r} asked for, but this machine has no CUDA.")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise BadInput(f"config key train.device: {name!r} asked for, but this machine has no MPS.")
     return device

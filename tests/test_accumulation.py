@@ -1,0 +1,224 @@
+"""Gradient accumulation with the loop's rule (sum / step target count) equals one big batch, exactly."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+
+from data import build_data
+from data.sampler import collate, train_loader
+from data.tokens import IGNORE_INDEX
+from loop.config import load_config
+from loop.device import pick_device
+from loop.optim import build_optimizer
+from loop.precision import Precision
+from loop.rng import seed_everything
+from loop.schedule import build_scheduler
+from loop.trainer import Trainer
+from model import build_model
+from model.gpt import GPT
+
+ROOT = Path(__file__).resolve().parents[1]
+B, ACCUM, T, V = 8, 4, 12, 16
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matrices: a second intra-op thread only adds sync cost, and on a shared 2-core box
+    # spinning OpenMP threads can slow these tests down many times over.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_gpt_f64() -> GPT:
+    torch.manual_seed(0)
+    return GPT(V, T, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True).double()
+
+
+def summed_ce_f64(model: GPT, batch: dict) -> torch.Tensor:
+    """GPT.forward in float64: forward() casts logits to float32 before the CE (so bf16/fp16
+    logits get an fp32 loss), which would cap agreement at ~1e-7; this keeps every op in float64."""
+    logits = model.logits(batch["x"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def batch_of_8(uneven: bool) -> dict:
+    g = torch.Generator().manual_seed(3)
+    x = torch.randint(0, V, (B, T), generator=g)
+    y = torch.randint(0, V, (B, T), generator=g)
+    if uneven:  # micro-batches (rows 0-1, 2-3, 4-5, 6-7) keep 24, 17, 11 and 2 of 24 targets
+        y[2, :7] = IGNORE_INDEX
+        y[4, :] = IGNORE_INDEX
+        y[5, 11:] = IGNORE_INDEX
+        y[6, 1:] = IGNORE_INDEX
+        y[7, 1:] = IGNORE_INDEX
+    return {"x": x, "y": y}
+
+
+def micro_batches(batch: dict) -> list[dict]:
+    b = B // ACCUM
+    return [collate([{"x": batch["x"][i], "y": batch["y"][i], "idx": i} for i in range(k, k + b)])
+            for k in range(0, B, b)]
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def max_diff(a: dict, b: dict) -> float:
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def big_batch_grads(model, batch) -> dict:
+    n = int((batch["y"] != IGNORE_INDEX).sum())
+    (summed_ce_f64(model, batch) / n).backward()
+    return grads(model)
+
+
+def loop_rule_grads(model, batch) -> dict:
+    micro = micro_batches(batch)
+    n_targets = sum(m["n_targets"] for m in micro)  # as Trainer._step: the whole step's count
+    for m in micro:
+        (summed_ce_f64(model, m) / n_targets).backward()
+    return grads(model)
+
+
+def naive_rule_grads(model, batch) -> dict:
+    micro = micro_batches(batch)
+    for m in micro:  # mean over each micro-batch's own targets, divided by the accumulation count
+        (summed_ce_f64(model, m) / m["n_targets"] / ACCUM).backward()
+    return grads(model)
+
+
+@pytest.mark.parametrize("uneven", [False, True])
+def test_loop_rule_equals_one_big_batch_float64(uneven):
+    model = tiny_gpt_f64()
+    batch = batch_of_8(uneven)
+    counts = [m["n_targets"] for m in micro_batches(batch)]
+    assert counts == ([24, 17, 11, 2] if uneven else [24] * 4)
+    ref = big_batch_grads(model, batch)
+    scale = max(g.abs().max().item() for g in ref.values())
+    assert scale > 1e-2  # real gradients, not zeros
+    assert max_diff(loop_rule_grads(model, batch), ref) < 1e-12
+
+
+def test_naive_rule_is_wrong_when_target_counts_differ():
+    model = tiny_gpt_f64()
+    even, uneven = batch_of_8(False), batch_of_8(True)
+    # With equal counts per micro-batch the naive rule happens to coincide ...
+    assert max_diff(naive_rule_grads(model, even), big_batch_grads(model, even)) < 1e-12
+    # ... with unequal counts it over-weights the 2-target micro-batch and is far off.
+    ref = big_batch_grads(model, uneven)
+    scale = max(g.abs().max().item() for g in ref.values())
+    diff = max_diff(naive_rule_grads(model, uneven), ref)
+    assert diff > 0.1 * scale, (diff, scale)
+    assert max_diff(loop_rule_grads(model, uneven), ref) < 1e-12
+
+
+def test_loop_rule_through_model_forward_float32():
+    # The real forward() in float32: summation order differs between one batch and four, so the
+    # two agree to float32 rounding (~1e-7 relative), not bit for bit.
+    torch.manual_seed(0)
+    model = GPT(V, T, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
+    batch = batch_of_8(True)
+    n = int((batch["y"] != IGNORE_INDEX).sum())
+    (model(batch) / n).backward()
+    ref = grads(model)
+    for m in micro_batches(batch):
+        (model(m) / n).backward()
+    scale = max(g.abs().max().item() for g in ref.values())
+    assert max_diff(grads(model), ref) < 1e-5 * scale
+
+
+# ------------------------------------------------------------------------------- the real _step
+class MaskSome(Dataset):
+    """Wraps a token dataset and hides a sample-dependent number of targets, so the micro-batches
+    of one step hold different target counts (the case where only the loop's rule is exact)."""
+
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        item = dict(self.ds[i])
+        y = item["y"].clone()
+        y[: (i * 7) % len(y)] = IGNORE_INDEX
+        item["y"] = y
+        return item
+
+
+def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str, mask: bool):
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.vocab_size=16",
+        "data.markov.tokens=4000", "data.seq_len=16", f"data.batch_size={batch_size}",
+        f"train.grad_accum={grad_accum}", "model.n_layer=2", "model.n_head=2", "model.n_embd=32",
+        "model.dropout=0", "train.precision=fp32", "train.device=cpu", "train.max_steps=1",
+        f"run.out_dir={tmp_path / 'run'}", "train.eval_batches=1",
+        # SGD runs: no clipping either, so the update is the raw accumulated gradient (clipping
+        # to norm 1 would hide a gradient that is off by a constant factor).
+        f"train.clip_grad={1.0 if optimizer == 'adamw' else 0}",
+    ])
+    # As train.py wires it:
+    device = pick_device(cfg.train.device)
+    seed_everything(cfg.run.seed)
+    data = build_data(cfg.data)
+    model = build_model(cfg.model, data).to(device)
+    if optimizer == "adamw":
+        opt = build_optimizer(model, cfg.optim, device)
+    else:  # plain SGD: the update is exactly -lr * grad, so the parameters read out the gradient
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = build_scheduler(opt, cfg.schedule, cfg.train.max_steps)
+    precision = Precision(cfg.train.precision, device)
+    if mask:
+        data.train = MaskSome(data.train)
+    trainer = Trainer(cfg, model, data, opt, scheduler, precision, device)
+    records = []
+    trainer.log = SimpleNamespace(record=lambda fields, loss, gnorm: records.append(
+        (fields, loss.item(), gnorm.item())))
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # As Trainer.run builds the loader (fresh run: position 0).
+    loader = iter(train_loader(data.train, cfg.data.batch_size, cfg.run.seed, 0,
+                               cfg.data.num_workers, cfg.data.prefetch_factor, False))
+    seen = []  # (sample indices, target count) of each micro-batch _step takes
+    batches = (seen.append((b["idx"].tolist(), b["n_targets"])) or b for b in loader)
+    trainer._step(batches)
+    assert trainer.progress.step == 1 and trainer.progress.samples == 8
+    end = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return start, end, records[0], trainer.progress.tokens, seen
+
+
+@pytest.mark.parametrize("optimizer, mask", [("adamw", False), ("sgd", False), ("sgd", True)])
+def test_trainer_step_accum4x2_equals_accum1x8(tmp_path, optimizer, mask):
+    s4, e4, rec4, tok4, seen4 = one_trainer_step(tmp_path, 2, 4, optimizer, mask)
+    s1, e1, rec1, tok1, seen1 = one_trainer_step(tmp_path, 8, 1, optimizer, mask)
+    assert all(torch.equal(s4[k], s1[k]) for k in s4)  # same seed -> same initial weights
+    assert len(seen4) == 4 and len(seen1) == 1
+    assert [i for idx, _ in seen4 for i in idx] == seen1[0][0]  # the same 8 samples, same order
+    assert tok4 == tok1 == sum(n for _, n in seen4) == seen1[0][1]
+    counts = [n for _, n in seen4]
+    if mask:  # the micro-batches really hold different numbers of targets
+        assert len(set(counts)) > 1 and tok1 < 8 * 16, counts
+    else:
+        assert counts == [2 * 16] * 4
+    moved = max((e1[k] - s1[k]).abs().max().item() for k in e1)
+    assert moved > 5e-5  # the step really moved the weights (AdamW: ~lr = 2e-3/20 in warmup)
+    # AdamW's first step is ~lr * sign(grad), blind to the gradient's scale; the SGD runs make
+    # the parameters a direct readout of the accumulated gradient.
+    # fp32: four micro-batch sums vs one batch sum accumulate in a different order, so the
+    # results agree to float32 rounding of values of order 1 (~1e-7), not bit for bit.
+    diff = max((e4[k] - e1[k]).abs().max().item() for k in e1)
+    assert diff < 1e-6, diff
+    assert rec4[1] == pytest.approx(rec1[1], rel=1e-6)  # logged step loss (mean per target)
+    assert rec4[2] == pytest.approx(rec1[2], rel=1e-5)  # grad norm before clipping
+    assert rec4[0]["lr"] == rec1[0]["lr"]

@@ -1,0 +1,202 @@
+"""The config layer rejects every bad input with a BadInput naming the key/file, and round-trips."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loop.config import Config, config_hash, load_config, save
+from loop.errors import EXIT_BAD_INPUT, BadInput
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT = ROOT / "configs" / "default.yaml"
+
+
+def bad(overrides=(), path=DEFAULT) -> str:
+    """The BadInput message load_config raises for these inputs."""
+    with pytest.raises(BadInput) as e:
+        load_config(path, list(overrides))
+    return str(e.value)
+
+
+# ------------------------------------------------------------------------------- error paths
+@pytest.mark.parametrize("item, key, suggestion", [
+    ("optim.lrr=1", "optim.lrr", "optim.lr"),  # a typo: the spelling neighbour
+    ("train.lr=1", "train.lr", "optim.lr"),  # right name, wrong section
+    ("train.max_stepz=3", "train.max_stepz", "train.max_steps"),
+    ("schedule.warmup=3", "schedule.warmup", "schedule.warmup_steps"),
+    ("data.markov.vocab=3", "data.markov.vocab", "data.markov.vocab_size"),
+])
+def test_unknown_cli_key_names_it_and_suggests(item, key, suggestion):
+    msg = bad([item])
+    assert f"'{key}'" in msg
+    assert f"Did you mean '{suggestion}'?" in msg
+
+
+def test_unknown_yaml_key_names_it_and_suggests(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("optim:\n  lr: 0.1\n  lrr: 1\n")
+    msg = bad(path=f)
+    assert "'optim.lrr'" in msg and "Did you mean 'optim.lr'?" in msg
+
+    f.write_text("train:\n  lr: 0.1\n")
+    assert "Did you mean 'optim.lr'?" in bad(path=f)
+
+    f.write_text("trian:\n  max_steps: 1\n")
+    msg = bad(path=f)  # a misspelt section: named, and the sections are listed
+    assert "'trian'" in msg and "Known sections: run, data, model, optim, schedule, train, faults" in msg
+
+
+def test_nested_path_below_a_leaf_is_unknown():
+    msg = bad(["data.seq_len.x=3"])
+    assert "'data.seq_len.x'" in msg and "Did you mean 'data.seq_len'?" in msg
+
+
+@pytest.mark.parametrize("item, key, expected, given", [
+    ("train.max_steps=abc", "train.max_steps", "expected int", "got 'abc' (str)"),
+    ("train.max_steps=1.5", "train.max_steps", "expected int", "got 1.5 (float)"),
+    ("train.max_steps=true", "train.max_steps", "expected int", "got True (bool)"),
+    ("model.bias=3", "model.bias", "expected bool", "got 3 (int)"),
+    ("optim.lr=fast", "optim.lr", "expected float", "got 'fast' (str)"),
+    ("optim.lr=true", "optim.lr", "expected float", "got True (bool)"),
+    ("optim.betas=0.8", "optim.betas", "expected a list of float", "got 0.8 (float)"),
+    ("optim.betas=[a,0.9]", "optim.betas.0", "expected float", "got 'a' (str)"),
+    ("data.markov=3", "data.markov", "expected MarkovConfig", "got 3 (int)"),
+])
+def test_wrong_type_names_key_expected_and_given(item, key, expected, given):
+    msg = bad([item])
+    assert msg == f"config key {key}: {expected}, {given}."
+
+
+def test_wrong_type_in_yaml(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("train:\n  max_steps: abc\n")
+    assert bad(path=f) == "config key train.max_steps: expected int, got 'abc' (str)."
+    f.write_text("train: 3\n")
+    msg = bad(path=f)
+    assert "config train in" in msg and str(f) in msg and "expected a mapping" in msg
+
+
+def test_out_of_range_and_bad_choice():
+    assert bad(["train.grad_accum=0"]) == "config key train.grad_accum: expected a value >= 1, got 0."
+    assert bad(["optim.lr=-1e-3"]) == "config key optim.lr: expected a value >= 0.0, got -0.001."
+    assert bad(["data.markov.tokens=999"]) == \
+        "config key data.markov.tokens: expected a value >= 1000, got 999."
+    assert bad(["train.precision=fp8"]) == \
+        "config key train.precision: expected one of auto, bf16, fp16, fp32; got 'fp8'."
+
+
+def test_list_index_out_of_range():
+    assert bad(["optim.betas.2=0.9"]) == "config key optim.betas.2: index 2 is not in a list of 2."
+    assert bad(["optim.betas.x=0.9"]) == "config key optim.betas.x: index x is not in a list of 2."
+
+
+def test_malformed_yaml_names_file_and_line(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("run:\n  seed: 1\ntrain:\n  max_steps: 3: 4\n")  # error on line 4
+    msg = bad(path=f)
+    assert msg.startswith(f"config file {f} line 4, column ")
+    assert "malformed YAML" in msg
+
+    f.write_text("optim:\n  betas: [0.9, 0.95\nrun:\n  seed: 1\n")  # unclosed list
+    msg = bad(path=f)
+    assert str(f) in msg and " line " in msg and "malformed YAML" in msg
+
+
+def test_missing_config_file(tmp_path):
+    missing = tmp_path / "nope.yaml"
+    msg = bad(path=missing)
+    assert msg.startswith(f"config file {missing}: cannot read it")
+
+
+@pytest.mark.parametrize("item", ["optim.lr", "=3", ""])
+def test_override_without_equals(item):
+    assert bad([item]) == f"override '{item}': expected the form section.key=value."
+
+
+# ------------------------------------------------------------------------------- overrides
+def test_nested_list_and_float_overrides():
+    base = load_config(DEFAULT)
+    cfg = load_config(DEFAULT, ["data.markov.vocab_size=7", "optim.betas=[0.8,0.9]", "optim.lr=3e-4"])
+    assert cfg.data.markov.vocab_size == 7 and type(cfg.data.markov.vocab_size) is int
+    assert cfg.optim.betas == [0.8, 0.9]
+    assert cfg.optim.lr == 0.0003 and type(cfg.optim.lr) is float  # PyYAML reads 3e-4 as a str
+    assert base.data.markov.vocab_size == 32 and base.optim.betas == [0.9, 0.95]
+
+    cfg = load_config(DEFAULT, ["optim.betas.1=0.99"])
+    assert cfg.optim.betas == [0.9, 0.99]
+    cfg = load_config(DEFAULT, ["optim.betas=[1, 0]"])  # ints in a list of float become floats
+    assert cfg.optim.betas == [1.0, 0.0] and all(type(b) is float for b in cfg.optim.betas)
+    cfg = load_config(DEFAULT, ["optim.lr=1"])
+    assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
+
+
+def test_later_override_wins_and_strings_stay_verbatim():
+    cfg = load_config(DEFAULT, ["train.max_steps=5", "train.max_steps=7", "run.out_dir=007",
+                                "run.resume=never", "data.path=1e3"])
+    assert cfg.train.max_steps == 7
+    assert cfg.run.out_dir == "007" and cfg.data.path == "1e3"  # not 7 / 1000.0
+
+
+def test_yaml_values_are_loaded():
+    cfg = load_config(DEFAULT)
+    assert cfg.optim.lr == 2.0e-3 and cfg.model.n_layer == 4 and cfg.data.seq_len == 128
+    assert cfg.model.bias is False and cfg.schedule.name == "warmup_cosine"
+
+
+def test_empty_yaml_and_empty_section_give_defaults(tmp_path):
+    f = tmp_path / "c.yaml"
+    f.write_text("")
+    assert load_config(f) == Config()
+    f.write_text("train:\n")
+    assert load_config(f) == Config()
+
+
+def test_save_then_load_is_equal(tmp_path):
+    cfg = load_config(DEFAULT, ["optim.lr=3e-4", "optim.betas.1=0.99", "data.markov.vocab_size=7",
+                                "run.out_dir=007", "model.bias=true", "train.precision=bf16",
+                                "schedule.name=step", "optim.eps=1e-12", "data.val_fraction=0.25",
+                                "faults.nan_at_step=3"])
+    out = tmp_path / "saved.yaml"
+    save(cfg, out)
+    again = load_config(out)
+    assert again == cfg
+    assert config_hash(again) == config_hash(cfg)
+    assert again.run.out_dir == "007" and again.optim.eps == 1e-12 and again.model.bias is True
+    assert again != load_config(DEFAULT)  # the comparison can fail
+
+
+# ------------------------------------------------------------------------------- train.py exit 2
+def run_train(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_train_py_unknown_key_exits_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "x"
+    r = run_train(f"run.out_dir={out}", f"data.cache_dir={tmp_path / 'cache'}", "train.max_stepz=3")
+    assert r.returncode == EXIT_BAD_INPUT == 2, r.stderr
+    assert "train.max_steps" in r.stderr and "Traceback" not in r.stderr
+    assert r.stderr.startswith("error: unknown config key 'train.max_stepz'")
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_train_py_malformed_yaml_exits_2(tmp_path):
+    f = tmp_path / "broken.yaml"
+    f.write_text("train:\n  max_steps: [3\n")
+    out = tmp_path / "x"
+    r = run_train("--config", str(f), f"run.out_dir={out}")
+    assert r.returncode == 2, r.stderr
+    assert str(f) in r.stderr and "malformed YAML" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_train_py_missing_data_path_exits_2(tmp_path):
+    out, missing, cache = tmp_path / "x", tmp_path / "no_such.txt", tmp_path / "cache"
+    r = run_train(f"run.out_dir={out}", f"data.path={missing}", f"data.cache_dir={cache}")
+    assert r.returncode == 2, r.stderr
+    assert str(missing) in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists() and not cache.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

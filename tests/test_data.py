@@ -1,0 +1,214 @@
+"""The data order is a pure function of (seed, position), loaders leave global RNG alone, prep is exact."""
+from __future__ import annotations
+
+import json
+import math
+from itertools import islice
+
+import numpy as np
+import pytest
+import torch
+
+from data import build_data
+from data.markov import entropy_rate, prepare_markov, transition_matrix
+from data.prepare import prepare_text
+from data.sampler import StreamSampler, epoch_order, train_loader, val_batches
+from data.tokens import TokenWindows
+from loop.config import DataConfig, MarkovConfig
+from loop.errors import BadInput
+
+SEQ, BS = 16, 8
+
+
+@pytest.fixture(scope="module")
+def markov(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    return build_data(DataConfig(name="markov", cache_dir=str(cache), seq_len=SEQ,
+                                 markov=MarkovConfig(vocab_size=16, tokens=4000)))
+
+
+# ------------------------------------------------------------------------------- sampler
+def take(n: int, seed: int, start: int, count: int) -> list[int]:
+    return list(islice(iter(StreamSampler(n, seed, start)), count))
+
+
+def test_stream_from_g_is_the_tail_of_the_stream_from_0():
+    full = take(10, 7, 0, 35)
+    for g in (1, 9, 10, 12, 20, 29):  # mid-epoch, at and across epoch boundaries
+        assert take(10, 7, g, 35 - g) == full[g:], g
+    assert take(10, 7, 12, 23) == full[12:]
+
+
+def test_each_epoch_is_a_fresh_permutation():
+    full = take(10, 7, 0, 40)
+    epochs = [full[k : k + 10] for k in range(0, 40, 10)]
+    for e, order in enumerate(epochs):
+        assert sorted(order) == list(range(10))
+        assert order == epoch_order(10, 7, e).tolist()
+    assert len({tuple(e) for e in epochs}) == 4  # every epoch differs
+    assert take(10, 8, 0, 10) != epochs[0]  # and the seed matters
+    assert take(1000, 7, 0, 1000) != list(range(1000))  # it shuffles
+
+
+# ------------------------------------------------------------------------------- loader
+def batches(ds, start: int, workers: int, count: int) -> list[dict]:
+    loader = train_loader(ds, BS, seed=5, start=start, num_workers=workers, prefetch_factor=2,
+                          pin_memory=False)
+    it = iter(loader)
+    out = [next(it) for _ in range(count)]
+    del it  # shuts persistent workers down
+    return out
+
+
+def same(a: list[dict], b: list[dict]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x["idx"], y["idx"]) and torch.equal(x["x"], y["x"]) and torch.equal(x["y"], y["y"])
+        and x["n_targets"] == y["n_targets"] for x, y in zip(a, b))
+
+
+def test_loader_workers_and_start_position(markov):
+    ds = markov.train
+    n = len(ds)
+    assert n == (3600 - 1) // SEQ == 224  # 4000 tokens, 10% to validation
+    count = 40  # 320 samples: crosses the epoch boundary at 224
+    rng_before = torch.get_rng_state()
+    b0 = batches(ds, 0, 0, count)
+    b2 = batches(ds, 0, 2, count)
+    assert same(b0, b2)
+    assert [i for b in b0 for i in b["idx"].tolist()] == take(n, 5, 0, count * BS)
+    assert all(b["x"].shape == (BS, SEQ) and b["n_targets"] == BS * SEQ for b in b0)
+    assert torch.equal(b0[3]["x"][1], ds[int(b0[3]["idx"][1])]["x"])
+    for p in (3 * BS, 30 * BS):  # mid-epoch, and past the epoch boundary
+        assert same(batches(ds, p, 0, count - p // BS), b0[p // BS :]), p
+    assert same(batches(ds, 3 * BS, 2, 10), b0[3:13])
+    # The loader seeds its workers from its own generator, never from the global stream.
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    # ...and the global stream does not steer the order either.
+    torch.manual_seed(12345)
+    assert same(batches(ds, 0, 0, 5), b0[:5])
+
+
+def test_val_batches_fixed_and_rng_free(markov):
+    ds = markov.val
+    assert len(ds) == (400 - 1) // SEQ == 24
+    rng_before = torch.get_rng_state()
+    a = val_batches(ds, 4, 3, seed=1337)
+    torch.manual_seed(0)  # whatever the global stream does in between
+    b = val_batches(ds, 4, 3, seed=1337)
+    torch.set_rng_state(rng_before)
+    c = val_batches(ds, 4, 3, seed=1337)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+    assert len(a) == 3 and same(a, b) and same(a, c)
+    idx = [i for batch in a for i in batch["idx"].tolist()]
+    assert len(set(idx)) == 12 and all(0 <= i < 24 for i in idx)
+    assert not same(a, val_batches(ds, 4, 3, seed=1))
+
+
+def test_token_windows_shift_by_one(tmp_path):
+    ids = np.arange(50, dtype=np.uint16)
+    (tmp_path / "t.bin").write_bytes(ids.tobytes())
+    tw = TokenWindows(tmp_path / "t.bin", 8)
+    assert len(tw) == (50 - 1) // 8 == 6
+    s = tw[2]
+    assert s["idx"] == 2
+    assert s["x"].tolist() == list(range(16, 24)) and s["y"].tolist() == list(range(17, 25))
+    assert tw[5]["y"].tolist()[-1] == 48
+
+
+# ------------------------------------------------------------------------------- prepare
+TEXT = "Hello, wörld! ✓ naïve café\n" * 20 + "the end.\n"
+
+
+def read_ids(root) -> np.ndarray:
+    return np.concatenate([np.fromfile(root / "train.bin", dtype=np.uint16),
+                           np.fromfile(root / "val.bin", dtype=np.uint16)])
+
+
+def test_prepare_text_round_trip_and_idempotent(tmp_path, capsys):
+    root = prepare_text(TEXT, "test-text", str(tmp_path / "cache"), 0.1)
+    assert "preparing test-text" in capsys.readouterr().out
+    assert sorted(p.name for p in root.iterdir()) == ["meta.json", "train.bin", "val.bin"]
+    meta = json.loads((root / "meta.json").read_text())
+    assert meta["vocab_size"] == len(set(TEXT)) and meta["chars"] == "".join(sorted(set(TEXT)))
+    assert meta["val_tokens"] == int(len(TEXT) * 0.1) and meta["train_tokens"] + meta["val_tokens"] == len(TEXT)
+    ids = read_ids(root)
+    assert "".join(meta["chars"][i] for i in ids) == TEXT
+
+    mtimes = {p.name: p.stat().st_mtime_ns for p in root.iterdir()}
+    again = prepare_text(TEXT, "test-text", str(tmp_path / "cache"), 0.1)
+    assert again == root
+    assert "preparing" not in capsys.readouterr().out
+    assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == mtimes
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [root.name]  # no temp left
+    assert prepare_text(TEXT + "x", "t", str(tmp_path / "cache"), 0.1) != root  # content-named
+
+
+def test_build_text_decode(tmp_path):
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    data = build_data(DataConfig(name="text", path=str(f), cache_dir=str(tmp_path / "cache"),
+                                 seq_len=8, val_fraction=0.1))
+    assert data.vocab_size == len(set(TEXT))
+    s = data.train[3]
+    assert data.decode(s["x"].tolist()) == TEXT[24:32]
+    assert data.decode(s["y"].tolist()) == TEXT[25:33]
+
+
+def test_missing_data_path(tmp_path):
+    missing = tmp_path / "nope.txt"
+    cache = tmp_path / "cache"
+    with pytest.raises(BadInput) as e:
+        build_data(DataConfig(name="text", path=str(missing), cache_dir=str(cache)))
+    assert str(e.value).startswith(f"data.path {missing}: cannot read it as UTF-8 text")
+    assert not cache.exists()
+
+
+def test_unknown_data_name(tmp_path):
+    with pytest.raises(BadInput, match="config key data.name: expected one of text, markov"):
+        build_data(DataConfig(name="imagenet", cache_dir=str(tmp_path)))
+
+
+def test_seq_len_longer_than_split(tmp_path):
+    with pytest.raises(BadInput, match="shorter than data.seq_len=200"):
+        build_data(DataConfig(name="markov", cache_dir=str(tmp_path), seq_len=200,
+                              markov=MarkovConfig(tokens=1000)))  # 100 validation tokens
+
+
+# ------------------------------------------------------------------------------- markov
+def h(p: float) -> float:
+    return -p * math.log(p) - (1 - p) * math.log(1 - p)
+
+
+def test_entropy_rate_two_state_chain():
+    a, b = 0.3, 0.6  # P(0->1) = a, P(1->0) = b; stationary pi = (b, a) / (a + b)
+    P = np.array([[1 - a, a], [b, 1 - b]])
+    expected = b / (a + b) * h(a) + a / (a + b) * h(b)
+    assert entropy_rate(P) == pytest.approx(expected, rel=1e-12)
+    assert expected == pytest.approx(2 / 3 * 0.6108643 + 1 / 3 * 0.6730117, rel=1e-6)  # = 0.6315801
+    assert entropy_rate(np.array([[0.0, 1.0], [1.0, 0.0]])) == 0.0  # deterministic: zero
+    assert entropy_rate(np.full((4, 4), 0.25)) == pytest.approx(math.log(4), rel=1e-12)
+
+
+def test_transition_matrix_shape():
+    P = transition_matrix(6, 3, seed=2)
+    assert np.allclose(P.sum(axis=1), 1.0)
+    assert ((P > 0).sum(axis=1) == 3).all()
+    assert all(P[s, (s + 1) % 6] > 0 for s in range(6))  # the cycle that makes it irreducible
+
+
+def test_markov_stream_follows_P(tmp_path):
+    vocab, branching, seed = 5, 3, 3
+    root = prepare_markov(vocab, branching, 60_000, seed, str(tmp_path), 0.1)
+    P = transition_matrix(vocab, branching, seed)
+    meta = json.loads((root / "meta.json").read_text())
+    assert meta["optimal_loss"] == entropy_rate(P) and meta["vocab_size"] == vocab
+    ids = read_ids(root).astype(np.int64)
+    assert len(ids) == 60_000 and ids[0] == 0
+    counts = np.zeros((vocab, vocab))
+    np.add.at(counts, (ids[:-1], ids[1:]), 1)
+    freq = counts / counts.sum(axis=1, keepdims=True)
+    assert (counts[P == 0] == 0).all()  # impossible transitions never happen
+    assert np.abs(freq - P).max() < 0.02, np.abs(freq - P).max()  # ~12k draws per row: sd <= 0.005
+    # and the empirical per-token entropy matches the entropy rate
+    nll = -np.log(P[ids[:-1], ids[1:]]).mean()
+    assert nll == pytest.approx(entropy_rate(P), abs=0.02)

@@ -1,0 +1,210 @@
+"""The GPT returns the summed CE over real targets, has the hand-counted parameters, and can overfit."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from data import build_data
+from data.sampler import collate
+from data.tokens import IGNORE_INDEX
+from loop.config import DataConfig, MarkovConfig, ModelConfig, OptimConfig
+from loop.device import pick_device
+from loop.errors import BadInput
+from loop.optim import build_optimizer
+from model import build_model
+from model.gpt import GPT
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny matrices: a second intra-op thread only adds sync cost, and on a shared 2-core box
+    # spinning OpenMP threads can slow these tests down many times over.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def gpt(V=16, T=8, L=2, H=2, C=32, dropout=0.0, bias=False, seed=0) -> GPT:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(n_layer=L, n_head=H, n_embd=C, dropout=dropout, bias=bias)
+    return build_model(cfg, SimpleNamespace(vocab_size=V, seq_len=T))
+
+
+def random_batch(B, T, V, seed=1) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randint(0, V, (B, T), generator=g), "y": torch.randint(0, V, (B, T), generator=g)}
+
+
+# ------------------------------------------------------------------------------- forward / loss
+def test_logits_shape_and_summed_cross_entropy():
+    B, T, V = 3, 8, 16
+    model = gpt(V=V, T=T).eval()
+    batch = random_batch(B, T, V)
+    logits = model.logits(batch["x"])
+    assert logits.shape == (B, T, V) and logits.dtype == torch.float32
+    per_token = F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), reduction="none")
+    assert per_token.shape == (B * T,)
+    loss = model(batch)
+    assert loss.shape == () and loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(per_token.sum().item(), rel=1e-6)
+    # a sum, not a mean: roughly B*T*log(V) at init (small init -> near-uniform predictions)
+    assert loss.item() == pytest.approx(B * T * torch.log(torch.tensor(float(V))).item(), rel=0.05)
+
+
+def test_ignored_targets_do_not_count():
+    B, T, V = 3, 8, 16
+    model = gpt(V=V, T=T).eval()
+    batch = random_batch(B, T, V)
+    y = batch["y"].clone()
+    y[0, :5] = IGNORE_INDEX
+    y[2, 3] = IGNORE_INDEX
+    keep = y.flatten() != IGNORE_INDEX
+    assert int(keep.sum()) == B * T - 6
+    per_token = F.cross_entropy(model.logits(batch["x"]).flatten(0, 1), batch["y"].flatten(),
+                                reduction="none")
+    loss = model({"x": batch["x"], "y": y})
+    assert loss.item() == pytest.approx(per_token[keep].sum().item(), rel=1e-6)
+    assert loss.item() < per_token.sum().item() - 1.0  # the dropped terms are really gone
+
+    all_ignored = model({"x": batch["x"], "y": torch.full_like(y, IGNORE_INDEX)})
+    assert all_ignored.item() == 0.0
+
+
+def test_causal_prefix_logits_do_not_see_the_future():
+    model = gpt(V=16, T=8).eval()
+    x = random_batch(1, 8, 16)["x"]
+    x2 = x.clone()
+    x2[0, 5:] = (x2[0, 5:] + 1) % 16
+    a, b = model.logits(x), model.logits(x2)
+    assert torch.equal(a[0, :5], b[0, :5])
+    assert not torch.allclose(a[0, 5:], b[0, 5:])
+
+
+# ------------------------------------------------------------------------------- parameter count
+def expected_params(V, T, L, C, bias):
+    n = V * C + T * C  # wte (tied with lm_head, counted once) + wpe
+    per_layer = 2 * C + 3 * C * C + C * C + 4 * C * C + 4 * C * C  # ln1/ln2, qkv, proj, fc, fc-out
+    if bias:
+        per_layer += 2 * C + 3 * C + C + 4 * C + C  # ln biases, qkv, proj, fc, fc-out biases
+    return n + L * per_layer + (2 * C if bias else C)  # ln_f
+
+
+def test_parameter_formula_by_hand():
+    # V=16, T=8, L=2, C=32: 16*32 + 8*32 + 2 * (64 + 3072 + 1024 + 4096 + 4096) + 32
+    assert expected_params(16, 8, 2, 32, False) == 512 + 256 + 2 * 12_352 + 32 == 25_504
+
+
+@pytest.mark.parametrize("V, T, L, H, C, bias", [
+    (16, 8, 2, 2, 32, False),
+    (65, 32, 3, 6, 48, False),
+    (50, 16, 2, 4, 24, True),
+])
+def test_parameter_count_matches_formula(V, T, L, H, C, bias):
+    model = gpt(V=V, T=T, L=L, H=H, C=C, bias=bias)
+    got = sum(p.numel() for p in model.parameters())
+    assert got == expected_params(V, T, L, C, bias)
+    assert model.lm_head.weight is model.wte.weight
+    # without tying the count would be V*C higher: named_parameters de-duplicates the shared tensor
+    names = [n for n, _ in model.named_parameters()]
+    assert "wte.weight" in names and "lm_head.weight" not in names
+
+
+def test_n_embd_not_divisible_by_n_head():
+    with pytest.raises(BadInput) as e:
+        build_model(ModelConfig(n_head=3, n_embd=32), SimpleNamespace(vocab_size=8, seq_len=4))
+    assert str(e.value) == "config key model.n_embd: expected a multiple of model.n_head=3; got 32."
+
+
+def test_unknown_model_name():
+    with pytest.raises(BadInput, match="model.name"):
+        build_model(ModelConfig(name="rnn"), SimpleNamespace(vocab_size=8, seq_len=4))
+
+
+# ------------------------------------------------------------------------------- device
+def test_pick_device():
+    if torch.cuda.is_available():
+        auto = "cuda"
+    elif torch.backends.mps.is_available():
+        auto = "mps"
+    else:
+        auto = "cpu"
+    assert pick_device("auto") == torch.device(auto)
+    assert pick_device("cpu") == torch.device("cpu")
+    with pytest.raises(BadInput) as e:
+        pick_device("nonsense")
+    assert str(e.value).startswith("config key train.device:") and "'nonsense'" in str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("name", ["cuda", "cuda:0"])
+def test_pick_cuda_without_cuda(name):
+    with pytest.raises(BadInput) as e:
+        pick_device(name)
+    assert str(e.value) == f"config key train.device: {name!r} asked for, but this machine has no CUDA."
+
+
+@pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
+def test_pick_mps_without_mps():
+    with pytest.raises(BadInput, match="train.device: 'mps' asked for, but this machine has no MPS"):
+        pick_device("mps")
+
+
+def test_model_and_batches_on_selected_device(tmp_path):
+    device = pick_device("auto")
+    data = build_data(DataConfig(name="markov", cache_dir=str(tmp_path), seq_len=8,
+                                 markov=MarkovConfig(vocab_size=8, tokens=2000)))
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.0), data).to(device)
+    assert {p.device.type for p in model.parameters()} == {device.type}
+    batch = collate([data.train[i] for i in range(4)])
+    assert batch["x"].shape == (4, 8) and batch["n_targets"] == 32
+    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}  # as the loop
+    assert batch["x"].device.type == batch["y"].device.type == device.type
+    loss = model(batch)
+    assert loss.device.type == device.type
+    assert loss.item() / 32 == pytest.approx(torch.log(torch.tensor(8.0)).item(), rel=0.05)
+
+
+# ------------------------------------------------------------------------------- optimizer groups
+def test_adamw_param_groups():
+    model = gpt(V=16, T=8, L=2, H=2, C=32, bias=True)
+    opt = build_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1), torch.device("cpu"))
+    decay, no_decay = opt.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    named = dict(model.named_parameters())
+    want_decay = {n for n, p in named.items() if p.dim() >= 2}
+    want_no = {n for n, p in named.items() if p.dim() < 2}
+    by_id = {id(p): n for n, p in named.items()}
+    assert {by_id[id(p)] for p in decay["params"]} == want_decay
+    assert {by_id[id(p)] for p in no_decay["params"]} == want_no
+    assert want_decay == {"wte.weight", "wpe.weight"} | {
+        f"blocks.{i}.{m}.weight" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2")}
+    assert "ln_f.weight" in want_no and "ln_f.bias" in want_no and "blocks.0.attn.qkv.bias" in want_no
+    ids = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert len(ids) == len(set(ids)) == len(named)  # tied weight appears once
+    assert ids.count(id(model.lm_head.weight)) == 1
+    assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
+        expected_params(16, 8, 2, 32, True)
+    assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.95)
+
+
+# ------------------------------------------------------------------------------- it can learn
+def test_overfits_one_batch():
+    B, T, V = 4, 16, 16
+    model = gpt(V=V, T=T, L=2, H=2, C=32, dropout=0.0).train()
+    batch = random_batch(B, T, V)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    first = None
+    for _ in range(300):
+        loss = model(batch) / (B * T)
+        first = first if first is not None else loss.item()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    final = (model(batch) / (B * T)).item()
+    assert first == pytest.approx(torch.log(torch.tensor(float(V))).item(), rel=0.05)
+    assert final < 0.05, f"mean loss after 300 steps on one batch: {final:.4f} (from {first:.4f})"

@@ -1,0 +1,81 @@
+"""Precision picks the right autocast dtype and GradScaler per mode, and the scaler state round-trips."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loop.precision import Precision, resolve
+
+CPU = torch.device("cpu")
+
+
+def test_resolve_on_cpu():
+    assert resolve("auto", CPU) == "fp32"
+    for name in ("bf16", "fp16", "fp32"):
+        assert resolve(name, CPU) == name
+    p = Precision("auto", CPU)
+    assert p.name == "fp32" and p.dtype is None
+
+
+def test_bf16_autocast_on_cpu():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
+    lin = torch.nn.Linear(16, 4)
+    p = Precision("bf16", CPU)
+    assert p.dtype is torch.bfloat16
+    with p.autocast():
+        out, y = a @ b, lin(a)
+    assert out.dtype is torch.bfloat16 and y.dtype is torch.bfloat16
+    assert lin.weight.dtype is torch.float32  # autocast casts per op; the weights stay fp32
+    # bf16 keeps ~3 significant digits: close to the fp32 product, but not equal to it
+    exact = a @ b
+    assert torch.allclose(out.float(), exact, rtol=2e-2, atol=5e-2)
+    assert not torch.equal(out.float(), exact)
+
+
+def test_fp32_has_no_autocast():
+    a = torch.randn(4, 4)
+    with Precision("fp32", CPU).autocast():
+        assert (a @ a).dtype is torch.float32
+
+
+@pytest.mark.parametrize("name, enabled", [("fp16", True), ("bf16", False), ("fp32", False),
+                                           ("auto", False)])
+def test_grad_scaler_only_for_fp16(name, enabled):
+    p = Precision(name, CPU)
+    assert p.scaler.is_enabled() is enabled
+    if enabled:
+        assert p.scaler.get_scale() == 65536.0
+    else:
+        assert p.scaler.state_dict() == {}  # what the trainer checkpoints when fp16 is off
+        loss = torch.tensor(3.0)
+        assert p.scaler.scale(loss) is loss  # a no-op
+
+
+def test_grad_scaler_state_round_trips(tmp_path):
+    scaler = Precision("fp16", CPU).scaler
+    w = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([w], lr=0.1)
+    # One overflow (the step is skipped, the scale halves), then three good steps.
+    scaler.scale((w * torch.tensor([1.0, float("inf"), 0.0])).sum()).backward()
+    assert not torch.isfinite(w.grad).all()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(w.detach(), torch.ones(3))  # the overflow step was skipped
+    for _ in range(3):
+        opt.zero_grad()
+        scaler.scale((w * 2).sum()).backward()
+        scaler.step(opt)
+        scaler.update()
+    assert torch.allclose(w.detach(), torch.full((3,), 1 - 3 * 0.1 * 2))  # unscaled gradients
+    state = scaler.state_dict()
+    assert state == {"scale": 32768.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+                     "growth_interval": 2000, "_growth_tracker": 3}
+
+    torch.save({"scaler": state}, tmp_path / "s.pt")
+    loaded = torch.load(tmp_path / "s.pt", weights_only=True)["scaler"]
+    assert loaded == state
+    fresh = Precision("fp16", CPU).scaler
+    assert fresh.get_scale() == 65536.0
+    fresh.load_state_dict(loaded)
+    assert fresh.state_dict() == state and fresh.get_scale() == 32768.0
