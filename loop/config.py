@@ -95,7 +95,7 @@ class ScheduleConfig:
 
 @dataclass
 class TrainConfig:
-    max_steps: int = _opt(300, min=0)
+    max_steps: int = _opt(500, min=0)
     grad_accum: int = _opt(2, min=1)
     clip_grad: float = _opt(1.0, min=0.0)  # 0 = no clipping (the norm is still logged)
     precision: str = _opt("auto", choices=("auto", "bf16", "fp16", "fp32"))
