@@ -4,8 +4,9 @@
     torchrun --nproc_per_node=N train.py ...   (same command, many processes)
 
 This file only wires parts together; the loop lives in loop/trainer.py. Exit codes: 0 done,
-2 bad input (config, data, checkpoint) with a message naming the key or file; nothing in
-run.out_dir is written or changed on that path.
+2 bad input (config, data, checkpoint) with a message naming the key or file (nothing in
+run.out_dir is written or changed on that path), 143 preempted by SIGTERM/SIGUSR1 after writing a
+checkpoint (rerun the same command to continue).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from data import build_data
 from loop.config import load_config, parse_args
 from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, BadInput
+from loop.guards import EXIT_PREEMPTED
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
@@ -33,11 +35,11 @@ def main(argv: list[str] | None = None) -> int:
         optimizer = build_optimizer(model, cfg.optim, device)
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
         precision = Precision(cfg.train.precision, device)
-        Trainer(cfg, model, data, optimizer, scheduler, precision, device).run()
+        summary = Trainer(cfg, model, data, optimizer, scheduler, precision, device).run()
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return 0
+    return EXIT_PREEMPTED if summary["preempted"] else 0
 
 
 if __name__ == "__main__":

@@ -42,11 +42,11 @@ def collate(samples: list[dict]) -> dict:
 
 
 def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_workers: int,
-                 prefetch_factor: int, pin_memory: bool) -> DataLoader:
+                 prefetch_factor: int, pin_memory: bool, worker_init_fn=None) -> DataLoader:
     return DataLoader(
         ds, batch_size=batch_size, sampler=StreamSampler(len(ds), seed, start), collate_fn=collate,
         num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
-        prefetch_factor=prefetch_factor if num_workers > 0 else None,
+        prefetch_factor=prefetch_factor if num_workers > 0 else None, worker_init_fn=worker_init_fn,
         # Without its own generator the DataLoader draws a worker seed from the global torch RNG
         # each time an iterator starts, and a resumed run would see different dropout masks.
         generator=torch.Generator().manual_seed(seed),

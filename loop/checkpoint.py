@@ -91,9 +91,18 @@ def load(path: Path, name: str) -> dict:
                        f"primitives ({first}). Only load checkpoints you trust.")
 
 
-def save(root: Path, step: int, files: dict[str, object], keep_last: int,
-         midway: Callable[[], None] | None = None) -> Path:
-    """Write `files` (name -> object for torch.save) as checkpoint `step`; return its path."""
+def to_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: dict,
+         keep: set[str] = frozenset(), midway: Callable[[], None] | None = None) -> Path:
+    """Write `files` (name -> object for torch.save) as checkpoint `step`; return its path.
+
+    `meta` (config hash, world size) goes into the manifest. Afterwards only the newest `keep_last`
+    checkpoints and those named in `keep` (the best one) remain."""
     final = root / f"step_{step:08d}"
     if final.exists() and verify(final) is None:
         return final  # same step already saved complete (e.g. a finished run started again)
@@ -102,11 +111,9 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int,
         shutil.rmtree(stale, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     tmp.mkdir()
-    manifest = {"step": step, "files": {}}
+    manifest = {"step": step, **meta, "files": {}}
     for i, (name, obj) in enumerate(files.items()):
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        data = buf.getvalue()
+        data = to_bytes(obj)
         write_synced(tmp / name, data)
         manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         if i == 0 and midway is not None:
@@ -119,7 +126,8 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int,
     fsync_dir(root)
     atomic_write(root / "latest", final.name.encode())
     for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
-        shutil.rmtree(old, ignore_errors=True)
+        if old.name not in keep:
+            shutil.rmtree(old, ignore_errors=True)
     return final
 
 

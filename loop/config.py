@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import hashlib
 import json
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from loop.atomic import atomic_write
+from loop.config_check import check, from_dict, override
 from loop.errors import BadInput
 
 DEFAULT_CONFIG = "configs/default.yaml"
@@ -39,6 +38,8 @@ class RunConfig:
     out_dir: str = "runs/default"
     seed: int = 1337
     resume: str = "auto"  # auto | never | path to a checkpoint directory
+    init_from: str = ""  # a checkpoint dir: warm start from its model weights only (fresh run)
+    mirror: str = ""  # also copy each checkpoint here: a directory or an fsspec URL
 
 
 @dataclass
@@ -104,8 +105,20 @@ class TrainConfig:
     eval_every: int = _opt(50, min=0)  # 0 = only at the end
     eval_batches: int = _opt(10, min=1)
     ckpt_every: int = _opt(100, min=0)  # 0 = only at the end
-    keep_last: int = _opt(3, min=1)
+    keep_last: int = _opt(3, min=1)  # newest checkpoints kept, plus the best one
+    best_metric: str = "val_loss"  # the validation metric that picks the best checkpoint
+    best_mode: str = _opt("min", choices=("min", "max"))
+    early_stop_patience: int = _opt(0, min=0)  # stop after this many evals without improvement; 0 = off
+    early_stop_min_delta: float = _opt(0.0, min=0.0)  # what counts as an improvement
     sample_tokens: int = _opt(200, min=0)  # length of the text sample in summary.json
+
+
+@dataclass
+class EmaConfig:
+    """Exponential moving average of the weights, used for validation and exported at the end."""
+    enabled: bool = False
+    decay: float = _opt(0.999, min=0.0)
+    warmup: int = _opt(10, min=1)  # effective decay min(decay, (1+n)/(warmup+n)) after n updates
 
 
 @dataclass
@@ -123,6 +136,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    ema: EmaConfig = field(default_factory=EmaConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 
@@ -146,128 +160,31 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise BadInput(f"config file {path}{where}: malformed YAML ({getattr(e, 'problem', e)}).")
-    cfg = _from_dict(Config, raw, "", str(path))
+    cfg = from_dict(Config, raw, "", str(path))
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise BadInput(f"override '{item}': expected the form section.key=value.")
-        _override(cfg, key.split("."), value, key)
-    _check(cfg, "")
+        override(cfg, key.split("."), value, key)
+    check(cfg)
     return cfg
-
-
-def _from_dict(cls, raw, prefix: str, source: str):
-    raw = {} if raw is None else raw  # an empty section in YAML reads as None
-    if not isinstance(raw, dict):
-        raise BadInput(f"config {prefix.rstrip('.') or 'file'} in {source}: expected a mapping of "
-                       f"keys, got {raw!r}.")
-    hints, obj = typing.get_type_hints(cls), cls()
-    for name, value in raw.items():
-        key = f"{prefix}{name}"
-        if name not in hints:
-            raise BadInput(_unknown(key))
-        if dataclasses.is_dataclass(hints[name]):
-            setattr(obj, name, _from_dict(hints[name], value, key + ".", source))
-        else:
-            setattr(obj, name, _coerce(value, hints[name], key))
-    return obj
-
-
-def _override(obj, parts: list[str], text: str, key: str) -> None:
-    name, rest = parts[0], parts[1:]
-    hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
-    if name not in hints:
-        raise BadInput(_unknown(key))
-    hint = hints[name]
-    if dataclasses.is_dataclass(hint) and rest:
-        return _override(getattr(obj, name), rest, text, key)
-    if typing.get_origin(hint) is list and len(rest) == 1:  # optim.betas.1=0.99
-        items, (elem,) = getattr(obj, name), typing.get_args(hint)
-        if not rest[0].isdigit() or int(rest[0]) >= len(items):
-            raise BadInput(f"config key {key}: index {rest[0]} is not in a list of {len(items)}.")
-        items[int(rest[0])] = _coerce(_parse(text, elem), elem, key)
-        return
-    if rest:
-        raise BadInput(_unknown(key))
-    setattr(obj, name, _coerce(_parse(text, hint), hint, key))
-
-
-def _parse(text: str, hint):
-    """Command-line text -> a Python value; strings stay verbatim so a path like 007 survives."""
-    if hint is str:
-        return text
-    try:
-        return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
-
-
-def _coerce(value, hint, key: str):
-    origin = typing.get_origin(hint)
-    if origin is list:
-        (elem,) = typing.get_args(hint)
-        if not isinstance(value, list):
-            raise _wrong(key, f"a list of {elem.__name__}", value)
-        return [_coerce(v, elem, f"{key}.{i}") for i, v in enumerate(value)]
-    if hint is bool and isinstance(value, bool):
-        return value
-    if hint is int and isinstance(value, int) and not isinstance(value, bool):
-        return value
-    if hint is float and not isinstance(value, bool):
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
-    if hint is str and isinstance(value, str):
-        return value
-    raise _wrong(key, hint.__name__, value)
-
-
-def _wrong(key: str, expected: str, value) -> BadInput:
-    return BadInput(f"config key {key}: expected {expected}, got {value!r} "
-                    f"({type(value).__name__}).")
-
-
-def _check(obj, prefix: str) -> None:
-    """Apply the bounds and choices declared on the fields."""
-    for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            _check(value, key + ".")
-            continue
-        lo, choices = f.metadata.get("min"), f.metadata.get("choices")
-        if lo is not None and value < lo:
-            raise BadInput(f"config key {key}: expected a value >= {lo}, got {value!r}.")
-        if choices and value not in choices:
-            raise BadInput(f"config key {key}: expected one of {', '.join(choices)}; "
-                           f"got {value!r}.")
-
-
-def all_keys(cls=Config, prefix: str = "") -> list[str]:
-    out = []
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            out += all_keys(hint, f"{prefix}{name}.")
-        else:
-            out.append(f"{prefix}{name}")
-    return out
-
-
-def _unknown(key: str) -> str:
-    keys = all_keys()
-    # The same key name in another section (train.lr -> optim.lr) beats a spelling neighbour.
-    guess = [k for k in keys if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]][:1]
-    guess = guess or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    hint = f" Did you mean '{guess[0]}'?" if guess else ""
-    return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."
 
 
 # ---------------------------------------------------------------------------------------- output
 def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
+
+
+def changed_keys(old: dict, new: Config) -> list[str]:
+    """Dotted keys whose values differ between a saved config dict and `new`."""
+    def flat(d: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in d.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        return out
+
+    a, b = flat(old), flat(to_dict(new))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
 def config_hash(cfg: Config) -> str:

@@ -1,8 +1,9 @@
-"""The honest loop. `Trainer(...).run()` resumes if it can, trains to `train.max_steps`, and writes
-`summary.json`. The optimizer step (`_step`) reads top to bottom:
+"""The honest loop. `Trainer(...).run()` resumes if it can, trains to `train.max_steps` (or until
+early stopping or a preemption signal), and writes `summary.json`. The optimizer step (`_step`)
+reads top to bottom:
 
     lr (set by LambdaLR) -> micro-batches (forward, backward) -> unscale -> clip -> finite check
-    -> step -> zero_grad -> log;   then eval and checkpoint.
+    -> step -> EMA -> zero_grad -> log;   then eval and checkpoint.
 
 Exact resume rests on three seams: the data position (global samples consumed by optimizer
 steps, `Progress.samples`), every RNG stream captured in the checkpoint (`loop.rng`), and the LR
@@ -13,19 +14,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from loop import checkpoint, rng
+from data.sampler import train_loader, val_batches
+from loop import checkpoint, resume, rng
 from loop.atomic import atomic_write
-from loop.config import Config, config_hash, save as save_config, to_dict
-from loop.errors import BadInput
+from loop.config import Config, changed_keys, config_hash, save as save_config, to_dict
+from loop.evaluate import text_sample, val_loss
+from loop.ema import build_ema, ema_state, load_ema_state
+from loop.guards import Preemption, worker_ignores_stop_signals
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog
-from data.sampler import train_loader, val_batches
+from loop.monitor import Monitor
 
 
 @dataclass
@@ -46,9 +51,14 @@ class Trainer:
         self.out = Path(cfg.run.out_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.progress = Progress()
-        self.log: MetricsLog | None = None
-        self.val = val_batches(data.val, cfg.data.batch_size, cfg.train.eval_batches, cfg.run.seed)
+        tc = cfg.train
+        self.monitor = Monitor(tc.best_metric, tc.best_mode, tc.early_stop_patience, tc.early_stop_min_delta)
+        self.ema = build_ema(model, cfg.ema)
+        self.val = val_batches(data.val, cfg.data.batch_size, tc.eval_batches, cfg.run.seed)
         self.last_eval: tuple[int, float] | None = None
+        self.log: MetricsLog | None = None
+        self.mirror = None
+        self.preempted = False
 
     # ------------------------------------------------------------------ state
     def state(self) -> dict[str, object]:
@@ -57,74 +67,78 @@ class Trainer:
             "state.pt": {
                 "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "progress": asdict(self.progress), "config": to_dict(self.cfg),
-                "config_sha256": config_hash(self.cfg), "world_size": 1,
+                "ema": ema_state(self.ema) if self.ema else None,
+                "monitor": self.monitor.state_dict(), "progress": asdict(self.progress),
+                "config": to_dict(self.cfg), "config_sha256": config_hash(self.cfg), "world_size": 1,
             },
             "rng_rank0.pt": rng.capture(),
         }
 
-    def resume(self) -> Path | None:
-        """Pick the checkpoint per `run.resume` and load it. Runs before anything is written."""
-        how = self.cfg.run.resume
-        if how == "never":
-            if checkpoint.step_dirs(self.ckpt_root):
-                raise BadInput(f"run.resume=never, but {self.ckpt_root} already holds checkpoints "
-                               f"that a fresh run would overwrite; use a new run.out_dir.")
-            return None
-        path = checkpoint.newest_valid(self.ckpt_root) if how == "auto" else Path(how)
-        if path is None:
-            return None
-        reason = checkpoint.verify(path)
-        if reason:
-            raise BadInput(f"run.resume={how}: checkpoint {path} is not valid ({reason}).")
-        state = checkpoint.load(path, "state.pt")
-        bad = checkpoint.shape_mismatches(self.model, state["model"])
-        if bad:
-            raise BadInput(f"checkpoint {path} does not fit the configured model:\n  "
-                           + "\n  ".join(bad) + "\nUse the config it was trained with.")
-        changed = [k for k, v in _flat(state["config"]).items() if _flat(to_dict(self.cfg)).get(k) != v]
+    def load(self, path: Path) -> None:
+        state = resume.load_model_state(path, self.model)
+        changed = changed_keys(state["config"], self.cfg)
         if changed:
             print(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
-        self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         if state["scaler"]:  # empty when fp16 is off
             self.scaler.load_state_dict(state["scaler"])
+        if self.ema and state["ema"]:
+            load_ema_state(self.ema, state["ema"])
+        self.monitor.load_state_dict(state["monitor"])
         self.progress = Progress(**state["progress"])
         rng.restore(checkpoint.load(path, "rng_rank0.pt"))  # last: nothing above draws from it
         print(f"resumed from {path} at step {self.progress.step}")
-        return path
 
     # ------------------------------------------------------------------ the run
     def run(self) -> dict:
-        resumed = self.resume()
         cfg, tc = self.cfg, self.cfg.train
-        self.out.mkdir(parents=True, exist_ok=True)
+        path = resume.choose(cfg.run.resume, self.ckpt_root, cfg.run.mirror)
+        if path:
+            self.load(path)
+        elif cfg.run.init_from:
+            resume.load_model_state(resume.verified(Path(cfg.run.init_from), "run.init_from"), self.model)
+            if self.ema:  # the average starts from the warm-start weights
+                self.ema.module.load_state_dict(self.model.state_dict())
+            print(f"initialised model weights from {cfg.run.init_from}")
+        if cfg.run.mirror:  # built before any write: a bad URL is bad input
+            from loop.mirror import Mirror
+
+            self.mirror = Mirror(cfg.run.mirror)
+        self.out.mkdir(parents=True, exist_ok=True)  # from here on, files are written
         save_config(cfg, self.out / "config.yaml")
         meta = collect_metadata(config_hash(cfg), self.device, self.precision.name, 1)
-        atomic_write(self.out / "metadata.json", json.dumps({**meta, "resumed_from": str(resumed)
-                                                             if resumed else None}, indent=1).encode())
+        meta["resumed_from"] = str(path) if path else None
+        atomic_write(self.out / "metadata.json", json.dumps(meta, indent=1).encode())
         self.log = MetricsLog(self.out, self.progress.step, self.progress.tokens, tc.max_steps)
         n_params = sum(p.numel() for p in self.model.parameters())
         print(f"{n_params:,} parameters | {self.device} | {self.precision.name} | global batch "
               f"{cfg.data.batch_size * tc.grad_accum} x {self.data.seq_len} tokens")
         loader = train_loader(self.data.train, cfg.data.batch_size, cfg.run.seed, self.progress.samples,
                               cfg.data.num_workers, cfg.data.prefetch_factor,
-                              cfg.data.pin_memory and self.device.type == "cuda")
-        batches = iter(loader)
-        self.model.train()
-        while self.progress.step < tc.max_steps:
-            t0 = time.perf_counter()
-            self._step(batches)
-            step = self.progress.step
-            if tc.eval_every and step % tc.eval_every == 0:
-                self._evaluate(step)
-            if step % tc.log_every == 0 or step == tc.max_steps:
-                self.log.flush()
-            self.progress.train_s += time.perf_counter() - t0
-            if (tc.ckpt_every and step % tc.ckpt_every == 0) or step == tc.max_steps:
-                self._save(step)
-        del batches  # shuts the DataLoader workers down
+                              cfg.data.pin_memory and self.device.type == "cuda",
+                              worker_init_fn=worker_ignores_stop_signals)
+        batches, preemption = iter(loader), Preemption()
+        try:
+            self.model.train()
+            while self.progress.step < tc.max_steps and not self.monitor.state.stop_reason:
+                t0 = time.perf_counter()
+                self._step(batches)
+                step, best = self.progress.step, False
+                if tc.eval_every and step % tc.eval_every == 0:
+                    best = self._evaluate(step)
+                done = step == tc.max_steps or bool(self.monitor.state.stop_reason)
+                if step % tc.log_every == 0 or done:
+                    self.log.flush()
+                self.progress.train_s += time.perf_counter() - t0
+                if (tc.ckpt_every and step % tc.ckpt_every == 0) or done or best or preemption.signal:
+                    self._save(step)
+                if preemption.signal:
+                    self.preempted = True
+                    break
+        finally:
+            preemption.close()
+            del batches  # shuts the DataLoader workers down
         return self._finish()
 
     def _step(self, batches) -> None:
@@ -155,6 +169,8 @@ class Trainer:
         if finite:
             self.scaler.step(self.optimizer)
             self.scheduler.step()  # the LR advances only on steps actually taken
+            if self.ema:
+                self.ema.update_parameters(self.model)
         elif self.scaler.is_enabled():
             p.overflows += 1
         else:
@@ -167,60 +183,67 @@ class Trainer:
         self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "skipped": not finite},
                         step_loss, grad_norm)
 
-    @torch.no_grad()
-    def _evaluate(self, step: int) -> float:
-        self.model.eval()
-        total, count = torch.zeros((), device=self.device), 0
-        for batch in self.val:
-            batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
-            with self.precision.autocast():
-                total += self.model(batch).float()
-            count += batch["n_targets"]
-        self.model.train()
-        val = (total / count).item()
+    def _val_loss(self) -> float:
+        return val_loss(self.ema.module if self.ema else self.model, self.val, self.precision, self.device)
+
+    def _evaluate(self, step: int) -> bool:
+        """Validation loss into the metrics; True if it is the best so far."""
+        val = self._val_loss()
         self.log.scalar(step, "val_loss", val)
         self.last_eval = (step, val)
-        return val
+        return self.monitor.update(step, val)
 
     def _save(self, step: int) -> None:
         self.log.flush()  # metrics up to this step must be on disk before the checkpoint counts
+        if not torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all():
+            print(f"warning: step {step}: weights are not all finite; no checkpoint written",
+                  file=sys.stderr)
+            return
         midway = None
         if step == self.cfg.faults.kill_in_ckpt_at_step:
             midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-        checkpoint.save(self.ckpt_root, step, self.state(), self.cfg.train.keep_last, midway)
+        best = {f"step_{self.monitor.state.best_step:08d}"} if self.monitor.state.best_step else set()
+        meta = {"config_sha256": config_hash(self.cfg), "world_size": 1}
+        path = checkpoint.save(self.ckpt_root, step, self.state(), self.cfg.train.keep_last, meta,
+                               best, midway)
+        if best:
+            atomic_write(self.ckpt_root / "best", best.pop().encode())
+        if self.mirror:
+            self.mirror.submit(path, {p.name for p in checkpoint.step_dirs(self.ckpt_root)})
 
     def _finish(self) -> dict:
-        p = self.progress
-        val = self.last_eval[1] if self.last_eval and self.last_eval[0] == p.step else self._evaluate(p.step)
+        p, m = self.progress, self.monitor.state
+        if self.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
+            self.log.close()
+            if self.mirror:
+                self.mirror.close()
+            print(f"preempted at step {p.step}; checkpoint written to {self.ckpt_root}")
+            return {"steps": p.step, "preempted": True}
+        val = self.last_eval[1] if self.last_eval and self.last_eval[0] == p.step else self._val_loss()
         summary = {
             "steps": p.step, "final_loss": self.log.last_loss, "val_loss": val,
             "params_sha256": checkpoint.params_sha256(self.model), "wall_s": p.train_s,
             "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
             "skipped_steps": p.skipped, "overflow_steps": p.overflows,
-            "precision": self.precision.name, "device": str(self.device),
-            "optimal_loss": self.data.meta.get("optimal_loss"), "sample": self._sample(),
+            "best": {"metric": self.monitor.metric, "value": m.best, "step": m.best_step},
+            "stopped_early": bool(m.stop_reason), "stop_reason": m.stop_reason or None,
+            "preempted": False, "precision": self.precision.name, "device": str(self.device),
+            "optimal_loss": self.data.meta.get("optimal_loss"),
+            "sample": text_sample(self.ema.module if self.ema else self.model,
+                                  self.val[0]["x"][:1, :8].to(self.device),  # (1, 8) prompt
+                                  self.cfg.train.sample_tokens, self.cfg.run.seed, self.data.decode),
         }
+        if self.ema:
+            summary["ema_params_sha256"] = checkpoint.params_sha256(self.ema.module)
         self.log.text(p.step, "sample", summary["sample"] or "")
         self.log.close()
+        if self.mirror:
+            self.mirror.close()
+        export = {"model": self.model.state_dict(), "config": to_dict(self.cfg)}
+        if self.ema:
+            export["ema"] = self.ema.module.state_dict()
+        atomic_write(self.out / "model.pt", checkpoint.to_bytes(export))
         atomic_write(self.out / "summary.json", json.dumps(summary, indent=1).encode())
-        print(f"done: {p.step} steps | loss {summary['final_loss']} | val {val:.4f} | "
-              f"params {summary['params_sha256'][:16]} | {self.out}")
+        print(f"done: {p.step} steps | loss "
+              f"{summary['final_loss']} | val {val:.4f} | params {summary['params_sha256'][:16]} | {self.out}")
         return summary
-
-    def _sample(self) -> str | None:
-        """A short text sample, drawn with its own generator so no training stream moves."""
-        if not hasattr(self.model, "generate") or self.cfg.train.sample_tokens == 0:
-            return None
-        g = torch.Generator(self.device).manual_seed(self.cfg.run.seed)
-        prompt = self.val[0]["x"][:1, :8].to(self.device)  # (1, 8)
-        self.model.eval()
-        ids = self.model.generate(prompt, self.cfg.train.sample_tokens, g)[0].tolist()
-        self.model.train()
-        return self.data.decode(ids)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-    return out

@@ -46,7 +46,8 @@ def test_unknown_yaml_key_names_it_and_suggests(tmp_path):
 
     f.write_text("trian:\n  max_steps: 1\n")
     msg = bad(path=f)  # a misspelt section: named, and the sections are listed
-    assert "'trian'" in msg and "Known sections: run, data, model, optim, schedule, train, faults" in msg
+    assert "'trian'" in msg and "Did you mean 'train'?" in msg
+    assert "Known sections: run, data, model, optim, schedule, train" in msg
 
 
 def test_nested_path_below_a_leaf_is_unknown():

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from conftest import ROOT, metrics, run_and_kill, run_train, summary
+from conftest import metrics, run_and_kill, run_train, summary
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 RNG = random.Random()  # a fresh draw each session; every assertion message carries the steps

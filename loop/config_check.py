@@ -1,0 +1,132 @@
+"""How a config is read and checked: YAML mappings and dotted overrides -> typed dataclass fields.
+
+The section dataclasses themselves live in `loop/config.py`. Here: unknown keys (with a
+did-you-mean), type coercion (an int where a float is asked is fine; "abc" is not), list
+elements by index (`optim.betas.1=0.99`), and the bounds and choices declared on the fields.
+Every problem raises `BadInput` naming the key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+
+import yaml
+
+from loop.errors import BadInput
+
+
+def from_dict(cls, raw, prefix: str, source: str):
+    raw = {} if raw is None else raw  # an empty section in YAML reads as None
+    if not isinstance(raw, dict):
+        raise BadInput(f"config {prefix.rstrip('.') or 'file'} in {source}: expected a mapping of "
+                       f"keys, got {raw!r}.")
+    hints, obj = typing.get_type_hints(cls), cls()
+    for name, value in raw.items():
+        key = f"{prefix}{name}"
+        if name not in hints:
+            raise BadInput(_unknown(key))
+        if dataclasses.is_dataclass(hints[name]):
+            setattr(obj, name, from_dict(hints[name], value, key + ".", source))
+        else:
+            setattr(obj, name, _coerce(value, hints[name], key))
+    return obj
+
+
+def override(obj, parts: list[str], text: str, key: str) -> None:
+    name, rest = parts[0], parts[1:]
+    hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
+    if name not in hints:
+        raise BadInput(_unknown(key))
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint) and rest:
+        return override(getattr(obj, name), rest, text, key)
+    if typing.get_origin(hint) is list and len(rest) == 1:  # optim.betas.1=0.99
+        items, (elem,) = getattr(obj, name), typing.get_args(hint)
+        if not rest[0].isdigit() or int(rest[0]) >= len(items):
+            raise BadInput(f"config key {key}: index {rest[0]} is not in a list of {len(items)}.")
+        items[int(rest[0])] = _coerce(_parse(text, elem), elem, key)
+        return
+    if rest:
+        raise BadInput(_unknown(key))
+    setattr(obj, name, _coerce(_parse(text, hint), hint, key))
+
+
+def _parse(text: str, hint):
+    """Command-line text -> a Python value; strings stay verbatim so a path like 007 survives."""
+    if hint is str:
+        return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _coerce(value, hint, key: str):
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (elem,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise _wrong(key, f"a list of {elem.__name__}", value)
+        return [_coerce(v, elem, f"{key}.{i}") for i, v in enumerate(value)]
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and not isinstance(value, bool):
+        if isinstance(value, (int, float)):
+            return float(value)
+        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    if hint is str and isinstance(value, str):
+        return value
+    raise _wrong(key, hint.__name__, value)
+
+
+def _wrong(key: str, expected: str, value) -> BadInput:
+    return BadInput(f"config key {key}: expected {expected}, got {value!r} "
+                    f"({type(value).__name__}).")
+
+
+def check(obj, prefix: str = "") -> None:
+    """Apply the bounds and choices declared on the fields."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            check(value, key + ".")
+            continue
+        lo, choices = f.metadata.get("min"), f.metadata.get("choices")
+        if lo is not None and value < lo:
+            raise BadInput(f"config key {key}: expected a value >= {lo}, got {value!r}.")
+        if choices and value not in choices:
+            raise BadInput(f"config key {key}: expected one of {', '.join(choices)}; "
+                           f"got {value!r}.")
+
+
+def all_keys(cls, prefix: str = "") -> list[str]:
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            out += all_keys(hint, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def _unknown(key: str) -> str:
+    from loop.config import Config
+
+    keys = all_keys(Config)
+    section, _, leaf = key.rpartition(".")
+    # A near spelling in the same section, then the same name in another section
+    # (train.lr -> optim.lr), then a near spelling anywhere.
+    parent = f"{section}." if section else ""
+    siblings = {k[len(parent):].split(".")[0] for k in keys if k.startswith(parent)}
+    guess = [parent + g for g in difflib.get_close_matches(leaf, siblings, 1, 0.6)]
+    guess = guess or [k for k in keys if k.rpartition(".")[2] == leaf][:1]
+    guess = guess or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    hint = f" Did you mean '{guess[0]}'?" if guess else ""
+    return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."

@@ -1,0 +1,43 @@
+"""Best-checkpoint tracking and early stopping on one validation metric.
+
+`update(value)` is called after each evaluation; it says whether the value is a new best (the
+trainer then saves a checkpoint at that step and retention keeps it). Early stopping fires when the
+metric has not improved by `min_delta` for `patience` evaluations in a row. The state lives in the
+checkpoint, so a resumed run stops at the same evaluation an uninterrupted one would.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class MonitorState:
+    best: float | None = None
+    best_step: int = 0
+    bad_evals: int = 0  # evaluations since the last improvement
+    stop_reason: str = ""  # set once early stopping fires
+
+
+class Monitor:
+    def __init__(self, metric: str, mode: str, patience: int, min_delta: float):
+        self.metric, self.mode, self.patience, self.min_delta = metric, mode, patience, min_delta
+        self.state = MonitorState()
+
+    def update(self, step: int, value: float) -> bool:
+        s = self.state
+        better = s.best is None or (value < s.best - self.min_delta if self.mode == "min"
+                                    else value > s.best + self.min_delta)
+        if better:
+            s.best, s.best_step, s.bad_evals = value, step, 0
+        else:
+            s.bad_evals += 1
+            if self.patience and s.bad_evals >= self.patience:
+                s.stop_reason = (f"{self.metric} did not improve by {self.min_delta} for "
+                                 f"{self.patience} evaluations (best {s.best:.6g} at step {s.best_step})")
+        return better
+
+    def state_dict(self) -> dict:
+        return asdict(self.state)
+
+    def load_state_dict(self, d: dict) -> None:
+        self.state = MonitorState(**d)

@@ -1,0 +1,50 @@
+"""Which checkpoint a run starts from, decided before anything in out_dir is written.
+
+    run.resume=auto   newest valid checkpoint in out_dir/checkpoints (or, if that dir holds none,
+                      the newest valid one in run.mirror); none at all -> a fresh start
+    run.resume=never  fresh start; refused if out_dir already holds checkpoints it would overwrite
+    run.resume=PATH   that checkpoint dir, which must verify
+    run.init_from=PATH (fresh starts only) model weights from that checkpoint, nothing else
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.nn as nn
+
+from loop import checkpoint
+from loop.errors import BadInput
+
+
+def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
+    if resume == "never":
+        if checkpoint.step_dirs(ckpt_root):
+            raise BadInput(f"run.resume=never, but {ckpt_root} already holds checkpoints that a "
+                           f"fresh run would overwrite; use a new run.out_dir.")
+        return None
+    if resume != "auto":
+        return verified(Path(resume), "run.resume")
+    if not checkpoint.step_dirs(ckpt_root) and mirror:
+        from loop.mirror import fetch_latest
+
+        return fetch_latest(mirror, ckpt_root)
+    return checkpoint.newest_valid(ckpt_root)
+
+
+def verified(path: Path, key: str) -> Path:
+    reason = checkpoint.verify(path)
+    if reason:
+        raise BadInput(f"{key}={path}: not a valid checkpoint ({reason}); expected a checkpoint "
+                       f"directory whose manifest.json verifies.")
+    return path
+
+
+def load_model_state(path: Path, model: nn.Module) -> dict:
+    """Load a checkpoint's state.pt and put its weights into `model`, refusing a mismatch."""
+    state = checkpoint.load(path, "state.pt")
+    bad = checkpoint.shape_mismatches(model, state["model"])
+    if bad:
+        raise BadInput(f"checkpoint {path} does not fit the configured model:\n  " + "\n  ".join(bad)
+                       + "\nUse the config it was trained with, or a new run.out_dir.")
+    model.load_state_dict(state["model"])
+    return state
