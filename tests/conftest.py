@@ -35,19 +35,29 @@ def run_train(out: Path, *overrides: str, check: bool = True) -> subprocess.Comp
     return proc
 
 
-def run_and_kill(out: Path, at_step: int, *overrides: str) -> str:
-    """Start a run and SIGKILL it as soon as it reports `at_step`; return what it printed."""
+def run_and_signal(out: Path, at_step: int, *overrides: str, sig: int = signal.SIGKILL,
+                   group: bool = False, repeat: int = 1) -> tuple[int, str]:
+    """Start a run; once it reports `at_step`, send `sig` (`repeat` times; to the whole process
+    group, as SLURM does, if `group`). Return its exit code and everything it printed."""
     proc = subprocess.Popen(train_cmd(out, *overrides), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, start_new_session=group)
     seen = []
     for line in proc.stdout:
         seen.append(line)
         if line.startswith("step") and int(line.split()[1].split("/")[0]) >= at_step:
-            os.kill(proc.pid, signal.SIGKILL)
+            for _ in range(repeat):
+                os.killpg(proc.pid, sig) if group else os.kill(proc.pid, sig)
             break
+    seen.append(proc.stdout.read())
     proc.wait(timeout=60)
-    assert proc.returncode == -signal.SIGKILL, "".join(seen)
-    return "".join(seen)
+    return proc.returncode, "".join(seen)
+
+
+def run_and_kill(out: Path, at_step: int, *overrides: str) -> str:
+    """Start a run and SIGKILL it as soon as it reports `at_step`; return what it printed."""
+    code, printed = run_and_signal(out, at_step, *overrides)
+    assert code == -signal.SIGKILL, printed
+    return printed
 
 
 def metrics(out: Path) -> list[dict]:

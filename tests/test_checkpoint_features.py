@@ -1,0 +1,167 @@
+"""Checkpoint features end to end: preemption by SIGTERM/SIGUSR1, EMA restored exactly, early
+stopping at the right evaluation, best-checkpoint retention, resume from a mirror, warm start,
+and no checkpoint of non-finite weights."""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import signal
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import ROOT, metrics, run_and_kill, run_and_signal, run_train, summary
+from loop import checkpoint
+from loop.guards import EXIT_PREEMPTED
+
+STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    run_train(out, cache, *STEPS)
+    return out
+
+
+def same_run(ref, out) -> None:
+    assert [r["step"] for r in metrics(out)] == list(range(1, 41))
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
+    assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
+
+
+@pytest.mark.parametrize("sig, repeat", [(signal.SIGTERM, 1), (signal.SIGUSR1, 1), (signal.SIGTERM, 3)])
+def test_preemption_saves_exits_143_and_resumes_exactly(tmp_path, cache, reference, sig, repeat):
+    # Signalled like SLURM does it: the whole process group, DataLoader workers included.
+    # repeat=3: more signals arrive while the checkpoint is being written; nothing breaks.
+    out = tmp_path / "run"
+    code, printed = run_and_signal(out, 17, cache, *STEPS, "data.num_workers=2", sig=sig,
+                                   group=True, repeat=repeat)
+    assert code == EXIT_PREEMPTED, printed
+    step = int(re.search(r"preempted at step (\d+)", printed).group(1))
+    assert 17 <= step < 40, printed
+    ckpt = out / "checkpoints" / f"step_{step:08d}"
+    assert checkpoint.verify(ckpt) is None  # a checkpoint at the step it stopped on
+    assert not (out / "summary.json").exists()
+    rerun = run_train(out, cache, *STEPS, "data.num_workers=2")
+    assert f"resumed from {ckpt} at step {step}" in rerun.stdout
+    same_run(reference, out)
+
+
+def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
+    args = [cache, *STEPS, "ema.enabled=true", "ema.decay=0.9"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, *args)
+    run_and_kill(out, 23, *args)
+    run_train(out, *args)
+    a, b = summary(ref), summary(out)
+    assert a["ema_params_sha256"] != a["params_sha256"]
+    assert b["ema_params_sha256"] == a["ema_params_sha256"]
+    assert b["val_loss"] == a["val_loss"]  # validation uses the EMA weights
+    exported = torch.load(out / "model.pt", weights_only=True)
+    assert set(exported) == {"model", "ema", "config"}
+    assert not all(torch.equal(exported["ema"][k], exported["model"][k]) for k in exported["model"])
+
+
+def expected_stop(vals: list[tuple[int, float]], patience: int, delta: float) -> int:
+    best, bad = None, 0
+    for step, v in vals:
+        if best is None or v < best - delta:
+            best, bad = v, 0
+        else:
+            bad += 1
+            if bad >= patience:
+                return step
+    raise AssertionError("the rule never stops on these values")
+
+
+def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
+    # A min_delta this large makes improvements rare, so the rule fires well before max_steps.
+    args = [cache, "train.max_steps=200", "train.eval_every=4", "train.early_stop_patience=2",
+            "train.early_stop_min_delta=0.2"]
+    out = tmp_path / "run"
+    run_train(out, *args)
+    vals = [(r["step"], r["val_loss"]) for r in metrics(out) if "val_loss" in r]
+    s = summary(out)
+    assert s["stopped_early"] and s["steps"] == expected_stop(vals, 2, 0.2) < 200, (vals, s)
+    assert "did not improve by 0.2 for 2 evaluations" in s["stop_reason"]
+    rerun = run_train(out, *args)  # the stop is part of the state: running again trains nothing
+    assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
+
+
+@pytest.mark.parametrize("mode", ["min", "max"])
+def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
+    # keep_last=1: only the newest survives retention, plus the best one.
+    out = tmp_path / "run"
+    run_train(out, cache, "train.max_steps=30", "train.eval_every=5", "train.ckpt_every=10",
+              "train.keep_last=1", f"train.best_mode={mode}")
+    vals = {r["step"]: r["val_loss"] for r in metrics(out) if "val_loss" in r}
+    pick = min if mode == "min" else max
+    best_step = pick(vals, key=vals.get)
+    s = summary(out)
+    assert s["best"] == {"metric": "val_loss", "value": vals[best_step], "step": best_step}
+    root = out / "checkpoints"
+    assert (root / "best").read_text() == f"step_{best_step:08d}"
+    assert {p.name for p in checkpoint.step_dirs(root)} == {f"step_{best_step:08d}", "step_00000030"}
+    if mode == "max":
+        assert best_step < 30  # the highest val loss is early: kept although it is old
+
+
+def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, reference):
+    out, mirror = tmp_path / "run", tmp_path / "bucket"
+    args = [cache, *STEPS, f"run.mirror={mirror}"]
+    run_and_kill(out, 33, *args)
+    assert (mirror / "latest").exists()
+    shutil.rmtree(out / "checkpoints")  # the machine's disk is gone; the mirror is not
+    rerun = run_train(out, *args)
+    assert re.search(r"resumed from \S+ at step 30", rerun.stdout), rerun.stdout
+    same_run(reference, out)
+
+
+def test_init_from_loads_weights_only(tmp_path, cache, reference):
+    ckpt = reference / "checkpoints" / "step_00000040"
+    zero = tmp_path / "zero"
+    run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}")
+    assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
+    warm = tmp_path / "warm"
+    run_train(warm, cache, "train.max_steps=5", f"run.init_from={ckpt}")
+    first = metrics(warm)[0]
+    assert first["step"] == 1 and first["lr"] == metrics(reference)[0]["lr"]  # fresh schedule
+    assert first["loss"] < metrics(reference)[0]["loss"] - 0.3  # but trained weights
+
+
+def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
+    out = tmp_path / "run"
+    proc = run_train(out, cache, f"run.init_from={tmp_path / 'nope'}", check=False)
+    assert proc.returncode == 2 and "run.init_from" in proc.stderr and not out.exists()
+
+
+def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
+    from data import build_data
+    from loop.config import load_config
+    from loop.optim import build_optimizer
+    from loop.precision import Precision
+    from loop.schedule import build_scheduler
+    from loop.trainer import Trainer
+    from model import build_model
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.tokens=4000",
+        "data.seq_len=16", "model.n_layer=1", "model.n_embd=16", "model.n_head=2",
+        f"run.out_dir={tmp_path / 'run'}", "train.device=cpu"])
+    data = build_data(cfg.data)
+    model = build_model(cfg.model, data)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10),
+                      Precision("fp32", torch.device("cpu")), torch.device("cpu"))
+    trainer.log = SimpleNamespace(flush=lambda: None)
+    trainer._save(1)
+    assert checkpoint.verify(trainer.ckpt_root / "step_00000001") is None  # finite: saved
+    with torch.no_grad():
+        model.blocks[0].mlp[0].weight[0, 0] = float("inf")
+    trainer._save(2)
+    assert not (trainer.ckpt_root / "step_00000002").exists()
+    assert "step 2: weights are not all finite" in capsys.readouterr().err
+    assert json.loads((trainer.ckpt_root / "step_00000001" / "manifest.json").read_text())["world_size"] == 1

@@ -1,0 +1,289 @@
+"""Checkpoint integrity, end to end: a corrupt newest checkpoint is skipped with a warning and the run
+still ends bit-identical to an uninterrupted one; when nothing usable is there (all invalid, a
+code-running pickle, a model of another shape, resume=never, a missing path) train.py exits 2 and
+leaves run.out_dir byte-for-byte as it was; keep_last retains exactly the newest checkpoints."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import metrics, run_and_kill, run_train, summary
+
+STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
+BASE = ["train.max_steps=10", "train.ckpt_every=5"]  # leaves step_00000005 and step_00000010
+
+
+# ---------------------------------------------------------------------------- helpers
+def ckpt_names(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").glob("step_*"))
+
+
+def snapshot(root: Path) -> dict[str, object]:
+    """Every entry under root: directories as "dir", files as their bytes, links as their target."""
+    snap: dict[str, object] = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_symlink():
+            snap[rel] = ("link", os.readlink(p))
+        elif p.is_dir():
+            snap[rel] = "dir"
+        else:
+            snap[rel] = p.read_bytes()
+    return snap
+
+
+def assert_unchanged(before: dict, root: Path) -> None:
+    after = snapshot(root)
+    assert sorted(after) == sorted(before), (
+        f"listing of {root} changed: added {sorted(set(after) - set(before))}, "
+        f"removed {sorted(set(before) - set(after))}")
+    changed = [k for k in before if before[k] != after[k]]
+    assert not changed, f"contents changed in {root}: {changed}"
+
+
+def truncate_half(f: Path) -> None:
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 2])
+
+
+def flip_middle_byte(f: Path) -> None:
+    data = bytearray(f.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    f.write_bytes(bytes(data))
+
+
+def resumed_at(stdout: str) -> tuple[str, int]:
+    m = re.search(r"resumed from (\S+) at step (\d+)", stdout)
+    assert m, stdout
+    return m.group(1), int(m.group(2))
+
+
+def warning_lines(stderr: str, ckpt: str) -> list[str]:
+    return [ln for ln in stderr.splitlines() if "warning" in ln.lower() and ckpt in ln]
+
+
+# ---------------------------------------------------------------------------- shared runs
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """train.py subprocesses run single-threaded: on a busy 2-core box two intra-op threads spin
+    against each other (3x the wall time). Reference and reruns share it, so identity still holds."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        yield
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, cache):
+    out = tmp_path_factory.mktemp("ref") / "run"
+    run_train(out, cache, *STEPS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, cache):
+    """A 40-step run SIGKILLed at step 31: checkpoints 10, 20, 30 on disk, no summary."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    printed = run_and_kill(out, 31, cache, *STEPS)
+    assert ckpt_names(out) == ["step_00000010", "step_00000020", "step_00000030"], printed
+    assert not (out / "summary.json").exists()
+    return out
+
+
+@pytest.fixture(scope="module")
+def base10(tmp_path_factory, cache):
+    """A finished 10-step run with TINY's model.n_embd=32; tests work on copies of it."""
+    out = tmp_path_factory.mktemp("base10") / "run"
+    run_train(out, cache, *BASE)
+    assert ckpt_names(out) == ["step_00000005", "step_00000010"]
+    return out
+
+
+# ---------------------------------------------------------------------------- 1. corrupt newest
+CORRUPTIONS = {
+    # name: (how, file named in the warning, words that must appear in the warning's reason)
+    "truncate_state": (lambda d: truncate_half(d / "state.pt"), "state.pt", r"bytes|size"),
+    "flip_byte_state": (lambda d: flip_middle_byte(d / "state.pt"), "state.pt", r"sha256|hash"),
+    "delete_rng": (lambda d: (d / "rng_rank0.pt").unlink(), "rng_rank0.pt", r"missing"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CORRUPTIONS))
+def test_corrupt_newest_checkpoint_is_skipped_and_run_ends_identical(tmp_path, cache, reference,
+                                                                     killed, kind):
+    corrupt, fname, reason = CORRUPTIONS[kind]
+    out = tmp_path / "run"
+    shutil.copytree(killed, out, symlinks=True)  # the killed run, in this test's own out_dir
+    corrupt(out / "checkpoints" / "step_00000030")
+
+    rerun = run_train(out, cache, *STEPS)
+
+    warned = warning_lines(rerun.stderr, "step_00000030")
+    assert warned, f"no warning naming step_00000030:\n{rerun.stderr}"
+    assert any(fname in ln and re.search(reason, ln, re.I) for ln in warned), \
+        f"warning does not give the reason ({fname}, /{reason}/):\n{rerun.stderr}"
+    path, step = resumed_at(rerun.stdout)
+    assert step == 20 and path.endswith("step_00000020"), rerun.stdout
+
+    a, b = metrics(reference), metrics(out)
+    assert [r["step"] for r in b] == list(range(1, 41)), f"{kind}: one record per step"
+    for x, y in zip(a, b):
+        assert (x["loss"], x["grad_norm"], x["lr"]) == (y["loss"], y["grad_norm"], y["lr"]), \
+            f"{kind}: step {x['step']} differs"
+    assert summary(out)["params_sha256"] == summary(reference)["params_sha256"], kind
+    # The bad step-30 checkpoint was replaced by a good one on the way.
+    from loop import checkpoint
+    assert checkpoint.verify(out / "checkpoints" / "step_00000030") is None
+
+
+# ---------------------------------------------------------------------------- 2. all invalid
+def test_all_checkpoints_invalid_exits_2_and_changes_nothing(tmp_path, cache, base10):
+    out = tmp_path / "run"
+    shutil.copytree(base10, out, symlinks=True)
+    truncate_half(out / "checkpoints" / "step_00000010" / "state.pt")
+    flip_middle_byte(out / "checkpoints" / "step_00000005" / "rng_rank0.pt")
+    before = snapshot(out)
+    jsonl = (out / "metrics.jsonl").read_bytes()
+
+    rerun = run_train(out, cache, *BASE, check=False)
+
+    assert rerun.returncode == 2, rerun.stdout + rerun.stderr
+    for name in ("step_00000010", "step_00000005"):
+        assert warning_lines(rerun.stderr, name), f"no warning naming {name}:\n{rerun.stderr}"
+    assert re.search(r"\bnone\b.*\bverif", rerun.stderr, re.I | re.S), rerun.stderr
+    assert "Traceback" not in rerun.stderr, rerun.stderr
+    assert (out / "metrics.jsonl").read_bytes() == jsonl
+    assert_unchanged(before, out)
+
+
+# ---------------------------------------------------------------------------- 3. malicious pickle
+class _OpensFile:
+    """Unpickling this calls open(marker, "w"): the file appears iff the pickle ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def write_payload(f: Path, marker: Path, fmt: str) -> None:
+    obj = {"model": _OpensFile(marker), "progress": {"step": 10}}
+    if fmt == "torch.save":
+        torch.save(obj, f)
+    else:
+        f.write_bytes(pickle.dumps(obj, protocol=2))
+
+
+def evil_checkpoint(src: Path, dst: Path, marker: Path, fmt: str) -> Path:
+    """A copy of a real checkpoint whose state.pt is a code-running pickle, with a manifest that
+    verifies (size and sha256 of the new bytes, as loop/checkpoint.py computes them)."""
+    shutil.copytree(src, dst)
+    write_payload(dst / "state.pt", marker, fmt)
+    data = (dst / "state.pt").read_bytes()
+    manifest = json.loads((dst / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    from loop import checkpoint
+    assert checkpoint.verify(dst) is None, "the crafted manifest must verify"
+    return dst
+
+
+@pytest.mark.parametrize("fmt", ["torch.save", "pickle"])
+def test_code_running_pickle_is_refused_in_process(tmp_path, base10, fmt):
+    from loop import checkpoint
+    from loop.errors import BadInput
+
+    # The payload is live: an unrestricted load does create its marker.
+    live = tmp_path / "live_marker"
+    write_payload(tmp_path / "live.pt", live, fmt)
+    if fmt == "torch.save":
+        torch.load(tmp_path / "live.pt", weights_only=False)
+    else:
+        pickle.loads((tmp_path / "live.pt").read_bytes())
+    assert live.exists()
+
+    marker = tmp_path / "marker"
+    d = evil_checkpoint(base10 / "checkpoints" / "step_00000010", tmp_path / "step_00000010",
+                        marker, fmt)
+    with pytest.raises(BadInput, match="refused to load"):
+        checkpoint.load(d, "state.pt")
+    assert not marker.exists()
+
+
+def test_code_running_pickle_is_refused_by_train_py(tmp_path, cache, base10):
+    marker = tmp_path / "marker"
+    d = evil_checkpoint(base10 / "checkpoints" / "step_00000010",
+                        tmp_path / "evil" / "step_00000010", marker, "torch.save")
+    out = tmp_path / "run"
+
+    proc = run_train(out, cache, *BASE, f"run.resume={d}", check=False)
+
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "refused to load" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not marker.exists(), "unpickling ran the payload"
+    assert not out.exists(), "nothing is written on the bad-input path"
+
+
+# ---------------------------------------------------------------------------- 4. shape mismatch
+def test_shape_mismatch_exits_2_lists_keys_and_changes_nothing(tmp_path, cache, base10):
+    out = tmp_path / "run"
+    shutil.copytree(base10, out, symlinks=True)
+    before = snapshot(out)
+
+    proc = run_train(out, cache, "model.n_embd=48", "model.n_head=2", "train.max_steps=20",
+                     "train.ckpt_every=5", check=False)
+
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert re.search(r"wte\.weight.*\(\d+, 32\).*\(\d+, 48\)", proc.stderr), proc.stderr
+    assert re.search(r"lm_head\.weight.*\(\d+, 32\).*\(\d+, 48\)", proc.stderr), proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert_unchanged(before, out)  # config.yaml included: not overwritten with n_embd=48
+
+
+# ---------------------------------------------------------------------------- 5. resume modes
+def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cache, base10):
+    out = tmp_path / "run"
+    shutil.copytree(base10, out, symlinks=True)
+    before = snapshot(out)
+
+    proc = run_train(out, cache, *BASE, "run.resume=never", check=False)
+
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "run.resume=never" in proc.stderr, proc.stderr
+    assert_unchanged(before, out)
+
+
+def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
+    missing = tmp_path / "nowhere" / "step_00000099"
+    out = tmp_path / "run"
+
+    proc = run_train(out, cache, *BASE, f"run.resume={missing}", check=False)
+
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert str(missing) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists(), "nothing is written on the bad-input path"
+
+
+# ---------------------------------------------------------------------------- 6. retention
+def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
+    out = tmp_path / "run"
+    # eval_every=0: no evaluations, so no best checkpoint joins the retained set.
+    run_train(out, cache, "train.max_steps=50", "train.ckpt_every=10", "train.keep_last=2",
+              "train.eval_every=0")
+    ckpts = out / "checkpoints"
+    assert ckpt_names(out) == ["step_00000040", "step_00000050"]
+    assert (ckpts / "latest").read_text().strip() == "step_00000050"
+    leftovers = [p.relative_to(out).as_posix() for p in out.rglob("*") if ".tmp-" in p.name]
+    assert not leftovers, leftovers
+    from loop import checkpoint
+    assert all(checkpoint.verify(ckpts / n) is None for n in ckpt_names(out))
