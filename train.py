@@ -5,7 +5,8 @@
 
 This file only wires parts together; the loop lives in loop/trainer.py. Exit codes: 0 done,
 2 bad input (config, data, checkpoint) with a message naming the key or file (nothing in
-run.out_dir is written or changed on that path), 143 preempted by SIGTERM/SIGUSR1 after writing a
+run.out_dir is written or changed on that path), 3 gave up (non-finite values under
+train.nan_policy=abort or too many in a row, out of memory at micro-batch 1), 143 preempted by SIGTERM/SIGUSR1 after writing a
 checkpoint (rerun the same command to continue).
 """
 from __future__ import annotations
@@ -15,8 +16,9 @@ import sys
 from data import build_data
 from loop.config import load_config, parse_args
 from loop.device import pick_device
-from loop.errors import EXIT_BAD_INPUT, BadInput
-from loop.guards import EXIT_PREEMPTED
+from loop import determinism
+from loop.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, BadInput, GaveUp
+from loop.guards import EXIT_PREEMPTED, configure_allocator
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
@@ -28,7 +30,11 @@ from model import build_model
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(*parse_args(argv))
+        if cfg.run.deterministic:
+            determinism.enable()
         device = pick_device(cfg.train.device)
+        if device.type == "cuda":
+            print(f"CUDA allocator: {configure_allocator()}")  # before CUDA initialises
         seed_everything(cfg.run.seed)
         data = build_data(cfg.data)
         model = build_model(cfg.model, data).to(device)
@@ -39,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except GaveUp as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_GAVE_UP
     return EXIT_PREEMPTED if summary["preempted"] else 0
 
 

@@ -41,6 +41,18 @@ def collate(samples: list[dict]) -> dict:
     return batch
 
 
+def split_batch(batch: dict, parts: int) -> list[dict]:
+    """Cut a batch into `parts` smaller ones along dim 0 (OOM recovery), recounting targets."""
+    if parts == 1:
+        return [batch]
+    keys = [k for k, v in batch.items() if torch.is_tensor(v)]
+    chunks = zip(*(torch.tensor_split(batch[k], parts) for k in keys))
+    out = [dict(zip(keys, c)) for c in chunks]
+    for b in out:
+        b["n_targets"] = int((b["y"] != IGNORE_INDEX).sum())
+    return [b for b in out if len(b["idx"])]
+
+
 def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_workers: int,
                  prefetch_factor: int, pin_memory: bool, worker_init_fn=None) -> DataLoader:
     return DataLoader(

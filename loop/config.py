@@ -40,6 +40,7 @@ class RunConfig:
     resume: str = "auto"  # auto | never | path to a checkpoint directory
     init_from: str = ""  # a checkpoint dir: warm start from its model weights only (fresh run)
     mirror: str = ""  # also copy each checkpoint here: a directory or an fsspec URL
+    deterministic: bool = False  # deterministic kernels only (see loop/determinism.py)
 
 
 @dataclass
@@ -111,6 +112,9 @@ class TrainConfig:
     early_stop_patience: int = _opt(0, min=0)  # stop after this many evals without improvement; 0 = off
     early_stop_min_delta: float = _opt(0.0, min=0.0)  # what counts as an improvement
     sample_tokens: int = _opt(200, min=0)  # length of the text sample in summary.json
+    nan_policy: str = _opt("skip", choices=("skip", "rollback", "abort"))  # on a non-finite loss/grad
+    max_bad_steps: int = _opt(5, min=1)  # skip/rollback give up after this many bad steps in a row
+    oom_policy: str = _opt("split", choices=("split", "abort"))  # split: halve the micro-batch, retry
 
 
 @dataclass
@@ -124,7 +128,8 @@ class EmaConfig:
 @dataclass
 class FaultsConfig:
     """Deliberate faults for tests and fire drills; -1 = off."""
-    nan_at_step: int = -1  # make the loss non-finite at this optimizer step
+    nan_at_step: int = -1  # make the loss non-finite the first time this step is reached
+    oom_at_step: int = -1  # raise torch.OutOfMemoryError in the forward of this step (once)
     kill_in_ckpt_at_step: int = -1  # SIGKILL this process halfway through that step's checkpoint write
 
 

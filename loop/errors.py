@@ -1,12 +1,18 @@
-"""The one exception type for bad input (config, data, checkpoint).
+"""The two ways a run ends with an error message instead of a traceback.
 
-`train.py` turns it into a one-paragraph message on stderr and exit code 2, before anything in
-`run.out_dir` is written or changed. Raise it with a message that names the key or file and says
-what was expected.
+`BadInput` (config, data, checkpoint): `train.py` prints the message and exits 2, before anything
+in `run.out_dir` is written or changed. Raise it with a message that names the key or file and
+says what was expected. `GaveUp`: training started but cannot continue; exit 3.
 """
 
 EXIT_BAD_INPUT = 2
+EXIT_GAVE_UP = 3
 
 
 class BadInput(Exception):
     """User-facing input error: the message is printed as is, and the process exits with 2."""
+
+
+class GaveUp(Exception):
+    """Training cannot go on (non-finite values under nan_policy=abort, too many bad steps in a row,
+    out of memory at micro-batch 1): the message is a diagnostic, and the process exits with 3."""

@@ -12,10 +12,14 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from loop.config import config_hash
+from loop.determinism import in_effect
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -36,10 +40,13 @@ def git_info() -> dict:
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
 
 
-def collect(cfg_hash: str, device: torch.device, precision: str, world_size: int) -> dict:
+def collect(cfg, device: torch.device, precision: str, world_size: int, resumed_from=None) -> dict:
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    faults = {k: v for k, v in asdict(cfg.faults).items() if v != -1}
     return {
-        "git": git_info(), "config_sha256": cfg_hash, "argv": sys.argv,
+        "git": git_info(), "config_sha256": config_hash(cfg), "argv": sys.argv,
+        "resumed_from": str(resumed_from) if resumed_from else None,
+        "faults_injected": faults or None, "determinism": in_effect(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
         "device": str(device), "gpu": gpu, "precision": precision,
         "host_sha256": hashlib.sha256(socket.gethostname().encode()).hexdigest()[:16],

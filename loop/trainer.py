@@ -16,31 +16,23 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
-from data.sampler import train_loader, val_batches
-from loop import checkpoint, resume, rng
+from data.sampler import split_batch, train_loader, val_batches
+from loop import checkpoint, resume
 from loop.atomic import atomic_write
-from loop.config import Config, changed_keys, config_hash, save as save_config, to_dict
-from loop.evaluate import text_sample, val_loss
-from loop.ema import build_ema, ema_state, load_ema_state
-from loop.guards import Preemption, worker_ignores_stop_signals
+from loop.config import Config, config_hash, save as save_config
+from loop.ema import build_ema
+from loop.errors import GaveUp
+from loop.evaluate import val_loss
+from loop.guards import Preemption, describe_non_finite, worker_ignores_stop_signals
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog
 from loop.monitor import Monitor
-
-
-@dataclass
-class Progress:
-    step: int = 0  # optimizer steps done, skipped ones included
-    samples: int = 0  # training samples consumed by those steps: the data position
-    tokens: int = 0  # target tokens in those samples
-    skipped: int = 0  # steps dropped because the loss or gradients were not finite
-    overflows: int = 0  # fp16 steps skipped by the GradScaler (scale backed off)
-    train_s: float = 0.0  # wall time spent training, over every session
+from loop.state import Progress, capture, restore, warm_start
+from loop.summary import finish
 
 
 class Trainer:
@@ -59,71 +51,37 @@ class Trainer:
         self.log: MetricsLog | None = None
         self.mirror = None
         self.preempted = False
+        self.bad_streak = 0  # non-finite steps in a row
+        self.fired: set[str] = set()  # injected faults already fired in this process
 
-    # ------------------------------------------------------------------ state
-    def state(self) -> dict[str, object]:
-        """Checkpoint files: shared state (rank 0) and this rank's RNG streams."""
-        return {
-            "state.pt": {
-                "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(),
-                "ema": ema_state(self.ema) if self.ema else None,
-                "monitor": self.monitor.state_dict(), "progress": asdict(self.progress),
-                "config": to_dict(self.cfg), "config_sha256": config_hash(self.cfg), "world_size": 1,
-            },
-            "rng_rank0.pt": rng.capture(),
-        }
-
-    def load(self, path: Path) -> None:
-        state = resume.load_model_state(path, self.model)
-        changed = changed_keys(state["config"], self.cfg)
-        if changed:
-            print(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        if state["scaler"]:  # empty when fp16 is off
-            self.scaler.load_state_dict(state["scaler"])
-        if self.ema and state["ema"]:
-            load_ema_state(self.ema, state["ema"])
-        self.monitor.load_state_dict(state["monitor"])
-        self.progress = Progress(**state["progress"])
-        rng.restore(checkpoint.load(path, "rng_rank0.pt"))  # last: nothing above draws from it
-        print(f"resumed from {path} at step {self.progress.step}")
-
-    # ------------------------------------------------------------------ the run
     def run(self) -> dict:
         cfg, tc = self.cfg, self.cfg.train
         path = resume.choose(cfg.run.resume, self.ckpt_root, cfg.run.mirror)
         if path:
-            self.load(path)
+            restore(self, path)
         elif cfg.run.init_from:
-            resume.load_model_state(resume.verified(Path(cfg.run.init_from), "run.init_from"), self.model)
-            if self.ema:  # the average starts from the warm-start weights
-                self.ema.module.load_state_dict(self.model.state_dict())
-            print(f"initialised model weights from {cfg.run.init_from}")
+            warm_start(self, Path(cfg.run.init_from))
         if cfg.run.mirror:  # built before any write: a bad URL is bad input
             from loop.mirror import Mirror
 
             self.mirror = Mirror(cfg.run.mirror)
         self.out.mkdir(parents=True, exist_ok=True)  # from here on, files are written
         save_config(cfg, self.out / "config.yaml")
-        meta = collect_metadata(config_hash(cfg), self.device, self.precision.name, 1)
-        meta["resumed_from"] = str(path) if path else None
+        meta = collect_metadata(cfg, self.device, self.precision.name, 1, resumed_from=path)
         atomic_write(self.out / "metadata.json", json.dumps(meta, indent=1).encode())
         self.log = MetricsLog(self.out, self.progress.step, self.progress.tokens, tc.max_steps)
         n_params = sum(p.numel() for p in self.model.parameters())
         print(f"{n_params:,} parameters | {self.device} | {self.precision.name} | global batch "
               f"{cfg.data.batch_size * tc.grad_accum} x {self.data.seq_len} tokens")
-        loader = train_loader(self.data.train, cfg.data.batch_size, cfg.run.seed, self.progress.samples,
-                              cfg.data.num_workers, cfg.data.prefetch_factor,
-                              cfg.data.pin_memory and self.device.type == "cuda",
-                              worker_init_fn=worker_ignores_stop_signals)
-        batches, preemption = iter(loader), Preemption()
+        if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
+            self._save(0)  # something to roll back to before the first periodic checkpoint
+        self.batches, preemption = self._batches(), Preemption()
         try:
             self.model.train()
             while self.progress.step < tc.max_steps and not self.monitor.state.stop_reason:
                 t0 = time.perf_counter()
-                self._step(batches)
+                if not self._step():
+                    continue  # rolled back to a checkpoint
                 step, best = self.progress.step, False
                 if tc.eval_every and step % tc.eval_every == 0:
                     best = self._evaluate(step)
@@ -138,57 +96,131 @@ class Trainer:
                     break
         finally:
             preemption.close()
-            del batches  # shuts the DataLoader workers down
-        return self._finish()
+            self.batches = None  # shuts the DataLoader workers down
+            self.log.flush()  # even on the way out of an error: every finished step is on disk
+        return finish(self)
 
-    def _step(self, batches) -> None:
-        """One optimizer step over train.grad_accum micro-batches."""
+    def _batches(self):
+        d = self.cfg.data
+        return iter(train_loader(self.data.train, d.batch_size, self.cfg.run.seed, self.progress.samples,
+                                 d.num_workers, d.prefetch_factor, d.pin_memory and self.device.type == "cuda",
+                                 worker_init_fn=worker_ignores_stop_signals))
+
+    def _draw(self) -> list[dict]:
+        """The next optimizer step's batches, passing over windows a rollback marked as bad."""
+        p, k = self.progress, self.cfg.train.grad_accum
+        while p.samples in p.skip_windows:
+            p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k))
+        return [next(self.batches) for _ in range(k)]
+
+    def _step(self) -> bool:
+        """One optimizer step over train.grad_accum batches. False if it rolled back instead."""
         tc, p = self.cfg.train, self.progress
-        micro = [next(batches) for _ in range(tc.grad_accum)]
+        micro = self._draw()
         n_targets = sum(b["n_targets"] for b in micro)  # counted on the CPU by the collate
-        loss_sum = torch.zeros((), device=self.device)
-        for i, batch in enumerate(micro):
-            batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
-                     for k, v in batch.items()}
-            with self.precision.autocast():
-                loss = self.model(batch)  # summed over this micro-batch's targets
-            if i == 0 and p.step + 1 == self.cfg.faults.nan_at_step:
-                loss = loss * float("nan")
-            # Divide by the whole step's target count: the gradients then equal one big batch's.
-            self.scaler.scale(loss / n_targets).backward()
-            loss_sum += loss.detach().float()
+        while (losses := self._forward_backward(micro, n_targets)) is None:
+            self._recover_from_oom()  # then retry the same batches in smaller pieces
         self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
         params = [q for g in self.optimizer.param_groups for q in g["params"]]
         if tc.clip_grad > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.clip_grad)
         else:
             grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
-        step_loss = loss_sum / n_targets
+        step_loss = losses.sum() / n_targets
         lr = self.optimizer.param_groups[0]["lr"]
-        finite = bool(torch.isfinite(step_loss) & torch.isfinite(grad_norm))  # the one read per step
-        if finite:
+        loss_ok, grad_ok = torch.stack([step_loss.isfinite(), grad_norm.isfinite()]).tolist()  # one read
+        if loss_ok and grad_ok:
             self.scaler.step(self.optimizer)
             self.scheduler.step()  # the LR advances only on steps actually taken
             if self.ema:
                 self.ema.update_parameters(self.model)
-        elif self.scaler.is_enabled():
-            p.overflows += 1
-        else:
-            p.skipped += 1
-        self.scaler.update()  # on overflow: backs the loss scale off
+            self.bad_streak = 0
+        elif self.scaler.is_enabled() and loss_ok:
+            p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
+        elif not self._non_finite(describe_non_finite(p.step + 1, losses, grad_norm, self.model), micro):
+            return False
+        self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         p.step += 1
         p.samples += sum(len(b["idx"]) for b in micro)
         p.tokens += n_targets
-        self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "skipped": not finite},
-                        step_loss, grad_norm)
+        self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "skipped": not (loss_ok and grad_ok),
+                         "micro_batch": -(-self.cfg.data.batch_size // p.micro_split)}, step_loss, grad_norm)
+        return True
 
-    def _val_loss(self) -> float:
+    def _forward_backward(self, micro: list[dict], n_targets: int) -> torch.Tensor | None:
+        """Summed loss of each micro-batch, (n,) on the device; None if it ran out of memory."""
+        p, faults = self.progress, self.cfg.faults
+        losses = []
+        try:
+            for i, batch in enumerate(b for m in micro for b in split_batch(m, p.micro_split)):
+                batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
+                         for k, v in batch.items()}
+                if i == 0 and _once(self, "oom", p.step + 1 == faults.oom_at_step):
+                    raise torch.OutOfMemoryError(f"injected by faults.oom_at_step={faults.oom_at_step}")
+                with self.precision.autocast():
+                    loss = self.model(batch)  # summed over this micro-batch's targets
+                if i == 0 and _once(self, "nan", p.step + 1 == faults.nan_at_step):
+                    loss = loss * float("nan")
+                # Divide by the whole step's target count: the gradients then equal one big batch's.
+                self.scaler.scale(loss / n_targets).backward()
+                losses.append(loss.detach().float())
+        except torch.OutOfMemoryError:
+            return None  # recover outside the except block: its traceback pins the tensors
+        return torch.stack(losses)
+
+    def _recover_from_oom(self) -> None:
+        p, b = self.progress, self.cfg.data.batch_size
+        size = -(-b // p.micro_split)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.cfg.train.oom_policy == "abort" or size <= 1:
+            raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
+                         f"(train.oom_policy={self.cfg.train.oom_policy}); use a smaller "
+                         f"data.batch_size or model, or activation checkpointing.")
+        p.micro_split *= 2
+        print(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
+              f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
+
+    def _non_finite(self, what: str, micro: list[dict]) -> bool:
+        """Apply train.nan_policy to a non-finite step. True: record the step as skipped."""
+        tc, p = self.cfg.train, self.progress
+        self.bad_streak += 1
+        if tc.nan_policy == "abort" or self.bad_streak > tc.max_bad_steps:
+            why = "train.nan_policy=abort" if tc.nan_policy == "abort" else \
+                f"{self.bad_streak} bad steps in a row (train.max_bad_steps={tc.max_bad_steps})"
+            raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
+                         f"or check the data at sample position {p.samples}.")
+        print(f"warning: {what}; {tc.nan_policy}", file=sys.stderr)
+        if tc.nan_policy == "skip":
+            p.skipped += 1
+            return True
+        self._rollback()
+        return False
+
+    def _rollback(self) -> None:
+        """Back to the newest valid checkpoint; the bad step's data window is never trained on."""
+        bad, p = self.progress.samples, self.progress
+        carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()  # consume this step's inf checks before the scaler state is replaced
+        self.batches = None
+        restore(self, checkpoint.newest_valid(self.ckpt_root))
+        p = self.progress
+        p.rollbacks, p.skip_windows, p.micro_split = carry
+        self.log.close()  # drops the records after the checkpoint, as a resume does
+        self.log = MetricsLog(self.out, p.step, p.tokens, self.cfg.train.max_steps)
+        self.batches = self._batches()
+        print(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
+              file=sys.stderr)
+
+    def validate(self) -> float:
         return val_loss(self.ema.module if self.ema else self.model, self.val, self.precision, self.device)
 
     def _evaluate(self, step: int) -> bool:
         """Validation loss into the metrics; True if it is the best so far."""
-        val = self._val_loss()
+        val = self.validate()
         self.log.scalar(step, "val_loss", val)
         self.last_eval = (step, val)
         return self.monitor.update(step, val)
@@ -204,46 +236,16 @@ class Trainer:
             midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         best = {f"step_{self.monitor.state.best_step:08d}"} if self.monitor.state.best_step else set()
         meta = {"config_sha256": config_hash(self.cfg), "world_size": 1}
-        path = checkpoint.save(self.ckpt_root, step, self.state(), self.cfg.train.keep_last, meta,
+        path = checkpoint.save(self.ckpt_root, step, capture(self), self.cfg.train.keep_last, meta,
                                best, midway)
         if best:
             atomic_write(self.ckpt_root / "best", best.pop().encode())
         if self.mirror:
             self.mirror.submit(path, {p.name for p in checkpoint.step_dirs(self.ckpt_root)})
 
-    def _finish(self) -> dict:
-        p, m = self.progress, self.monitor.state
-        if self.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
-            self.log.close()
-            if self.mirror:
-                self.mirror.close()
-            print(f"preempted at step {p.step}; checkpoint written to {self.ckpt_root}")
-            return {"steps": p.step, "preempted": True}
-        val = self.last_eval[1] if self.last_eval and self.last_eval[0] == p.step else self._val_loss()
-        summary = {
-            "steps": p.step, "final_loss": self.log.last_loss, "val_loss": val,
-            "params_sha256": checkpoint.params_sha256(self.model), "wall_s": p.train_s,
-            "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
-            "skipped_steps": p.skipped, "overflow_steps": p.overflows,
-            "best": {"metric": self.monitor.metric, "value": m.best, "step": m.best_step},
-            "stopped_early": bool(m.stop_reason), "stop_reason": m.stop_reason or None,
-            "preempted": False, "precision": self.precision.name, "device": str(self.device),
-            "optimal_loss": self.data.meta.get("optimal_loss"),
-            "sample": text_sample(self.ema.module if self.ema else self.model,
-                                  self.val[0]["x"][:1, :8].to(self.device),  # (1, 8) prompt
-                                  self.cfg.train.sample_tokens, self.cfg.run.seed, self.data.decode),
-        }
-        if self.ema:
-            summary["ema_params_sha256"] = checkpoint.params_sha256(self.ema.module)
-        self.log.text(p.step, "sample", summary["sample"] or "")
-        self.log.close()
-        if self.mirror:
-            self.mirror.close()
-        export = {"model": self.model.state_dict(), "config": to_dict(self.cfg)}
-        if self.ema:
-            export["ema"] = self.ema.module.state_dict()
-        atomic_write(self.out / "model.pt", checkpoint.to_bytes(export))
-        atomic_write(self.out / "summary.json", json.dumps(summary, indent=1).encode())
-        print(f"done: {p.step} steps | loss "
-              f"{summary['final_loss']} | val {val:.4f} | params {summary['params_sha256'][:16]} | {self.out}")
-        return summary
+def _once(trainer: Trainer, fault: str, due: bool) -> bool:
+    """A fault fires the first time its step is reached in a process (a rollback replays steps)."""
+    if due and fault not in trainer.fired:
+        trainer.fired.add(fault)
+        return True
+    return False

@@ -191,8 +191,8 @@ def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str,
     loader = iter(train_loader(data.train, cfg.data.batch_size, cfg.run.seed, 0,
                                cfg.data.num_workers, cfg.data.prefetch_factor, False))
     seen = []  # (sample indices, target count) of each micro-batch _step takes
-    batches = (seen.append((b["idx"].tolist(), b["n_targets"])) or b for b in loader)
-    trainer._step(batches)
+    trainer.batches = (seen.append((b["idx"].tolist(), b["n_targets"])) or b for b in loader)
+    trainer._step()
     assert trainer.progress.step == 1 and trainer.progress.samples == 8
     end = {n: p.detach().clone() for n, p in model.named_parameters()}
     return start, end, records[0], trainer.progress.tokens, seen

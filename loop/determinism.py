@@ -1,0 +1,47 @@
+"""Determinism mode (`run.deterministic=true`): the same inputs give the same bits, run after run.
+
+What it sets, before CUDA initialises: `CUBLAS_WORKSPACE_CONFIG=:4096:8` (cuBLAS needs it for
+deterministic matmuls), `torch.use_deterministic_algorithms(True)` (an op with no deterministic
+kernel raises instead of silently varying), `cudnn.benchmark=False` and `cudnn.deterministic=True`,
+and scaled-dot-product attention pinned to the math kernel (the fused kernels' backward passes may
+accumulate in a varying order). DataLoader workers are already seeded from the loader's own
+generator (data/sampler.py), so per-worker RNG is fixed too.
+
+What that guarantees: identical results on the same machine, with the same versions of everything
+and the same world size. Not across GPU models, driver/CUDA/torch versions, or process counts.
+On the CPU, the loop is already deterministic for a fixed thread count; this mode makes it so on
+CUDA too, at some cost in speed.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from loop.errors import BadInput
+
+
+def enable() -> None:
+    """Turn determinism mode on. Call before anything touches the GPU."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise BadInput("run.deterministic=true must be applied before CUDA initialises.")
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if os.environ["CUBLAS_WORKSPACE_CONFIG"] not in (":4096:8", ":16:8"):
+        raise BadInput(f"run.deterministic=true needs CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8; "
+                       f"the environment has {os.environ['CUBLAS_WORKSPACE_CONFIG']!r}.")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cuda.enable_flash_sdp(False)
+    torch.backends.cuda.enable_mem_efficient_sdp(False)
+    torch.backends.cuda.enable_cudnn_sdp(False)
+
+
+def in_effect() -> dict:
+    """The settings that decide determinism, as they are now (for metadata.json)."""
+    return {"deterministic": torch.are_deterministic_algorithms_enabled(),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+            "cudnn_benchmark": torch.backends.cudnn.benchmark,
+            "sdpa_math_only": not (torch.backends.cuda.flash_sdp_enabled()
+                                   or torch.backends.cuda.mem_efficient_sdp_enabled()),
+            "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF")}

@@ -1,0 +1,67 @@
+"""What a checkpoint holds, gathered from the trainer's parts and put back into them.
+
+`capture` returns the checkpoint's files: `state.pt` (model with unwrapped keys, optimizer,
+scheduler, GradScaler, EMA, best/early-stop tracking, progress, config) and `rng_rank<r>.pt`
+(this rank's RNG streams). `restore` loads them in an order that matters: RNG streams last,
+since building and loading the other parts may draw from them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from loop import checkpoint, resume, rng
+from loop.config import changed_keys, config_hash, to_dict
+from loop.ema import ema_state, load_ema_state
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps done, skipped ones included
+    samples: int = 0  # training samples consumed by those steps: the data position
+    tokens: int = 0  # target tokens in those samples
+    skipped: int = 0  # steps dropped because the loss or gradients were not finite
+    overflows: int = 0  # fp16 steps skipped by the GradScaler (scale backed off)
+    train_s: float = 0.0  # wall time spent training, over every session
+    micro_split: int = 1  # each loaded batch is cut in this many micro-batches (doubles on OOM)
+    rollbacks: int = 0  # times training went back to a checkpoint after a non-finite step
+    skip_windows: list[int] = field(default_factory=list)  # data positions never trained on
+
+
+def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
+    """Checkpoint files: shared state (rank 0) and this rank's RNG streams."""
+    return {
+        "state.pt": {
+            "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+            "scheduler": t.scheduler.state_dict(), "scaler": t.scaler.state_dict(),
+            "ema": ema_state(t.ema) if t.ema else None,
+            "monitor": t.monitor.state_dict(), "progress": asdict(t.progress),
+            "config": to_dict(t.cfg), "config_sha256": config_hash(t.cfg), "world_size": 1,
+        },
+        "rng_rank0.pt": rng.capture(),
+    }
+
+
+def restore(t, path: Path) -> None:
+    state = resume.load_model_state(path, t.model)
+    changed = changed_keys(state["config"], t.cfg)
+    if changed:
+        print(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
+    t.optimizer.load_state_dict(state["optimizer"])
+    t.scheduler.load_state_dict(state["scheduler"])
+    if state["scaler"]:  # empty when fp16 is off
+        t.scaler.load_state_dict(state["scaler"])
+    if t.ema and state["ema"]:
+        load_ema_state(t.ema, state["ema"])
+    t.monitor.load_state_dict(state["monitor"])
+    t.progress = Progress(**state["progress"])
+    rng.restore(checkpoint.load(path, "rng_rank0.pt"))  # last: nothing above draws from it
+    print(f"resumed from {path} at step {t.progress.step}")
+
+
+def warm_start(t, path: Path) -> None:
+    """run.init_from: model weights only; optimizer, schedule and step start fresh."""
+    resume.load_model_state(resume.verified(path, "run.init_from"), t.model)
+    if t.ema:  # the average starts from the warm-start weights
+        t.ema.module.load_state_dict(t.model.state_dict())
+    print(f"initialised model weights from {path}")

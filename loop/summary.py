@@ -1,0 +1,52 @@
+"""The end of a run: `summary.json`, the exported weights (`model.pt`), the text sample.
+
+A preempted run skips all of it and exits fast: its checkpoint is written, and rerunning the same
+command finishes the job and writes these then.
+"""
+from __future__ import annotations
+
+import json
+
+from loop import checkpoint
+from loop.atomic import atomic_write
+from loop.config import to_dict
+from loop.evaluate import text_sample
+
+
+def finish(t) -> dict:  # t: loop.trainer.Trainer
+    p, m = t.progress, t.monitor.state
+    if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
+        t.log.close()
+        if t.mirror:
+            t.mirror.close()
+        print(f"preempted at step {p.step}; checkpoint written to {t.ckpt_root}")
+        return {"steps": p.step, "preempted": True}
+    val = t.last_eval[1] if t.last_eval and t.last_eval[0] == p.step else t.validate()
+    summary = {
+        "steps": p.step, "final_loss": t.log.last_loss, "val_loss": val,
+        "params_sha256": checkpoint.params_sha256(t.model), "wall_s": p.train_s,
+        "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
+        "skipped_steps": p.skipped, "overflow_steps": p.overflows,
+        "best": {"metric": t.monitor.metric, "value": m.best, "step": m.best_step},
+        "stopped_early": bool(m.stop_reason), "stop_reason": m.stop_reason or None,
+        "rollbacks": p.rollbacks, "micro_batch": -(-t.cfg.data.batch_size // p.micro_split),
+        "preempted": False, "precision": t.precision.name, "device": str(t.device),
+        "optimal_loss": t.data.meta.get("optimal_loss"),
+        "sample": text_sample(t.ema.module if t.ema else t.model,
+                              t.val[0]["x"][:1, :8].to(t.device),  # (1, 8) prompt
+                              t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode),
+    }
+    if t.ema:
+        summary["ema_params_sha256"] = checkpoint.params_sha256(t.ema.module)
+    t.log.text(p.step, "sample", summary["sample"] or "")
+    t.log.close()
+    if t.mirror:
+        t.mirror.close()
+    export = {"model": t.model.state_dict(), "config": to_dict(t.cfg)}
+    if t.ema:
+        export["ema"] = t.ema.module.state_dict()
+    atomic_write(t.out / "model.pt", checkpoint.to_bytes(export))
+    atomic_write(t.out / "summary.json", json.dumps(summary, indent=1).encode())
+    print(f"done: {p.step} steps | loss "
+          f"{summary['final_loss']} | val {val:.4f} | params {summary['params_sha256'][:16]} | {t.out}")
+    return summary
