@@ -15,11 +15,15 @@ def build_ema(model: nn.Module, cfg) -> AveragedModel | None:
     if not cfg.enabled:
         return None
 
-    def avg(ema_p: torch.Tensor, p: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        d = torch.clamp((1 + n) / (cfg.warmup + n), max=cfg.decay)  # a tensor: no host sync
-        return ema_p + (1 - d) * (p - ema_p)
+    def update(ema_params: list[torch.Tensor], params: list[torch.Tensor], n: torch.Tensor) -> None:
+        # One foreach update for all tensors; the decay stays a device tensor (no host read).
+        d = torch.clamp((1 + n) / (cfg.warmup + n), max=cfg.decay).to(ema_params[0].dtype)
+        torch._foreach_mul_(ema_params, d)
+        torch._foreach_add_(ema_params, torch._foreach_mul(params, 1 - d))
 
-    return AveragedModel(model, avg_fn=avg, use_buffers=True)
+    # AveragedModel keeps its update counter n_averaged on the CPU (no device given), so its own
+    # `if n_averaged == 0` checks read host memory, not the GPU.
+    return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
 
 
 def ema_state(ema: AveragedModel) -> dict:

@@ -1,0 +1,137 @@
+"""How long does a checkpoint stop training? Synchronous `checkpoint.save` vs `AsyncSaver.save`.
+
+    python -m bench.ckpt_stall [--reps N] [--config configs/default.yaml] [section.key=value ...]
+    python -m bench.ckpt_stall model.n_embd=512 model.n_layer=8     # a bigger model
+
+Builds the model, optimizer and scheduler as train.py does, takes two real optimizer steps (so the
+optimizer state exists), then times, interleaved, the training thread's stall: (a) the whole
+synchronous save; (b) AsyncSaver.save until it returns (the CPU snapshot). The background write is
+waited for outside the timed region; its save-to-done time is shown for reference. Medians go to
+the table and, with device and command line, to bench/results/ckpt_stall.jsonl. A benchmark, not a
+test: figures depend on the machine, its disk and the load beside it.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from data import build_data
+from data.sampler import train_loader
+from loop import checkpoint, determinism
+from loop.async_save import AsyncSaver
+from loop.config import DEFAULT_CONFIG, config_hash, load_config
+from loop.device import pick_device
+from loop.optim import build_optimizer
+from loop.precision import Precision
+from loop.rng import seed_everything
+from loop.schedule import build_scheduler
+from loop.state import capture
+from loop.trainer import Trainer
+from model import build_model
+
+RESULTS = Path(__file__).resolve().parent / "results" / "ckpt_stall.jsonl"
+
+
+def build_trainer(config: str, overrides: list[str]) -> Trainer:
+    """train.py's wiring, then two optimizer steps so AdamW's moments are in the state."""
+    cfg = load_config(config, overrides)
+    if cfg.run.deterministic:
+        determinism.enable()
+    device = pick_device(cfg.train.device)
+    seed_everything(cfg.run.seed)
+    data = build_data(cfg.data)
+    model = build_model(cfg.model, data).to(device)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
+    precision = Precision(cfg.train.precision, device)
+    t = Trainer(cfg, model, data, optimizer, scheduler, precision, device)
+    batches = iter(train_loader(data.train, cfg.data.batch_size, cfg.run.seed, 0, 0, 2, False))
+    for _ in range(2):
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in next(batches).items()}
+        with precision.autocast():
+            loss = model(batch) / batch["n_targets"]
+        t.scaler.scale(loss).backward()
+        t.scaler.step(optimizer)
+        t.scaler.update()
+        scheduler.step()
+        if t.ema:
+            t.ema.update_parameters(model)
+        optimizer.zero_grad(set_to_none=True)
+    return t
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":  # queued kernels must not be billed to the save
+        torch.cuda.synchronize(device)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=5, help="timed saves of each kind (default: %(default)s)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (default: %(default)s)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layer=8")
+    args = p.parse_args(argv)
+    t = build_trainer(args.config, args.overrides)
+    meta = {"config_sha256": config_hash(t.cfg), "world_size": 1}
+    Path("runs").mkdir(exist_ok=True)
+    out = Path(tempfile.mkdtemp(prefix="bench-ckpt-stall-", dir="runs"))  # the disk real runs use
+    saver = AsyncSaver()
+    times: dict[str, list[float]] = {"sync": [], "async": [], "async_done": []}
+    try:
+        for rep in range(args.reps + 1):  # rep 0 warms up (allocator, page cache) and is not kept
+            step = rep + 1
+            # Interleaved, the order alternating, so drift in the machine hits both alike.
+            for kind in ("sync", "async") if rep % 2 else ("async", "sync"):
+                sync_device(t.device)
+                t0 = time.perf_counter()
+                if kind == "sync":
+                    checkpoint.save(out / "sync", step, capture(t), 1, meta)
+                    stall = time.perf_counter() - t0
+                else:
+                    saver.save(out / "async", step, capture(t), 1, meta)
+                    stall = time.perf_counter() - t0
+                    saver.wait()  # outside the stall: training would be running here
+                    if rep:
+                        times["async_done"].append(time.perf_counter() - t0)
+                if rep:
+                    times[kind].append(stall)
+        saver.close()
+        size = sum(f.stat().st_size for f in (out / "sync" / f"step_{args.reps + 1:08d}").iterdir())
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    device = str(t.device) if t.device.type != "cuda" else f"cuda ({torch.cuda.get_device_name(t.device)})"
+    n_params = sum(q.numel() for q in t.model.parameters())
+    print(f"checkpoint {size / 1e6:.1f} MB | {n_params:,} parameters | {device} | torch {torch.__version__} "
+          f"| {os.cpu_count()} CPUs | medians of {args.reps} saves each, interleaved")
+    print(f"{'training thread blocked by':<38}{'median ms':>10}{'min':>9}{'max':>9}")
+    rows = [("sync   checkpoint.save", "sync"), ("async  AsyncSaver.save (snapshot)", "async"),
+            ("async  save -> write done (not a stall)", "async_done")]
+    for label, k in rows:
+        print(f"{label:<38}{med[k]:>10.1f}{min(times[k]) * 1e3:>9.1f}{max(times[k]) * 1e3:>9.1f}")
+    print(f"stall ratio sync / async: {med['sync'] / med['async']:.1f}x")
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python -m bench.ckpt_stall", *(argv if argv is not None else sys.argv[1:])]),
+              "device": device, "torch": torch.__version__, "cpus": os.cpu_count(), "reps": args.reps,
+              "n_params": n_params, "ckpt_mb": round(size / 1e6, 2),
+              "median_ms": {k: round(v, 2) for k, v in med.items()},
+              "ratio_sync_over_async": round(med["sync"] / med["async"], 2)}
+    with open(RESULTS, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"appended to {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

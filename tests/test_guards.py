@@ -1,0 +1,186 @@
+"""Numerical and memory guards: a non-finite step is skipped (nothing moves), rolled back past
+(its data window never trained on), or aborts with a diagnostic; too many in a row give up; an
+out-of-memory halves the micro-batch and retries with the same global batch; one host read per
+optimizer step; determinism mode gives identical runs."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from conftest import ROOT, metrics, run_and_kill, run_train, summary
+from loop import checkpoint, guards
+
+STEPS = ["train.max_steps=20", "train.ckpt_every=5"]
+GB = 8  # global batch in samples: TINY's batch_size 4 x default grad_accum 2
+
+
+def state(out, step):
+    return torch.load(out / "checkpoints" / f"step_{step:08d}" / "state.pt", weights_only=True)
+
+
+def test_skip_leaves_everything_as_it_was(tmp_path, cache):
+    out = tmp_path / "run"
+    run_train(out, cache, "train.max_steps=12", "train.ckpt_every=1", "train.keep_last=20",
+              "ema.enabled=true", "faults.nan_at_step=7")
+    before, after = state(out, 6), state(out, 7)
+    for part in ("model", "optimizer", "scheduler", "ema"):
+        assert repr(before[part]) == repr(after[part]) or _equal(before[part], after[part]), part
+    assert after["progress"]["skipped"] == 1 and after["progress"]["samples"] == 7 * GB
+    recs = metrics(out)
+    assert [r["skipped"] for r in recs].count(True) == 1 and recs[6]["skipped"]
+    assert recs[7]["lr"] == recs[6]["lr"]  # the skipped step did not advance the schedule
+    assert summary(out)["skipped_steps"] == 1 and summary(out)["steps"] == 12
+
+
+def _equal(a, b) -> bool:
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache):
+    args = [cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13"]
+    ref, clean = tmp_path / "ref", tmp_path / "clean"
+    proc = run_train(ref, *args)
+    assert "rolled back to step 10" in proc.stderr and f"position {12 * GB}" in proc.stderr
+    run_train(clean, cache, *STEPS)  # the same run without the fault
+    recs, plain = metrics(ref), metrics(clean)
+    assert [r["step"] for r in recs] == list(range(1, 21))  # each step once in the log
+    assert [r["loss"] for r in recs[:12]] == [r["loss"] for r in plain[:12]]  # replay is exact
+    assert recs[12]["loss"] != plain[12]["loss"]  # step 13 trained on the next window instead
+    final = state(ref, 20)["progress"]
+    assert final["skip_windows"] == [12 * GB] and final["rollbacks"] == 1
+    assert final["samples"] == 21 * GB  # one window more was drawn than steps were taken
+    assert summary(ref)["rollbacks"] == 1 and summary(ref)["skipped_steps"] == 0
+    # A run killed after the rollback and rerun ends the same: the skip list is in the checkpoint.
+    out = tmp_path / "run"
+    run_and_kill(out, 17, *args)
+    run_train(out, *args)
+    assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
+
+
+def test_abort_names_step_and_micro_batch_and_saves_nothing_after(tmp_path, cache):
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "train.nan_policy=abort", "faults.nan_at_step=8",
+                     check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert "step 8: non-finite loss of micro-batch 0" in proc.stderr
+    assert "train.nan_policy=abort" in proc.stderr
+    assert [p.name for p in checkpoint.step_dirs(out / "checkpoints")] == ["step_00000005"]
+    assert not (out / "summary.json").exists()
+    assert [r["step"] for r in metrics(out)] == list(range(1, 8))  # finished steps are logged
+
+
+def test_too_many_bad_steps_in_a_row_gives_up(tmp_path, cache):
+    out = tmp_path / "run"  # an absurd LR makes every step after the first few non-finite
+    proc = run_train(out, cache, *STEPS, "optim.lr=1e20", "train.clip_grad=0",
+                     "train.max_bad_steps=3", check=False)
+    assert proc.returncode == 3
+    assert "4 bad steps in a row (train.max_bad_steps=3)" in proc.stderr
+
+
+def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
+    args = [cache, *STEPS, "data.batch_size=8", "train.grad_accum=1", "model.dropout=0"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, *args)
+    proc = run_train(out, *args, "faults.oom_at_step=6")
+    assert "step 6: out of memory; micro-batch 8 -> 4, accumulation x2" in proc.stderr
+    recs, plain = metrics(out), metrics(ref)
+    assert [r["micro_batch"] for r in recs] == [8] * 5 + [4] * 15
+    assert [r["tokens"] for r in recs] == [r["tokens"] for r in plain]  # same global batch
+    # Same samples, same maths; only the order of float additions differs (two partial sums
+    # instead of one), so losses agree to float32 rounding, not bit for bit.
+    for a, b in zip(recs, plain):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
+    assert state(out, 20)["progress"]["micro_split"] == 2  # a resume keeps the smaller size
+    assert summary(out)["micro_batch"] == 4
+
+
+def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "data.batch_size=1", "faults.oom_at_step=3", check=False)
+    assert proc.returncode == 3
+    assert "step 3: out of memory at micro-batch 1" in proc.stderr
+
+
+def test_oom_policy_abort(tmp_path, cache):
+    proc = run_train(tmp_path / "run", cache, *STEPS, "train.oom_policy=abort",
+                     "faults.oom_at_step=2", check=False)
+    assert proc.returncode == 3 and "train.oom_policy=abort" in proc.stderr
+
+
+@pytest.mark.parametrize("ema", [False, True])
+def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
+    """Count every tensor -> Python conversion during three steps of 4 micro-batches each."""
+    from types import SimpleNamespace
+
+    from data import build_data
+    from data.sampler import train_loader
+    from loop.config import load_config
+    from loop.optim import build_optimizer
+    from loop.precision import Precision
+    from loop.schedule import build_scheduler
+    from loop.trainer import Trainer
+    from model import build_model
+
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.tokens=4000",
+        "data.seq_len=16", "data.batch_size=2", "train.grad_accum=4", "model.n_layer=1",
+        "model.n_embd=16", "model.n_head=2", f"run.out_dir={tmp_path / 'run'}", f"ema.enabled={ema}"])
+    cpu = torch.device("cpu")
+    data = build_data(cfg.data)
+    model = build_model(cfg.model, data)
+    opt = build_optimizer(model, cfg.optim, cpu)
+    trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10),
+                      Precision("fp32", cpu), cpu)
+    trainer.log = SimpleNamespace(record=lambda *a: None)
+    loader = train_loader(data.train, 2, 0, 0, 0, 2, False)
+    trainer.batches = iter([b for b, _ in zip(loader, range(12))])  # loaded before counting
+    reads = []
+    for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
+        original = getattr(torch.Tensor, name)
+
+        def counted(self, *a, _original=original, _name=name, **k):
+            caller = sys._getframe(1).f_code.co_filename
+            reads.append("AveragedModel" if caller.endswith("swa_utils.py") else _name)
+            return _original(self, *a, **k)
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for _ in range(3):
+        trainer._step()
+    monkeypatch.undo()
+    assert trainer.progress.step == 3
+    # Ours: the finite check, once per optimizer step. With EMA, AveragedModel.update_parameters
+    # also reads its update counter twice; that counter lives on the CPU (loop/ema.py), so on a
+    # GPU these are host reads, not device syncs.
+    assert reads == ["tolist", *(["AveragedModel"] * 2 if ema else [])] * 3, reads
+
+
+def test_determinism_mode_gives_identical_runs(tmp_path, cache):
+    a, b = tmp_path / "a", tmp_path / "b"
+    for out in (a, b):
+        run_train(out, cache, "train.max_steps=10", "run.deterministic=true")
+    assert [r["loss"] for r in metrics(a)] == [r["loss"] for r in metrics(b)]
+    assert summary(a)["params_sha256"] == summary(b)["params_sha256"]
+    det = json.loads((a / "metadata.json").read_text())["determinism"]
+    assert det["deterministic"] and det["cublas_workspace_config"] == ":4096:8" and det["sdpa_math_only"]
+
+
+def test_faults_are_recorded_in_metadata(tmp_path, cache):
+    out = tmp_path / "run"
+    run_train(out, cache, "train.max_steps=3", "faults.nan_at_step=2")
+    assert json.loads((out / "metadata.json").read_text())["faults_injected"] == {"nan_at_step": 2}
+
+
+def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
+    assert guards.configure_allocator() == "expandable_segments:True"
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
+    monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # the user's choice stays
+    assert guards.configure_allocator() == "expandable_segments:False"
