@@ -107,6 +107,7 @@ class TrainConfig:
     eval_batches: int = _opt(10, min=1)
     ckpt_every: int = _opt(100, min=0)  # 0 = only at the end
     keep_last: int = _opt(3, min=1)  # newest checkpoints kept, plus the best one
+    async_save: bool = False  # copy state to CPU memory, write the checkpoint in a background thread
     best_metric: str = "val_loss"  # the validation metric that picks the best checkpoint
     best_mode: str = _opt("min", choices=("min", "max"))
     early_stop_patience: int = _opt(0, min=0)  # stop after this many evals without improvement; 0 = off

@@ -1,4 +1,4 @@
-"""Guards around the loop: preemption signals, out-of-memory, non-finite values.
+"""Guards around the loop: preemption signals, out-of-memory recovery, the non-finite policy.
 
 SIGTERM and SIGUSR1 (what SLURM and spot machines send before taking the machine) do not kill the
 run: the handler only raises a flag; the loop finishes the current optimizer step, writes a
@@ -13,6 +13,11 @@ import signal
 import sys
 
 import torch
+
+from loop import checkpoint
+from loop.errors import GaveUp
+from loop.metrics import MetricsLog
+from loop.state import restore
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a terminated job
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -51,6 +56,22 @@ def configure_allocator() -> str:
     return os.environ["PYTORCH_ALLOC_CONF"]
 
 
+def recover_from_oom(t) -> None:
+    """train.oom_policy: halve the micro-batch (the same batches are retried), or give up."""
+    p, b = t.progress, t.cfg.data.batch_size
+    size = -(-b // p.micro_split)
+    t.optimizer.zero_grad(set_to_none=True)
+    if t.device.type == "cuda":
+        torch.cuda.empty_cache()
+    if t.cfg.train.oom_policy == "abort" or size <= 1:
+        raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
+                     f"(train.oom_policy={t.cfg.train.oom_policy}); use a smaller "
+                     f"data.batch_size or model, or activation checkpointing.")
+    p.micro_split *= 2
+    print(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
+          f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
+
+
 # ---------------------------------------------------------------------------- non-finite values
 def describe_non_finite(step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor,
                         model: torch.nn.Module) -> str:
@@ -63,3 +84,39 @@ def describe_non_finite(step: int, micro_losses: torch.Tensor, grad_norm: torch.
              f"gradients of {', '.join(bad_grads[:5])}{' ...' if len(bad_grads) > 5 else ''}"
              if bad_grads else ""]
     return f"step {step}: non-finite " + "; ".join(p for p in parts if p)
+
+
+def on_non_finite(t, what: str) -> bool:
+    """Apply train.nan_policy to a non-finite step. True: record the step as skipped."""
+    tc, p = t.cfg.train, t.progress
+    t.bad_streak += 1
+    if tc.nan_policy == "abort" or t.bad_streak > tc.max_bad_steps:
+        why = "train.nan_policy=abort" if tc.nan_policy == "abort" else \
+            f"{t.bad_streak} bad steps in a row (train.max_bad_steps={tc.max_bad_steps})"
+        raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
+                     f"or check the data at sample position {p.samples}.")
+    print(f"warning: {what}; {tc.nan_policy}", file=sys.stderr)
+    if tc.nan_policy == "skip":
+        p.skipped += 1
+        return True
+    rollback(t)
+    return False
+
+
+def rollback(t) -> None:
+    """Back to the newest valid checkpoint; the bad step's data window is never trained on."""
+    bad, p = t.progress.samples, t.progress
+    carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
+    t.optimizer.zero_grad(set_to_none=True)
+    t.scaler.update()  # consume this step's inf checks before the scaler state is replaced
+    t.batches = None
+    if t.saver:
+        t.saver.wait()  # the newest checkpoint may still be being written
+    restore(t, checkpoint.newest_valid(t.ckpt_root))
+    p = t.progress
+    p.rollbacks, p.skip_windows, p.micro_split = carry
+    t.log.close()  # drops the records after the checkpoint, as a resume does
+    t.log = MetricsLog(t.out, p.step, p.tokens, t.cfg.train.max_steps)
+    t.batches = t._batches()
+    print(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
+          file=sys.stderr)

@@ -16,18 +16,20 @@ import os
 import signal
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from data.sampler import split_batch, train_loader, val_batches
 from loop import checkpoint, resume
+from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, config_hash, save as save_config
 from loop.ema import build_ema
-from loop.errors import GaveUp
 from loop.evaluate import val_loss
-from loop.guards import Preemption, describe_non_finite, worker_ignores_stop_signals
+from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
+                         worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog
 from loop.monitor import Monitor
@@ -51,6 +53,7 @@ class Trainer:
         self.log: MetricsLog | None = None
         self.mirror = None
         self.preempted = False
+        self.saver = AsyncSaver() if cfg.train.async_save else None
         self.bad_streak = 0  # non-finite steps in a row
         self.fired: set[str] = set()  # injected faults already fired in this process
 
@@ -98,6 +101,8 @@ class Trainer:
             preemption.close()
             self.batches = None  # shuts the DataLoader workers down
             self.log.flush()  # even on the way out of an error: every finished step is on disk
+            if self.saver:
+                self.saver.close()  # the last checkpoint is on disk before anything else
         return finish(self)
 
     def _batches(self):
@@ -119,7 +124,7 @@ class Trainer:
         micro = self._draw()
         n_targets = sum(b["n_targets"] for b in micro)  # counted on the CPU by the collate
         while (losses := self._forward_backward(micro, n_targets)) is None:
-            self._recover_from_oom()  # then retry the same batches in smaller pieces
+            recover_from_oom(self)  # then retry the same batches in smaller pieces
         self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
         params = [q for g in self.optimizer.param_groups for q in g["params"]]
         if tc.clip_grad > 0:
@@ -137,7 +142,7 @@ class Trainer:
             self.bad_streak = 0
         elif self.scaler.is_enabled() and loss_ok:
             p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
-        elif not self._non_finite(describe_non_finite(p.step + 1, losses, grad_norm, self.model), micro):
+        elif not on_non_finite(self, describe_non_finite(p.step + 1, losses, grad_norm, self.model)):
             return False
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
@@ -169,52 +174,6 @@ class Trainer:
             return None  # recover outside the except block: its traceback pins the tensors
         return torch.stack(losses)
 
-    def _recover_from_oom(self) -> None:
-        p, b = self.progress, self.cfg.data.batch_size
-        size = -(-b // p.micro_split)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        if self.cfg.train.oom_policy == "abort" or size <= 1:
-            raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
-                         f"(train.oom_policy={self.cfg.train.oom_policy}); use a smaller "
-                         f"data.batch_size or model, or activation checkpointing.")
-        p.micro_split *= 2
-        print(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
-              f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
-
-    def _non_finite(self, what: str, micro: list[dict]) -> bool:
-        """Apply train.nan_policy to a non-finite step. True: record the step as skipped."""
-        tc, p = self.cfg.train, self.progress
-        self.bad_streak += 1
-        if tc.nan_policy == "abort" or self.bad_streak > tc.max_bad_steps:
-            why = "train.nan_policy=abort" if tc.nan_policy == "abort" else \
-                f"{self.bad_streak} bad steps in a row (train.max_bad_steps={tc.max_bad_steps})"
-            raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
-                         f"or check the data at sample position {p.samples}.")
-        print(f"warning: {what}; {tc.nan_policy}", file=sys.stderr)
-        if tc.nan_policy == "skip":
-            p.skipped += 1
-            return True
-        self._rollback()
-        return False
-
-    def _rollback(self) -> None:
-        """Back to the newest valid checkpoint; the bad step's data window is never trained on."""
-        bad, p = self.progress.samples, self.progress
-        carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.update()  # consume this step's inf checks before the scaler state is replaced
-        self.batches = None
-        restore(self, checkpoint.newest_valid(self.ckpt_root))
-        p = self.progress
-        p.rollbacks, p.skip_windows, p.micro_split = carry
-        self.log.close()  # drops the records after the checkpoint, as a resume does
-        self.log = MetricsLog(self.out, p.step, p.tokens, self.cfg.train.max_steps)
-        self.batches = self._batches()
-        print(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
-              file=sys.stderr)
-
     def validate(self) -> float:
         return val_loss(self.ema.module if self.ema else self.model, self.val, self.precision, self.device)
 
@@ -236,10 +195,17 @@ class Trainer:
             midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         best = {f"step_{self.monitor.state.best_step:08d}"} if self.monitor.state.best_step else set()
         meta = {"config_sha256": config_hash(self.cfg), "world_size": 1}
-        path = checkpoint.save(self.ckpt_root, step, capture(self), self.cfg.train.keep_last, meta,
-                               best, midway)
+        args = (self.ckpt_root, step, capture(self), self.cfg.train.keep_last, meta, best, midway)
+        then = partial(self._saved, best=next(iter(best), None))
+        if self.saver:
+            self.saver.save(*args, then=then)  # returns once the state is copied
+        else:
+            then(checkpoint.save(*args))
+
+    def _saved(self, path: Path, best: str | None) -> None:
+        """After a checkpoint is complete (in the writer thread when saving asynchronously)."""
         if best:
-            atomic_write(self.ckpt_root / "best", best.pop().encode())
+            atomic_write(self.ckpt_root / "best", best.encode())
         if self.mirror:
             self.mirror.submit(path, {p.name for p in checkpoint.step_dirs(self.ckpt_root)})
 

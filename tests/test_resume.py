@@ -48,6 +48,15 @@ def test_kill_at_random_step_then_rerun(tmp_path, cache, reference, workers):
     assert_identical(reference, out, f"num_workers={workers}, killed at step {kill}")
 
 
+def test_async_save_kill_then_rerun(tmp_path, cache, reference):
+    # Checkpoints written by a background thread: a kill lands before, during or after a write.
+    kill = RNG.randint(12, 38)
+    out = tmp_path / "run"
+    run_and_kill(out, kill, cache, *STEPS, "train.async_save=true")
+    run_train(out, cache, *STEPS, "train.async_save=true")
+    assert_identical(reference, out, f"async_save, killed at step {kill}")
+
+
 def test_two_kills_in_one_run(tmp_path, cache, reference):
     first, second = RNG.randint(11, 22), RNG.randint(25, 38)
     out = tmp_path / "run"
