@@ -16,7 +16,7 @@ import sys
 from data import build_data
 from loop.config import load_config, parse_args
 from loop.device import pick_device
-from loop import determinism
+from loop import determinism, distributed
 from loop.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, BadInput, GaveUp
 from loop.guards import EXIT_PREEMPTED, configure_allocator
 from loop.optim import build_optimizer
@@ -32,22 +32,24 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(*parse_args(argv))
         if cfg.run.deterministic:
             determinism.enable()
-        device = pick_device(cfg.train.device)
-        if device.type == "cuda":
+        if pick_device(cfg.train.device).type == "cuda":
             print(f"CUDA allocator: {configure_allocator()}")  # before CUDA initialises
-        seed_everything(cfg.run.seed)
+        dist, device = distributed.init(cfg.train.device)
+        seed_everything(cfg.run.seed + dist.rank)  # DDP copies rank 0's initial weights to all
         data = build_data(cfg.data)
-        model = build_model(cfg.model, data).to(device)
+        model = distributed.wrap(build_model(cfg.model, data).to(device), dist, device)
         optimizer = build_optimizer(model, cfg.optim, device)
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
         precision = Precision(cfg.train.precision, device)
-        summary = Trainer(cfg, model, data, optimizer, scheduler, precision, device).run()
+        summary = Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist).run()
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_GAVE_UP
+    finally:
+        distributed.close()
     return EXIT_PREEMPTED if summary["preempted"] else 0
 
 

@@ -8,6 +8,7 @@ exactly the samples the uninterrupted run saw from there on, for any `num_worker
 from __future__ import annotations
 
 import hashlib
+import itertools
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
@@ -22,16 +23,26 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
 
 
 class StreamSampler(Sampler[int]):
-    """Endless dataset indices from global sample `start` on, epoch after epoch."""
+    """Endless dataset indices from global sample `start` on, epoch after epoch. With several
+    processes, each global micro-batch of `batch * world` samples is cut in `world` slices and
+    rank r takes slice r, so the samples of a step do not depend on how many processes share it."""
 
-    def __init__(self, n: int, seed: int, start: int = 0):
+    def __init__(self, n: int, seed: int, start: int = 0, batch: int = 1, rank: int = 0, world: int = 1):
         self.n, self.seed, self.start = n, seed, start
+        self.batch, self.rank, self.world = batch, rank, world
 
-    def __iter__(self):
+    def _global(self):
         epoch, i = divmod(self.start, self.n)
         while True:
             yield from epoch_order(self.n, self.seed, epoch)[i:].tolist()
             epoch, i = epoch + 1, 0
+
+    def __iter__(self):
+        if self.world == 1:
+            yield from self._global()  # endless: never falls through
+        stream, lo = self._global(), self.rank * self.batch
+        while True:
+            yield from list(itertools.islice(stream, self.batch * self.world))[lo : lo + self.batch]
 
 
 def collate(samples: list[dict]) -> dict:
@@ -54,9 +65,11 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
 
 
 def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_workers: int,
-                 prefetch_factor: int, pin_memory: bool, worker_init_fn=None) -> DataLoader:
+                 prefetch_factor: int, pin_memory: bool, worker_init_fn=None, rank: int = 0,
+                 world: int = 1) -> DataLoader:
+    sampler = StreamSampler(len(ds), seed, start, batch_size, rank, world)
     return DataLoader(
-        ds, batch_size=batch_size, sampler=StreamSampler(len(ds), seed, start), collate_fn=collate,
+        ds, batch_size=batch_size, sampler=sampler, collate_fn=collate,
         num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None, worker_init_fn=worker_init_fn,
         # Without its own generator the DataLoader draws a worker seed from the global torch RNG
@@ -65,8 +78,13 @@ def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_worker
     )
 
 
-def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int) -> list[dict]:
-    """A fixed validation set drawn by its own generator: same batches at every evaluation."""
+def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int, rank: int = 0,
+                world: int = 1) -> list[dict]:
+    """A fixed validation set drawn by its own generator: the same batches at every evaluation, and
+    the same set whatever the process count (rank r evaluates its slice of each global batch)."""
     g = torch.Generator().manual_seed(seed + 1)
-    idx = torch.randperm(len(ds), generator=g)[: batch_size * n_batches].tolist()
-    return [collate([ds[i] for i in idx[k : k + batch_size]]) for k in range(0, len(idx), batch_size)]
+    global_batch = batch_size * world
+    idx = torch.randperm(len(ds), generator=g)[: global_batch * n_batches].tolist()
+    mine = [i for k in range(0, len(idx), global_batch)
+            for i in idx[k : k + global_batch][rank * batch_size : (rank + 1) * batch_size]]
+    return [collate([ds[i] for i in mine[k : k + batch_size]]) for k in range(0, len(mine), batch_size)]

@@ -27,6 +27,7 @@ import torch
 import torch.nn as nn
 
 from loop.atomic import atomic_write, fsync_dir, write_synced
+from loop.distributed import Dist
 from loop.errors import BadInput
 
 MANIFEST = "manifest.json"
@@ -101,36 +102,45 @@ def to_bytes(obj) -> bytes:
 
 
 def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: dict,
-         keep: set[str] = frozenset(), midway: Callable[[], None] | None = None) -> Path:
+         keep: set[str] = frozenset(), midway: Callable[[], None] | None = None, dist=None) -> Path:
     """Write `files` (name -> object for torch.save) as checkpoint `step`; return its path.
 
-    `meta` (config hash, world size) goes into the manifest. Afterwards only the newest `keep_last`
-    checkpoints and those named in `keep` (the best one) remain."""
+    With several processes every rank calls this with its own files (rank 0: the shared state and
+    its RNG; rank r: its RNG); rank 0 writes the manifest over all of them and moves the directory
+    into place after every rank has written. `meta` (config hash, world size) goes into the
+    manifest. Afterwards only the newest `keep_last` checkpoints and those in `keep` remain."""
+    dist = dist or Dist()
     final = root / f"step_{step:08d}"
-    if final.exists() and verify(final) is None:
+    if dist.from_main(final.exists() and verify(final) is None):
         return final  # same step already saved complete (e.g. a finished run started again)
-    root.mkdir(parents=True, exist_ok=True)
-    for stale in root.glob(".tmp-*"):  # left by a write that was killed
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    tmp.mkdir()
-    manifest = {"step": step, **meta, "files": {}}
+    tmp = root / f".tmp-{final.name}"
+    if dist.main:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):  # left by a write that was killed
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir()
+    dist.barrier()
+    entries = {}
     for i, (name, obj) in enumerate(files.items()):
         data = to_bytes(obj)
         write_synced(tmp / name, data)
-        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        entries[name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
         if i == 0 and midway is not None:
             midway()
-    write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-    fsync_dir(tmp)
-    if final.exists():  # an invalid leftover at this step: replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    fsync_dir(root)
-    atomic_write(root / "latest", final.name.encode())
-    for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
-        if old.name not in keep:
-            shutil.rmtree(old, ignore_errors=True)
+    gathered = dist.gather_to_main(entries)
+    if dist.main:
+        manifest = {"step": step, **meta, "files": {k: v for e in gathered for k, v in e.items()}}
+        write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+        fsync_dir(tmp)
+        if final.exists():  # an invalid leftover at this step: replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        fsync_dir(root)
+        atomic_write(root / "latest", final.name.encode())
+        for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
     return final
 
 

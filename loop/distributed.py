@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from loop.device import pick_device
+from loop.errors import BadInput
 
 
 @dataclass
@@ -59,13 +60,28 @@ class Dist:
         dist.gather_object(obj, out, dst=0, group=self.cpu_group)
         return out
 
+    def on_main(self, fn):
+        """Run `fn` on rank 0 only and hand its result, or its BadInput, to every rank."""
+        out = None
+        if self.main:
+            try:
+                out = ("ok", fn())
+            except BadInput as e:
+                out = ("bad", str(e))
+        kind, value = self.from_main(out)
+        if kind == "bad":
+            raise BadInput(value)
+        return value
+
+    def say(self, *args, **kwargs) -> None:
+        """print on rank 0 only."""
+        if self.main:
+            print(*args, **kwargs, flush=True)
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.cpu_group)
 
-    def close(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def init(device_name: str) -> tuple[Dist, torch.device]:
@@ -83,3 +99,18 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
         dist.init_process_group("gloo")
         cpu_group = dist.group.WORLD
     return Dist(rank, local, world, cpu_group), device
+
+
+def wrap(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
+    """DDP with one process per device; the unwrapped model stays reachable as `.module`."""
+    if d.world == 1:
+        return model
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def close() -> None:
+    """Tear the process group down; safe to call on every exit path, with or without one."""
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -11,7 +11,8 @@ import torch.nn as nn
 
 
 @torch.no_grad()
-def val_loss(model: nn.Module, batches: list[dict], precision, device: torch.device) -> float:
+def val_loss(model: nn.Module, batches: list[dict], precision, device: torch.device, dist) -> float:
+    """Mean loss over the real targets of every rank's validation batches."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
@@ -21,7 +22,8 @@ def val_loss(model: nn.Module, batches: list[dict], precision, device: torch.dev
             total += model(batch).float()
         count += batch["n_targets"]
     model.train(was_training)
-    return (total / count).item()
+    total, count = dist.sum_(torch.stack([total, torch.tensor(float(count), device=device)])).tolist()
+    return total / count
 
 
 @torch.no_grad()

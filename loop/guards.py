@@ -16,7 +16,6 @@ import torch
 
 from loop import checkpoint
 from loop.errors import GaveUp
-from loop.metrics import MetricsLog
 from loop.state import restore
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a terminated job
@@ -112,11 +111,11 @@ def rollback(t) -> None:
     t.batches = None
     if t.saver:
         t.saver.wait()  # the newest checkpoint may still be being written
-    restore(t, checkpoint.newest_valid(t.ckpt_root))
+    restore(t, t.dist.on_main(lambda: checkpoint.newest_valid(t.ckpt_root)))
     p = t.progress
     p.rollbacks, p.skip_windows, p.micro_split = carry
-    t.log.close()  # drops the records after the checkpoint, as a resume does
-    t.log = MetricsLog(t.out, p.step, p.tokens, t.cfg.train.max_steps)
+    t.log.close()
+    t.open_log()  # drops the records after the checkpoint, as a resume does
     t.batches = t._batches()
     print(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
           file=sys.stderr)

@@ -85,3 +85,16 @@ class MetricsLog:
         self.file.close()
         if self.tb:
             self.tb.close()
+
+
+class NullLog:
+    """What ranks other than 0 log: nothing (rank 0 logs the global values)."""
+    last_loss = None
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args) -> None:
+        pass
+
+    scalar = text = flush = close = record

@@ -29,24 +29,27 @@ class Progress:
 
 
 def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
-    """Checkpoint files: shared state (rank 0) and this rank's RNG streams."""
+    """Checkpoint files: shared state (rank 0 only) and this rank's RNG streams."""
+    mine = {f"rng_rank{t.dist.rank}.pt": rng.capture()}
+    if not t.dist.main:
+        return mine
     return {
         "state.pt": {
-            "model": t.model.state_dict(), "optimizer": t.optimizer.state_dict(),
+            "model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict(),
             "scheduler": t.scheduler.state_dict(), "scaler": t.scaler.state_dict(),
             "ema": ema_state(t.ema) if t.ema else None,
             "monitor": t.monitor.state_dict(), "progress": asdict(t.progress),
-            "config": to_dict(t.cfg), "config_sha256": config_hash(t.cfg), "world_size": 1,
+            "config": to_dict(t.cfg), "config_sha256": config_hash(t.cfg), "world_size": t.dist.world,
         },
-        "rng_rank0.pt": rng.capture(),
+        **mine,
     }
 
 
 def restore(t, path: Path) -> None:
-    state = resume.load_model_state(path, t.model)
+    state = resume.load_model_state(path, t.raw)
     changed = changed_keys(state["config"], t.cfg)
     if changed:
-        print(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
+        t.dist.say(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
     t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     if state["scaler"]:  # empty when fp16 is off
@@ -55,13 +58,19 @@ def restore(t, path: Path) -> None:
         load_ema_state(t.ema, state["ema"])
     t.monitor.load_state_dict(state["monitor"])
     t.progress = Progress(**state["progress"])
-    rng.restore(checkpoint.load(path, "rng_rank0.pt"))  # last: nothing above draws from it
-    print(f"resumed from {path} at step {t.progress.step}")
+    mine = f"rng_rank{t.dist.rank}.pt"
+    if (path / mine).exists():
+        rng.restore(checkpoint.load(path, mine))  # last: nothing above draws from it
+    else:  # more processes than the run that saved it: this rank's streams start fresh
+        rng.seed_everything(t.cfg.run.seed + 1000 * t.progress.step + t.dist.rank)
+        print(f"note: rank {t.dist.rank}: {path} has no {mine} (saved with world size "
+              f"{state['world_size']}); its random streams start from a new seed")
+    t.dist.say(f"resumed from {path} at step {t.progress.step}")
 
 
 def warm_start(t, path: Path) -> None:
     """run.init_from: model weights only; optimizer, schedule and step start fresh."""
-    resume.load_model_state(resume.verified(path, "run.init_from"), t.model)
+    resume.load_model_state(resume.verified(path, "run.init_from"), t.raw)
     if t.ema:  # the average starts from the warm-start weights
-        t.ema.module.load_state_dict(t.model.state_dict())
-    print(f"initialised model weights from {path}")
+        t.ema.module.load_state_dict(t.raw.state_dict())
+    t.dist.say(f"initialised model weights from {path}")

@@ -15,6 +15,8 @@ from loop.evaluate import text_sample
 
 def finish(t) -> dict:  # t: loop.trainer.Trainer
     p, m = t.progress, t.monitor.state
+    if not t.dist.main:
+        return {"steps": p.step, "preempted": t.preempted}
     if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
         t.log.close()
         if t.mirror:
@@ -24,7 +26,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     val = t.last_eval[1] if t.last_eval and t.last_eval[0] == p.step else t.validate()
     summary = {
         "steps": p.step, "final_loss": t.log.last_loss, "val_loss": val,
-        "params_sha256": checkpoint.params_sha256(t.model), "wall_s": p.train_s,
+        "params_sha256": checkpoint.params_sha256(t.raw), "wall_s": p.train_s,
         "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
         "skipped_steps": p.skipped, "overflow_steps": p.overflows,
         "best": {"metric": t.monitor.metric, "value": m.best, "step": m.best_step},
@@ -32,8 +34,8 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         "rollbacks": p.rollbacks, "micro_batch": -(-t.cfg.data.batch_size // p.micro_split),
         "preempted": False, "precision": t.precision.name, "device": str(t.device),
         "optimal_loss": t.data.meta.get("optimal_loss"),
-        "sample": text_sample(t.ema.module if t.ema else t.model,
-                              t.val[0]["x"][:1, :8].to(t.device),  # (1, 8) prompt
+        "sample": text_sample(t.ema.module if t.ema else t.raw,
+                              t.data.val[0]["x"][None, :8].to(t.device),  # (1, 8) prompt
                               t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode),
     }
     if t.ema:
@@ -42,7 +44,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     t.log.close()
     if t.mirror:
         t.mirror.close()
-    export = {"model": t.model.state_dict(), "config": to_dict(t.cfg)}
+    export = {"model": t.raw.state_dict(), "config": to_dict(t.cfg)}
     if t.ema:
         export["ema"] = t.ema.module.state_dict()
     atomic_write(t.out / "model.pt", checkpoint.to_bytes(export))

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from functools import partial
 from pathlib import Path
 
@@ -31,15 +32,19 @@ from loop.evaluate import val_loss
 from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
                          worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
-from loop.metrics import MetricsLog
+from loop.distributed import Dist
+from loop.errors import BadInput
+from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
 from loop.state import Progress, capture, restore, warm_start
 from loop.summary import finish
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model, data, optimizer, scheduler, precision, device):
+    def __init__(self, cfg: Config, model, data, optimizer, scheduler, precision, device, dist=None):
         self.cfg, self.model, self.data, self.device = cfg, model, data, device
+        self.dist = dist or Dist()
+        self.raw = getattr(model, "module", model)  # unwrapped (DDP keeps it as .module)
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.scaler = precision.scaler
         self.out = Path(cfg.run.out_dir)
@@ -47,35 +52,41 @@ class Trainer:
         self.progress = Progress()
         tc = cfg.train
         self.monitor = Monitor(tc.best_metric, tc.best_mode, tc.early_stop_patience, tc.early_stop_min_delta)
-        self.ema = build_ema(model, cfg.ema)
-        self.val = val_batches(data.val, cfg.data.batch_size, tc.eval_batches, cfg.run.seed)
+        self.ema = build_ema(self.raw, cfg.ema)
+        self.val = val_batches(data.val, cfg.data.batch_size, tc.eval_batches, cfg.run.seed,
+                               self.dist.rank, self.dist.world)
         self.last_eval: tuple[int, float] | None = None
         self.log: MetricsLog | None = None
         self.mirror = None
         self.preempted = False
+        if cfg.train.async_save and self.dist.world > 1:
+            raise BadInput("config key train.async_save: not supported with several processes yet; "
+                           "expected false under torchrun.")
         self.saver = AsyncSaver() if cfg.train.async_save else None
         self.bad_streak = 0  # non-finite steps in a row
         self.fired: set[str] = set()  # injected faults already fired in this process
 
     def run(self) -> dict:
         cfg, tc = self.cfg, self.cfg.train
-        path = resume.choose(cfg.run.resume, self.ckpt_root, cfg.run.mirror)
+        path = self.dist.on_main(lambda: resume.choose(cfg.run.resume, self.ckpt_root, cfg.run.mirror))
         if path:
             restore(self, path)
         elif cfg.run.init_from:
             warm_start(self, Path(cfg.run.init_from))
-        if cfg.run.mirror:  # built before any write: a bad URL is bad input
+        if cfg.run.mirror and self.dist.main:  # built before any write: a bad URL is bad input
             from loop.mirror import Mirror
 
-            self.mirror = Mirror(cfg.run.mirror)
-        self.out.mkdir(parents=True, exist_ok=True)  # from here on, files are written
-        save_config(cfg, self.out / "config.yaml")
-        meta = collect_metadata(cfg, self.device, self.precision.name, 1, resumed_from=path)
-        atomic_write(self.out / "metadata.json", json.dumps(meta, indent=1).encode())
-        self.log = MetricsLog(self.out, self.progress.step, self.progress.tokens, tc.max_steps)
-        n_params = sum(p.numel() for p in self.model.parameters())
-        print(f"{n_params:,} parameters | {self.device} | {self.precision.name} | global batch "
-              f"{cfg.data.batch_size * tc.grad_accum} x {self.data.seq_len} tokens")
+            self.mirror = self.dist.on_main(lambda: Mirror(cfg.run.mirror))
+        if self.dist.main:  # from here on, files are written
+            self.out.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, self.out / "config.yaml")
+            meta = collect_metadata(cfg, self.device, self.precision.name, self.dist.world, path)
+            atomic_write(self.out / "metadata.json", json.dumps(meta, indent=1).encode())
+        self.open_log()
+        n_params = sum(p.numel() for p in self.raw.parameters())
+        self.dist.say(f"{n_params:,} parameters | {self.device} | {self.precision.name} | {self.dist.world} "
+                      f"process(es) | global batch {cfg.data.batch_size * tc.grad_accum * self.dist.world} "
+                      f"x {self.data.seq_len} tokens")
         if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
             self._save(0)  # something to roll back to before the first periodic checkpoint
         self.batches, preemption = self._batches(), Preemption()
@@ -85,6 +96,7 @@ class Trainer:
                 t0 = time.perf_counter()
                 if not self._step():
                     continue  # rolled back to a checkpoint
+                stop = self.dist.sum_host([float(preemption.signal is not None)])[0] > 0  # all agree
                 step, best = self.progress.step, False
                 if tc.eval_every and step % tc.eval_every == 0:
                     best = self._evaluate(step)
@@ -92,9 +104,9 @@ class Trainer:
                 if step % tc.log_every == 0 or done:
                     self.log.flush()
                 self.progress.train_s += time.perf_counter() - t0
-                if (tc.ckpt_every and step % tc.ckpt_every == 0) or done or best or preemption.signal:
+                if (tc.ckpt_every and step % tc.ckpt_every == 0) or done or best or stop:
                     self._save(step)
-                if preemption.signal:
+                if stop:
                     self.preempted = True
                     break
         finally:
@@ -105,51 +117,63 @@ class Trainer:
                 self.saver.close()  # the last checkpoint is on disk before anything else
         return finish(self)
 
+    def open_log(self) -> None:
+        """Metrics from rank 0 (the values are global); from the resume point on."""
+        log = MetricsLog if self.dist.main else NullLog
+        self.log = log(self.out, self.progress.step, self.progress.tokens, self.cfg.train.max_steps)
+
     def _batches(self):
         d = self.cfg.data
         return iter(train_loader(self.data.train, d.batch_size, self.cfg.run.seed, self.progress.samples,
                                  d.num_workers, d.prefetch_factor, d.pin_memory and self.device.type == "cuda",
-                                 worker_init_fn=worker_ignores_stop_signals))
+                                 worker_ignores_stop_signals, self.dist.rank, self.dist.world))
 
     def _draw(self) -> list[dict]:
         """The next optimizer step's batches, passing over windows a rollback marked as bad."""
         p, k = self.progress, self.cfg.train.grad_accum
         while p.samples in p.skip_windows:
-            p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k))
+            p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k)) * self.dist.world
         return [next(self.batches) for _ in range(k)]
 
     def _step(self) -> bool:
         """One optimizer step over train.grad_accum batches. False if it rolled back instead."""
         tc, p = self.cfg.train, self.progress
         micro = self._draw()
-        n_targets = sum(b["n_targets"] for b in micro)  # counted on the CPU by the collate
-        while (losses := self._forward_backward(micro, n_targets)) is None:
-            recover_from_oom(self)  # then retry the same batches in smaller pieces
+        # Targets in the whole step, all ranks: counted on the CPU by the collate, summed over ranks
+        # by a CPU collective, so the GPU stream is never waited on.
+        n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
+        while True:
+            losses = self._forward_backward(micro, n_targets)
+            if self.dist.sum_host([float(losses is None)])[0] == 0:  # no rank ran out of memory
+                break
+            recover_from_oom(self)  # every rank retries the same batches in smaller pieces
         self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
         params = [q for g in self.optimizer.param_groups for q in g["params"]]
         if tc.clip_grad > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.clip_grad)
         else:
             grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
-        step_loss = losses.sum() / n_targets
+        totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
+        step_loss = totals[0] / n_targets  # the true loss: all targets of all ranks
         lr = self.optimizer.param_groups[0]["lr"]
-        loss_ok, grad_ok = torch.stack([step_loss.isfinite(), grad_norm.isfinite()]).tolist()  # one read
+        loss_ok, grad_ok = torch.stack([step_loss.isfinite(), totals[1] == 0]).tolist()  # one read
         if loss_ok and grad_ok:
             self.scaler.step(self.optimizer)
             self.scheduler.step()  # the LR advances only on steps actually taken
             if self.ema:
-                self.ema.update_parameters(self.model)
+                self.ema.update_parameters(self.raw)
             self.bad_streak = 0
         elif self.scaler.is_enabled() and loss_ok:
             p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
-        elif not on_non_finite(self, describe_non_finite(p.step + 1, losses, grad_norm, self.model)):
+        elif not on_non_finite(self, describe_non_finite(p.step + 1, losses, grad_norm, self.raw)):
             return False
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         p.step += 1
-        p.samples += sum(len(b["idx"]) for b in micro)
+        p.samples += sum(len(b["idx"]) for b in micro) * self.dist.world
         p.tokens += n_targets
-        self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "skipped": not (loss_ok and grad_ok),
+        self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples,
+                         "skipped": not (loss_ok and grad_ok),
                          "micro_batch": -(-self.cfg.data.batch_size // p.micro_split)}, step_loss, grad_norm)
         return True
 
@@ -157,25 +181,32 @@ class Trainer:
         """Summed loss of each micro-batch, (n,) on the device; None if it ran out of memory."""
         p, faults = self.progress, self.cfg.faults
         losses = []
+        parts = [b for m in micro for b in split_batch(m, p.micro_split)]
         try:
-            for i, batch in enumerate(b for m in micro for b in split_batch(m, p.micro_split)):
+            for i, batch in enumerate(parts):
                 batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
                          for k, v in batch.items()}
+                # DDP: all-reduce gradients only after the last micro-batch's backward.
+                sync = i == len(parts) - 1 or self.dist.world == 1
+                no_sync = nullcontext() if sync else self.model.no_sync()
                 if i == 0 and _once(self, "oom", p.step + 1 == faults.oom_at_step):
                     raise torch.OutOfMemoryError(f"injected by faults.oom_at_step={faults.oom_at_step}")
-                with self.precision.autocast():
-                    loss = self.model(batch)  # summed over this micro-batch's targets
-                if i == 0 and _once(self, "nan", p.step + 1 == faults.nan_at_step):
-                    loss = loss * float("nan")
-                # Divide by the whole step's target count: the gradients then equal one big batch's.
-                self.scaler.scale(loss / n_targets).backward()
+                with no_sync:
+                    with self.precision.autocast():
+                        loss = self.model(batch)  # summed over this micro-batch's targets
+                    if i == 0 and _once(self, "nan", p.step + 1 == faults.nan_at_step):
+                        loss = loss * float("nan")
+                    # Divide by the step's target count over all ranks (times world: DDP averages
+                    # gradients over ranks): the gradients then equal one big batch's.
+                    self.scaler.scale(loss * (self.dist.world / n_targets)).backward()
                 losses.append(loss.detach().float())
         except torch.OutOfMemoryError:
             return None  # recover outside the except block: its traceback pins the tensors
         return torch.stack(losses)
 
     def validate(self) -> float:
-        return val_loss(self.ema.module if self.ema else self.model, self.val, self.precision, self.device)
+        model = self.ema.module if self.ema else self.raw
+        return val_loss(model, self.val, self.precision, self.device, self.dist)
 
     def _evaluate(self, step: int) -> bool:
         """Validation loss into the metrics; True if it is the best so far."""
@@ -194,13 +225,15 @@ class Trainer:
         if step == self.cfg.faults.kill_in_ckpt_at_step:
             midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
         best = {f"step_{self.monitor.state.best_step:08d}"} if self.monitor.state.best_step else set()
-        meta = {"config_sha256": config_hash(self.cfg), "world_size": 1}
+        meta = {"config_sha256": config_hash(self.cfg), "world_size": self.dist.world}
         args = (self.ckpt_root, step, capture(self), self.cfg.train.keep_last, meta, best, midway)
         then = partial(self._saved, best=next(iter(best), None))
         if self.saver:
             self.saver.save(*args, then=then)  # returns once the state is copied
         else:
-            then(checkpoint.save(*args))
+            path = checkpoint.save(*args, dist=self.dist)
+            if self.dist.main:
+                then(path)
 
     def _saved(self, path: Path, best: str | None) -> None:
         """After a checkpoint is complete (in the writer thread when saving asynchronously)."""
