@@ -194,7 +194,8 @@ class Trainer:
                 with no_sync:
                     with self.precision.autocast():
                         loss = self.model(batch)  # summed over this micro-batch's targets
-                    if i == 0 and _once(self, "nan", p.step + 1 == faults.nan_at_step):
+                    if i == 0 and _once(self, "nan", p.step + 1 == faults.nan_at_step
+                                        and faults.nan_rank in (-1, self.dist.rank)):
                         loss = loss * float("nan")
                     # Divide by the step's target count over all ranks (times world: DDP averages
                     # gradients over ranks): the gradients then equal one big batch's.

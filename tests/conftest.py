@@ -23,34 +23,56 @@ def cache(tmp_path_factory) -> str:
     return f"data.cache_dir={tmp_path_factory.mktemp('cache')}"
 
 
-def train_cmd(out: Path, *overrides: str) -> list[str]:
-    return [sys.executable, "train.py", f"run.out_dir={out}", *TINY, *overrides]
+def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> list[str]:
+    """python train.py ...; or, with nproc, the same under torchrun with nproc processes."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"] if nproc else [sys.executable]
+    return [*launcher, "train.py", f"run.out_dir={out}", *TINY, *overrides]
 
 
-def run_train(out: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(train_cmd(out, *overrides), cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+# Two processes share two cores: one thread each keeps them from fighting over them.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def run_train(out: Path, *overrides: str, check: bool = True, nproc: int = 0,
+              restarts: int = 0) -> subprocess.CompletedProcess:
+    proc = subprocess.run(train_cmd(out, *overrides, nproc=nproc, restarts=restarts), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env=ENV if nproc else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 
 def run_and_signal(out: Path, at_step: int, *overrides: str, sig: int = signal.SIGKILL,
-                   group: bool = False, repeat: int = 1) -> tuple[int, str]:
+                   group: bool = False, repeat: int = 1, nproc: int = 0) -> tuple[int, str]:
     """Start a run; once it reports `at_step`, send `sig` (`repeat` times; to the whole process
     group, as SLURM does, if `group`). Return its exit code and everything it printed."""
-    proc = subprocess.Popen(train_cmd(out, *overrides), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=group)
+    proc = subprocess.Popen(train_cmd(out, *overrides, nproc=nproc), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=group,
+                            env=ENV if nproc else None)
     seen = []
     for line in proc.stdout:
         seen.append(line)
         if line.startswith("step") and int(line.split()[1].split("/")[0]) >= at_step:
+            # torchrun's workers are not in its process group: signal each process of the job.
+            pids = [*descendants(proc.pid), proc.pid] if nproc else [proc.pid]
             for _ in range(repeat):
-                os.killpg(proc.pid, sig) if group else os.kill(proc.pid, sig)
+                for pid in pids:
+                    os.killpg(pid, sig) if group and pid == proc.pid else os.kill(pid, sig)
             break
     seen.append(proc.stdout.read())
     proc.wait(timeout=60)
     return proc.returncode, "".join(seen)
+
+
+def descendants(pid: int) -> list[int]:
+    """Child processes, grandchildren first (Linux /proc)."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(c) for c in f.read().split()]
+    except FileNotFoundError:
+        return []
+    return [d for k in kids for d in descendants(k)] + kids
 
 
 def run_and_kill(out: Path, at_step: int, *overrides: str) -> str:
