@@ -29,11 +29,11 @@ from loop.atomic import atomic_write
 from loop.config import Config, config_hash, save as save_config
 from loop.ema import build_ema
 from loop.evaluate import val_loss
+from loop.distributed import Dist
+from loop.errors import BadInput
 from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
                          worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
-from loop.distributed import Dist
-from loop.errors import BadInput
 from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
 from loop.state import Progress, capture, restore, warm_start
@@ -73,10 +73,8 @@ class Trainer:
             restore(self, path)
         elif cfg.run.init_from:
             warm_start(self, Path(cfg.run.init_from))
-        if cfg.run.mirror and self.dist.main:  # built before any write: a bad URL is bad input
-            from loop.mirror import Mirror
-
-            self.mirror = self.dist.on_main(lambda: Mirror(cfg.run.mirror))
+        if cfg.run.mirror:  # built before any write: a bad URL is bad input (on every rank)
+            self.dist.on_main(self._open_mirror)
         if self.dist.main:  # from here on, files are written
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out / "config.yaml")
@@ -116,6 +114,11 @@ class Trainer:
             if self.saver:
                 self.saver.close()  # the last checkpoint is on disk before anything else
         return finish(self)
+
+    def _open_mirror(self) -> None:
+        from loop.mirror import Mirror
+
+        self.mirror = Mirror(self.cfg.run.mirror)  # rank 0 only: it alone writes checkpoints
 
     def open_log(self) -> None:
         """Metrics from rank 0 (the values are global); from the resume point on."""

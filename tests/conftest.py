@@ -17,6 +17,18 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.seq_len=32
         "train.sample_tokens=16"]
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """In-process tests of tiny models: a second intra-op thread only adds sync cost, and on a
+    shared 2-core box spinning OpenMP threads can slow them down many times over."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> str:
     """One data cache for the whole session, so the corpus is prepared once."""

@@ -26,14 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 B, ACCUM, T, V = 8, 4, 12, 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices: a second intra-op thread only adds sync cost, and on a shared 2-core box
-    # spinning OpenMP threads can slow these tests down many times over.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_gpt_f64() -> GPT:

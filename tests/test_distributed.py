@@ -8,7 +8,6 @@ import os
 import re
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
@@ -43,10 +42,11 @@ def test_two_processes_equal_one_with_twice_the_batch(tmp_path, cache, two_proc)
 
 
 def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc):
-    out = tmp_path / "run"
-    code, printed = run_and_signal(out, 12, cache, *STEPS, nproc=2, group=True)
+    # With a mirror too: every rank takes part in deciding it, only rank 0 copies.
+    out, mirror = tmp_path / "run", f"run.mirror={tmp_path / 'bucket'}"
+    code, printed = run_and_signal(out, 12, cache, *STEPS, mirror, nproc=2, group=True)
     assert code == -signal.SIGKILL and not (out / "summary.json").exists(), printed
-    rerun = run_train(out, cache, *STEPS, nproc=2)
+    rerun = run_train(out, cache, *STEPS, mirror, nproc=2)
     assert "resumed from" in rerun.stdout and "at step 10" in rerun.stdout, rerun.stdout
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]

@@ -18,14 +18,7 @@ from model import build_model
 from model.gpt import GPT
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny matrices: a second intra-op thread only adds sync cost, and on a shared 2-core box
-    # spinning OpenMP threads can slow these tests down many times over.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gpt(V=16, T=8, L=2, H=2, C=32, dropout=0.0, bias=False, seed=0) -> GPT:
