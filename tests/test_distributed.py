@@ -101,3 +101,15 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     assert re.search(r"resumed from \S+ at step 10", printed), printed
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
+
+
+def test_oom_recovery_is_agreed_by_every_rank(tmp_path, cache, two_proc):
+    # The injected OOM fires on both ranks; they halve the micro-batch together and the run keeps
+    # the maths (float32 rounding only: two partial sums instead of one).
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "faults.oom_at_step=6", nproc=2)
+    assert "step 6: out of memory; micro-batch 4 -> 2" in proc.stderr
+    recs = metrics(out)
+    assert [r["micro_batch"] for r in recs] == [4] * 5 + [2] * 15
+    for x, y in zip(metrics(two_proc), recs):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), x["step"]
