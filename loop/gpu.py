@@ -37,10 +37,9 @@ class GpuSampler:
         self._stop = threading.Event()
         self._sampling = threading.Lock()  # sample_once() from the thread and from a caller take turns
         self._thread: threading.Thread | None = None
-        self._nvml = self._init(nvml, devices)
-        if self._nvml is None:
+        self._nvml = n = self._init(nvml, devices)
+        if n is None:
             return
-        n = self._nvml
         # Energy counter at start (mJ since driver load), or None: no counter here, integrate power.
         self._base: dict[int, float | None] = {
             i: _get(lambda h=h: float(n.nvmlDeviceGetTotalEnergyConsumption(h)))
