@@ -1,0 +1,67 @@
+"""MFU arithmetic on the scaffold's GPT equals a hand computation, and the peak table maps the device names torch reports to the right datasheet peaks."""
+from __future__ import annotations
+
+import pytest
+
+from loop.mfu import gpt_flops_per_token, mfu, peak_flops
+from model.gpt import GPT
+
+
+def test_gpt_flops_per_token_matches_hand_count():
+    V, T, L, H, C = 65, 64, 2, 4, 32
+    m = GPT(vocab_size=V, seq_len=T, n_layer=L, n_head=H, n_embd=C, dropout=0, bias=False)
+    # Parameters by hand (bias=False: LayerNorms have weights only; lm_head is tied to wte, counted once).
+    wte, wpe = 65 * 32, 64 * 32                                   # 2080, 2048
+    block = 32 + 32 + 32 * 96 + 32 * 32 + 32 * 128 + 128 * 32     # ln1, ln2, qkv, proj, fc, fc-proj = 12352
+    n_params = wte + wpe + 2 * block + 32                        # + ln_f = 28864
+    assert n_params == 28864 == sum(p.numel() for p in m.parameters())
+    assert wpe == m.wpe.weight.numel()
+    # 6*N with N = all params minus position embeddings, + 12*L*H*Q*T with Q = 32 // 4 = 8.
+    hand = 6 * (28864 - 2048) + 12 * 2 * 4 * 8 * 64              # 160896 + 49152
+    assert hand == 210048
+    got = gpt_flops_per_token(sum(p.numel() for p in m.parameters()), L, H, C, T, m.wpe.weight.numel())
+    assert got == hand
+
+
+def test_mfu_round_numbers():
+    assert mfu(2500.0, 2e8, 1e12) == 0.5          # 5e11 FLOP/s achieved of 1e12
+    assert mfu(1000.0, 1e9, 1e12) == 1.0
+    # 100k tok/s at 312 MFLOP/token on an A100 in bf16 (312 TFLOPS) is 10%.
+    assert mfu(1e5, 312e6, peak_flops("NVIDIA A100-SXM4-80GB", "bf16")) == pytest.approx(0.1, rel=1e-12)
+    assert mfu(1e5, 312e6, None) is None
+    assert mfu(1e5, 312e6, peak_flops("cpu", "fp32")) is None
+
+
+@pytest.mark.parametrize("name, precision, tflops", [
+    ("NVIDIA H100 80GB HBM3", "bf16", 989.4),     # the SXM part
+    ("NVIDIA H100 80GB HBM3", "tf32", 494.7),
+    ("NVIDIA H100 80GB HBM3", "fp32", 66.9),
+    ("NVIDIA H100 PCIe", "bf16", 756.5),
+    ("NVIDIA H100 PCIe", "fp16", 756.5),
+    ("NVIDIA H100 PCIe", "tf32", 378.0),
+    ("NVIDIA H100 PCIe", "fp32", 51.2),
+    ("NVIDIA H100 NVL", "bf16", 835.5),
+    ("NVIDIA H200", "bf16", 989.4),
+    ("NVIDIA H200 NVL", "bf16", 835.5),
+    ("NVIDIA A100-SXM4-80GB", "bf16", 312.0),
+    ("NVIDIA A100-SXM4-40GB", "tf32", 156.0),
+    ("NVIDIA A100 80GB PCIe", "fp16", 312.0),
+    ("NVIDIA A100-PCIE-40GB", "fp32", 19.5),
+    ("NVIDIA L4", "bf16", 121.0),
+    ("NVIDIA L4", "tf32", 60.0),
+    ("NVIDIA L4", "fp32", 30.3),
+    ("NVIDIA L40S", "bf16", 362.05),              # not mistaken for the L4
+    ("nvidia h100 pcie", "bf16", 756.5),          # case-insensitive
+])
+def test_peak_lookup_by_name(name, precision, tflops):
+    assert peak_flops(name, precision) == pytest.approx(tflops * 1e12, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", ["Tesla T4", "cpu", "", "NVIDIA A10G", "NVIDIA L40", "mps"])
+def test_unknown_device_is_none(name):
+    assert peak_flops(name, "bf16") is None
+
+
+def test_unknown_precision_is_refused():
+    with pytest.raises(ValueError, match="precision"):
+        peak_flops("NVIDIA H100 80GB HBM3", "fp8")
