@@ -1,6 +1,11 @@
 """Step metrics to three sinks: console (every log interval), `metrics.jsonl` (every optimizer
 step), and TensorBoard scalars under `tb/`.
 
+Every step's record has step, loss, lr, grad_norm, tokens, samples, skipped, data_ms (time the loop
+waited for data). The last record of each log interval adds the interval's tokens_per_s,
+samples_per_s, ms_per_step, data_wait_pct, MFU where the device's peak is known, and the host
+telemetry (CUDA memory, NVML readings). All values are global (rank 0 logs for all ranks).
+
 Per-step loss and grad norm stay on the device until `flush()`, which reads them all in one host
 transfer, so logging adds no sync per step. `metrics.jsonl` keeps losses at full float precision
 (Python's repr round-trips). On resume, records after the checkpoint's step are dropped (they will
@@ -27,8 +32,9 @@ def truncate_jsonl(path: Path, last_step: int) -> list[dict]:
 
 
 class MetricsLog:
-    def __init__(self, out_dir: Path, start_step: int, start_tokens: int, max_steps: int,
-                 tensorboard: bool = True):
+    def __init__(self, out_dir: Path, start_step: int, start_tokens: int, start_samples: int,
+                 max_steps: int, tensorboard: bool = True, telemetry=None, mfu=None):
+        """`telemetry()`: host readings for the interval (memory, GPU); `mfu(tokens_per_s)`."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.path, self.max_steps = out_dir / "metrics.jsonl", max_steps
@@ -37,7 +43,8 @@ class MetricsLog:
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
         self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
-        self.mark = (time.perf_counter(), start_step, start_tokens)  # (time, step, tokens) at last flush
+        self.telemetry, self.mfu = telemetry or dict, mfu or (lambda _: None)
+        self.mark = (time.perf_counter(), start_step, start_tokens, start_samples)  # at the last flush
 
     def record(self, fields: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         self.pending.append((fields, torch.stack([loss.float(), grad_norm.float()])))
@@ -58,26 +65,38 @@ class MetricsLog:
         if not self.pending:
             return
         values = torch.stack([v for _, v in self.pending]).tolist()  # the one host read
-        for (fields, _), (loss, gnorm) in zip(self.pending, values):
-            rec = {**fields, "loss": loss, "grad_norm": gnorm}
+        recs = [{**f, "loss": loss, "grad_norm": g} for (f, _), (loss, g) in zip(self.pending, values)]
+        recs[-1].update(self._interval(recs))  # rates over the interval, on its last step
+        for rec in recs:
             self.file.write(json.dumps(rec) + "\n")
             if self.tb:
-                for k in ("loss", "lr", "grad_norm"):
-                    self.tb.add_scalar(f"train/{k}", rec[k], rec["step"])
+                for k, v in rec.items():
+                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.tb.add_scalar(f"train/{k}", v, rec["step"])
         self.file.flush()
-        self._console(rec)
-        self.last_loss, self.pending = rec["loss"], []
+        self._console(recs[-1])
+        self.last_loss, self.pending = recs[-1]["loss"], []
+
+    def _interval(self, recs: list[dict]) -> dict:
+        now, (t0, s0, tok0, smp0) = time.perf_counter(), self.mark
+        last = recs[-1]
+        self.mark = (now, last["step"], last["tokens"], last["samples"])
+        dt, steps = max(now - t0, 1e-9), max(last["step"] - s0, 1)
+        out = {"tokens_per_s": (last["tokens"] - tok0) / dt, "samples_per_s": (last["samples"] - smp0) / dt,
+               "ms_per_step": 1000 * dt / steps,
+               "data_wait_pct": 100 * sum(r["data_ms"] for r in recs) / (1000 * dt)}
+        if (m := self.mfu(out["tokens_per_s"])) is not None:
+            out["mfu"] = m
+        return {**out, **self.telemetry()}
 
     def _console(self, rec: dict) -> None:
-        now, (t0, s0, tok0) = time.perf_counter(), self.mark
-        steps, tokens, dt = rec["step"] - s0, rec["tokens"] - tok0, max(now - t0, 1e-9)
-        self.mark = (now, rec["step"], rec["tokens"])
-        eta = (self.max_steps - rec["step"]) * dt / max(steps, 1)
-        if self.tb:
-            self.tb.add_scalar("train/tokens_per_s", tokens / dt, rec["step"])
+        eta = (self.max_steps - rec["step"]) * rec["ms_per_step"] / 1000
+        extra = f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        extra += f" | mem {rec['cuda_max_alloc_gb']:.1f} GB" if "cuda_max_alloc_gb" in rec else ""
         print(f"step {rec['step']:>6}/{self.max_steps} ({100 * rec['step'] / max(self.max_steps, 1):3.0f}%)"
               f" | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f}"
-              f" | {tokens / dt:,.0f} tok/s | {1000 * dt / max(steps, 1):.1f} ms/step"
+              f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['ms_per_step']:.1f} ms/step"
+              f" | data {rec['data_wait_pct']:.1f}%{extra}"
               f" | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
 
     def close(self) -> None:

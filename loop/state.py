@@ -1,5 +1,6 @@
 """What a checkpoint holds, gathered from the trainer's parts and put back into them.
 
+`save` writes a checkpoint of the trainer (rank 0 the shared state, every rank its RNG), and
 `capture` returns the checkpoint's files: `state.pt` (model with unwrapped keys, optimizer,
 scheduler, GradScaler, EMA, best/early-stop tracking, progress, config) and `rng_rank<r>.pt`
 (this rank's RNG streams). `restore` loads them in an order that matters: RNG streams last,
@@ -7,10 +8,17 @@ since building and loading the other parts may draw from them.
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 
+import torch
+
 from loop import checkpoint, resume, rng
+from loop.atomic import atomic_write
 from loop.config import changed_keys, config_hash, to_dict
 from loop.ema import ema_state, load_ema_state
 
@@ -74,3 +82,33 @@ def warm_start(t, path: Path) -> None:
     if t.ema:  # the average starts from the warm-start weights
         t.ema.module.load_state_dict(t.raw.state_dict())
     t.dist.say(f"initialised model weights from {path}")
+
+
+def save(t, step: int) -> None:
+    """Write checkpoint `step` (every rank takes part), then mark best / mirror it."""
+    t.log.flush()  # metrics up to this step must be on disk before the checkpoint counts
+    if not torch.stack([torch.isfinite(p).all() for p in t.model.parameters()]).all():
+        print(f"warning: step {step}: weights are not all finite; no checkpoint written",
+              file=sys.stderr)
+        return
+    midway = None
+    if step == t.cfg.faults.kill_in_ckpt_at_step:
+        midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+    best = {f"step_{t.monitor.state.best_step:08d}"} if t.monitor.state.best_step else set()
+    meta = {"config_sha256": config_hash(t.cfg), "world_size": t.dist.world}
+    args = (t.ckpt_root, step, capture(t), t.cfg.train.keep_last, meta, best, midway)
+    then = partial(_saved, t, best=next(iter(best), None))
+    if t.saver:
+        t.saver.save(*args, then=then)  # returns once the state is copied
+    else:
+        path = checkpoint.save(*args, dist=t.dist)
+        if t.dist.main:
+            then(path)
+
+
+def _saved(t, path: Path, best: str | None) -> None:
+    """After a checkpoint is complete (in the writer thread when saving asynchronously)."""
+    if best:
+        atomic_write(t.ckpt_root / "best", best.encode())
+    if t.mirror:
+        t.mirror.submit(path, {p.name for p in checkpoint.step_dirs(t.ckpt_root)})

@@ -19,6 +19,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         return {"steps": p.step, "preempted": t.preempted}
     if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
         t.log.close()
+        t.telemetry.close()
         if t.mirror:
             t.mirror.close()
         print(f"preempted at step {p.step}; checkpoint written to {t.ckpt_root}")
@@ -40,6 +41,9 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     }
     if t.ema:
         summary["ema_params_sha256"] = checkpoint.params_sha256(t.ema.module)
+    summary.update({k: v for k, v in t.telemetry.read().items()  # this session's energy and peak memory
+                    if k in ("energy_j", "cuda_max_alloc_gb")})
+    t.telemetry.close()
     t.log.text(p.step, "sample", summary["sample"] or "")
     t.log.close()
     if t.mirror:

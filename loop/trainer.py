@@ -12,12 +12,8 @@ as a pure function of the optimizer step (`loop.schedule`).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import sys
 import time
 from contextlib import nullcontext
-from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,7 +22,7 @@ from data.sampler import split_batch, train_loader, val_batches
 from loop import checkpoint, resume
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
-from loop.config import Config, config_hash, save as save_config
+from loop.config import Config, save as save_config
 from loop.ema import build_ema
 from loop.evaluate import val_loss
 from loop.distributed import Dist
@@ -36,8 +32,9 @@ from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
-from loop.state import Progress, capture, restore, warm_start
+from loop.state import Progress, restore, save, warm_start
 from loop.summary import finish
+from loop.telemetry import Telemetry
 
 
 class Trainer:
@@ -58,6 +55,7 @@ class Trainer:
         self.last_eval: tuple[int, float] | None = None
         self.log: MetricsLog | None = None
         self.mirror = None
+        self.telemetry: Telemetry | None = None  # rank 0 only
         self.preempted = False
         if cfg.train.async_save and self.dist.world > 1:
             raise BadInput("config key train.async_save: not supported with several processes yet; "
@@ -86,7 +84,7 @@ class Trainer:
                       f"process(es) | global batch {cfg.data.batch_size * tc.grad_accum * self.dist.world} "
                       f"x {self.data.seq_len} tokens")
         if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
-            self._save(0)  # something to roll back to before the first periodic checkpoint
+            save(self, 0)  # something to roll back to before the first periodic checkpoint
         self.batches, preemption = self._batches(), Preemption()
         try:
             self.model.train()
@@ -103,7 +101,7 @@ class Trainer:
                     self.log.flush()
                 self.progress.train_s += time.perf_counter() - t0
                 if (tc.ckpt_every and step % tc.ckpt_every == 0) or done or best or stop:
-                    self._save(step)
+                    save(self, step)
                 if stop:
                     self.preempted = True
                     break
@@ -122,8 +120,15 @@ class Trainer:
 
     def open_log(self) -> None:
         """Metrics from rank 0 (the values are global); from the resume point on."""
-        log = MetricsLog if self.dist.main else NullLog
-        self.log = log(self.out, self.progress.step, self.progress.tokens, self.cfg.train.max_steps)
+        p = self.progress
+        if not self.dist.main:
+            self.log = NullLog()
+            return
+        if self.telemetry is None:
+            self.telemetry = Telemetry(self.raw, self.cfg.model, self.data.seq_len, self.device,
+                                       self.precision.name, self.dist.world)
+        self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, self.cfg.train.max_steps,
+                              telemetry=self.telemetry.read, mfu=self.telemetry.mfu)
 
     def _batches(self):
         d = self.cfg.data
@@ -141,7 +146,9 @@ class Trainer:
     def _step(self) -> bool:
         """One optimizer step over train.grad_accum batches. False if it rolled back instead."""
         tc, p = self.cfg.train, self.progress
+        t = time.perf_counter()
         micro = self._draw()
+        data_ms = 1000 * (time.perf_counter() - t)  # waiting for the DataLoader
         # Targets in the whole step, all ranks: counted on the CPU by the collate, summed over ranks
         # by a CPU collective, so the GPU stream is never waited on.
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
@@ -176,7 +183,7 @@ class Trainer:
         p.samples += sum(len(b["idx"]) for b in micro) * self.dist.world
         p.tokens += n_targets
         self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples,
-                         "skipped": not (loss_ok and grad_ok),
+                         "skipped": not (loss_ok and grad_ok), "data_ms": data_ms,
                          "micro_batch": -(-self.cfg.data.batch_size // p.micro_split)}, step_loss, grad_norm)
         return True
 
@@ -218,33 +225,6 @@ class Trainer:
         self.log.scalar(step, "val_loss", val)
         self.last_eval = (step, val)
         return self.monitor.update(step, val)
-
-    def _save(self, step: int) -> None:
-        self.log.flush()  # metrics up to this step must be on disk before the checkpoint counts
-        if not torch.stack([torch.isfinite(p).all() for p in self.model.parameters()]).all():
-            print(f"warning: step {step}: weights are not all finite; no checkpoint written",
-                  file=sys.stderr)
-            return
-        midway = None
-        if step == self.cfg.faults.kill_in_ckpt_at_step:
-            midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-        best = {f"step_{self.monitor.state.best_step:08d}"} if self.monitor.state.best_step else set()
-        meta = {"config_sha256": config_hash(self.cfg), "world_size": self.dist.world}
-        args = (self.ckpt_root, step, capture(self), self.cfg.train.keep_last, meta, best, midway)
-        then = partial(self._saved, best=next(iter(best), None))
-        if self.saver:
-            self.saver.save(*args, then=then)  # returns once the state is copied
-        else:
-            path = checkpoint.save(*args, dist=self.dist)
-            if self.dist.main:
-                then(path)
-
-    def _saved(self, path: Path, best: str | None) -> None:
-        """After a checkpoint is complete (in the writer thread when saving asynchronously)."""
-        if best:
-            atomic_write(self.ckpt_root / "best", best.encode())
-        if self.mirror:
-            self.mirror.submit(path, {p.name for p in checkpoint.step_dirs(self.ckpt_root)})
 
 def _once(trainer: Trainer, fault: str, due: bool) -> bool:
     """A fault fires the first time its step is reached in a process (a rollback replays steps)."""

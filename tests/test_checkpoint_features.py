@@ -144,6 +144,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
     from loop.optim import build_optimizer
     from loop.precision import Precision
     from loop.schedule import build_scheduler
+    from loop.state import save
     from loop.trainer import Trainer
     from model import build_model
 
@@ -157,11 +158,11 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
     trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10),
                       Precision("fp32", torch.device("cpu")), torch.device("cpu"))
     trainer.log = SimpleNamespace(flush=lambda: None)
-    trainer._save(1)
+    save(trainer, 1)
     assert checkpoint.verify(trainer.ckpt_root / "step_00000001") is None  # finite: saved
     with torch.no_grad():
         model.blocks[0].mlp[0].weight[0, 0] = float("inf")
-    trainer._save(2)
+    save(trainer, 2)
     assert not (trainer.ckpt_root / "step_00000002").exists()
     assert "step 2: weights are not all finite" in capsys.readouterr().err
     assert json.loads((trainer.ckpt_root / "step_00000001" / "manifest.json").read_text())["world_size"] == 1

@@ -1,0 +1,47 @@
+"""What the loop reads from the host at each log interval: CUDA memory, NVML readings (GPU
+utilisation, memory, power, temperature, energy) and MFU. None of it touches the GPU stream:
+memory counters and NVML are host calls, and MFU is arithmetic on the measured tokens/s.
+
+MFU = tokens/s x model FLOPs per token / peak FLOP/s of all the run's devices; it is reported only
+for models with a FLOPs formula (the GPT, loop/mfu.py) on devices in the peak table.
+"""
+from __future__ import annotations
+
+import torch
+
+from loop.gpu import GpuSampler
+from loop.mfu import gpt_flops_per_token, peak_flops
+
+
+class Telemetry:
+    def __init__(self, model: torch.nn.Module, model_cfg, seq_len: int, device: torch.device,
+                 precision: str, world: int):
+        self.device = device
+        self.gpu = GpuSampler()  # says once that it is off on a machine without NVIDIA
+        self.flops = None
+        if hasattr(model, "wpe"):  # the GPT: 6N + attention, N without position embeddings
+            n = sum(p.numel() for p in model.parameters())
+            self.flops = gpt_flops_per_token(n, model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd,
+                                             seq_len, model.wpe.weight.numel())
+        if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+            precision = "tf32"
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        peak = peak_flops(name, precision)
+        self.peak = peak * world if peak else None  # every process drives one such device
+
+    def read(self) -> dict:
+        out = dict(self.gpu.read())
+        if self.device.type == "cuda":
+            gb = 1e9
+            out.update({"cuda_alloc_gb": torch.cuda.memory_allocated(self.device) / gb,
+                        "cuda_reserved_gb": torch.cuda.memory_reserved(self.device) / gb,
+                        "cuda_max_alloc_gb": torch.cuda.max_memory_allocated(self.device) / gb})
+        return out
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        if self.flops is None or self.peak is None:
+            return None
+        return tokens_per_s * self.flops / self.peak
+
+    def close(self) -> None:
+        self.gpu.close()
