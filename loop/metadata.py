@@ -1,13 +1,21 @@
-"""Run metadata (`metadata.json`): what code, config and machine produced this run.
+"""Run metadata (`metadata.json`, and inside every checkpoint): what code, config and machine
+produced this run.
 
-The git commit comes from the project's repository (or the GIT_COMMIT environment variable, for
-images built without .git). No environment variables are recorded.
+- code: the project's git commit, whether the tree is dirty, a hash of the diff (or the GIT_COMMIT
+  environment variable, for images built without .git);
+- config: its hash, the command line, start time, world size, injected faults, determinism settings;
+- machine: CPU model and cores, RAM, GPU names / count / memory, driver and CUDA versions, a hash
+  of the hostname (not the name), versions of python, torch and numpy;
+- environment: only variables that steer training (CUDA_*, NCCL_*, PYTORCH_*, OMP_*, SLURM_*, ...).
+  Anything that looks like a secret (*KEY*, *TOKEN*, *SECRET*, *PASSWORD*) is never written, and
+  such values on the command line are masked.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import platform
+import re
 import socket
 import subprocess
 import sys
@@ -22,35 +30,76 @@ from loop.config import config_hash
 from loop.determinism import in_effect
 
 ROOT = Path(__file__).resolve().parent.parent
+SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "OMP_", "MKL_", "SLURM_", "MASTER_",
+                "WORLD_SIZE", "RANK", "LOCAL_RANK", "CUBLAS_")
 
 
-def _git(*args: str) -> str | None:
+def _git(root: Path, *args: str) -> str | None:
     try:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return out.stdout if out.returncode == 0 else None
 
 
-def git_info() -> dict:
-    commit = (_git("rev-parse", "HEAD") or "").strip() or os.environ.get("GIT_COMMIT")
-    status = _git("status", "--porcelain")
-    diff = _git("diff", "HEAD")
+def git_info(root: Path = ROOT) -> dict:
+    commit = (_git(root, "rev-parse", "HEAD") or "").strip() or os.environ.get("GIT_COMMIT")
+    status = _git(root, "status", "--porcelain")
+    diff = _git(root, "diff", "HEAD")
     return {"commit": commit, "dirty": bool(status.strip()) if status is not None else None,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
 
 
+def safe_environment() -> dict:
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith(ENV_PREFIXES) and not SECRET.search(k)}
+
+
+def safe_argv() -> list[str]:
+    return [f"{a.partition('=')[0]}=***" if "=" in a and SECRET.search(a.partition("=")[0]) else a
+            for a in sys.argv]
+
+
+def hardware() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:  # Linux names the model here; platform.processor() is often empty
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    except (ValueError, OSError, AttributeError):
+        ram = None
+    gpus = [{"name": p.name, "memory_gb": p.total_memory / 1e9}
+            for p in map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))]
+    driver = None
+    if gpus:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            driver = pynvml.nvmlSystemGetDriverVersion()
+            pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001 -- NVML is optional; the driver version is a nicety
+            pass
+    return {"cpu": cpu, "cpu_cores": os.cpu_count(), "ram_gb": ram, "gpus": gpus,
+            "gpu_count": len(gpus), "driver": driver, "cuda": torch.version.cuda,
+            "host_sha256": hashlib.sha256(socket.gethostname().encode()).hexdigest()[:16],
+            "platform": platform.platform()}
+
+
 def collect(cfg, device: torch.device, precision: str, world_size: int, resumed_from=None) -> dict:
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     faults = {k: v for k, v in asdict(cfg.faults).items() if v != -1}
     return {
-        "git": git_info(), "config_sha256": config_hash(cfg), "argv": sys.argv,
+        "git": git_info(), "config_sha256": config_hash(cfg), "argv": safe_argv(),
+        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "faults_injected": faults or None, "determinism": in_effect(),
-        "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
-        "device": str(device), "gpu": gpu, "precision": precision,
-        "host_sha256": hashlib.sha256(socket.gethostname().encode()).hexdigest()[:16],
-        "cpu": platform.processor() or platform.machine(), "platform": platform.platform(),
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+        "device": str(device), "precision": precision, "hardware": hardware(),
+        "environment": safe_environment(),
+        # str(): torch.__version__ is a TorchVersion, which weights_only loading refuses
+        "versions": {"python": platform.python_version(), "torch": str(torch.__version__),
                      "numpy": np.__version__, "cuda": torch.version.cuda},
     }

@@ -48,6 +48,7 @@ def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
             "ema": ema_state(t.ema) if t.ema else None,
             "monitor": t.monitor.state_dict(), "progress": asdict(t.progress),
             "config": to_dict(t.cfg), "config_sha256": config_hash(t.cfg), "world_size": t.dist.world,
+            "metadata": t.metadata,
         },
         **mine,
     }

@@ -56,6 +56,7 @@ class Trainer:
         self.log: MetricsLog | None = None
         self.mirror = None
         self.telemetry: Telemetry | None = None  # rank 0 only
+        self.metadata: dict = {}  # rank 0 only; also goes into every checkpoint
         self.preempted = False
         if cfg.train.async_save and self.dist.world > 1:
             raise BadInput("config key train.async_save: not supported with several processes yet; "
@@ -76,8 +77,8 @@ class Trainer:
         if self.dist.main:  # from here on, files are written
             self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out / "config.yaml")
-            meta = collect_metadata(cfg, self.device, self.precision.name, self.dist.world, path)
-            atomic_write(self.out / "metadata.json", json.dumps(meta, indent=1).encode())
+            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world, path)
+            atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
         self.open_log()
         n_params = sum(p.numel() for p in self.raw.parameters())
         self.dist.say(f"{n_params:,} parameters | {self.device} | {self.precision.name} | {self.dist.world} "

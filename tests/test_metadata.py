@@ -1,0 +1,58 @@
+"""Run metadata: the git commit and dirty flag of a real repository, the hardware fingerprint, no
+secret-looking environment values or command-line values, and the metadata inside checkpoints."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import torch
+
+from conftest import run_train
+from loop import metadata
+
+
+def git(root, *args):
+    subprocess.run(["git", *args], cwd=root, check=True, capture_output=True)
+
+
+def test_commit_and_dirty_flag_in_a_temp_repo(tmp_path):
+    git(tmp_path, "init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git(tmp_path, "add", "a.txt")
+    git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True,
+                          text=True).stdout.strip()
+    clean = metadata.git_info(tmp_path)
+    assert clean == {"commit": head, "dirty": False, "diff_sha256": None}
+    (tmp_path / "a.txt").write_text("two\n")
+    dirty = metadata.git_info(tmp_path)
+    assert dirty["commit"] == head and dirty["dirty"] is True and len(dirty["diff_sha256"]) == 64
+    (tmp_path / "a.txt").write_text("three\n")
+    assert metadata.git_info(tmp_path)["diff_sha256"] != dirty["diff_sha256"]  # hash of the diff
+
+
+def test_no_secrets_and_the_hardware_is_described(tmp_path, cache, monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_API_KEY", "sk-not-for-logs-1")
+    monkeypatch.setenv("PYTORCH_HUB_TOKEN", "tok-not-for-logs-2")
+    monkeypatch.setenv("SLURM_DB_PASSWORD", "pw-not-for-logs-3")
+    monkeypatch.setenv("MY_SECRET", "s-not-for-logs-4")
+    out = tmp_path / "run"
+    run_train(out, cache, "train.max_steps=2", "train.ckpt_every=2")
+    text = (out / "metadata.json").read_text()
+    for secret in ("not-for-logs", "NCCL_API_KEY", "PYTORCH_HUB_TOKEN", "SLURM_DB_PASSWORD", "MY_SECRET"):
+        assert secret not in text, secret
+    meta = json.loads(text)
+    assert meta["environment"]["NCCL_DEBUG"] == "INFO"
+    hw = meta["hardware"]
+    assert hw["cpu_cores"] >= 1 and hw["ram_gb"] > 0.5 and hw["gpu_count"] == torch.cuda.device_count()
+    assert len(hw["host_sha256"]) == 16 and hw["cpu"]
+    state = torch.load(out / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
+    assert state["metadata"]["config_sha256"] == meta["config_sha256"]
+
+
+def test_secret_looking_values_on_the_command_line_are_masked(monkeypatch):
+    monkeypatch.setattr("sys.argv", ["train.py", "run.mirror=s3://b/x", "aws_secret_access_key=zzz",
+                                     "hf_token=yyy"])
+    assert metadata.safe_argv() == ["train.py", "run.mirror=s3://b/x", "aws_secret_access_key=***",
+                                    "hf_token=***"]
