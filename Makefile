@@ -10,9 +10,13 @@ ENV :=
 endif
 ARGS ?=
 
-.PHONY: train test clean
+.PHONY: train test profile clean
 train: $(ENV)
 	$(PYTHON) train.py $(ARGS)
+
+profile: $(ENV)
+	rm -rf runs/profile  # a fresh profile each time
+	$(PYTHON) train.py run.out_dir=runs/profile train.max_steps=8 train.profile=true $(ARGS)
 
 test: $(ENV)
 	$(PYTHON) -m pytest $(ARGS)

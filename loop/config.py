@@ -116,6 +116,7 @@ class TrainConfig:
     nan_policy: str = _opt("skip", choices=("skip", "rollback", "abort"))  # on a non-finite loss/grad
     max_bad_steps: int = _opt(5, min=1)  # skip/rollback give up after this many bad steps in a row
     oom_policy: str = _opt("split", choices=("split", "abort"))  # split: halve the micro-batch, retry
+    profile: bool = False  # profile steps 4-8 and print where the time goes (loop/profile.py)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+from torch.profiler import record_function
 
 from data.sampler import split_batch, train_loader, val_batches
 from loop import checkpoint, resume
@@ -32,6 +33,7 @@ from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
+from loop.profile import StepProfiler
 from loop.state import Progress, restore, save, warm_start
 from loop.summary import finish
 from loop.telemetry import Telemetry
@@ -87,12 +89,15 @@ class Trainer:
         if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
             save(self, 0)  # something to roll back to before the first periodic checkpoint
         self.batches, preemption = self._batches(), Preemption()
+        profiler = StepProfiler(self.out / "profile") if tc.profile and self.dist.main else None
         try:
             self.model.train()
             while self.progress.step < tc.max_steps and not self.monitor.state.stop_reason:
                 t0 = time.perf_counter()
                 if not self._step():
                     continue  # rolled back to a checkpoint
+                if profiler:
+                    profiler.step()
                 stop = self.dist.sum_host([float(preemption.signal is not None)])[0] > 0  # all agree
                 step, best = self.progress.step, False
                 if tc.eval_every and step % tc.eval_every == 0:
@@ -108,6 +113,8 @@ class Trainer:
                     break
         finally:
             preemption.close()
+            if profiler:
+                profiler.close()
             self.batches = None  # shuts the DataLoader workers down
             self.log.flush()  # even on the way out of an error: every finished step is on disk
             if self.saver:
@@ -148,7 +155,8 @@ class Trainer:
         """One optimizer step over train.grad_accum batches. False if it rolled back instead."""
         tc, p = self.cfg.train, self.progress
         t = time.perf_counter()
-        micro = self._draw()
+        with record_function("data"):
+            micro = self._draw()
         data_ms = 1000 * (time.perf_counter() - t)  # waiting for the DataLoader
         # Targets in the whole step, all ranks: counted on the CPU by the collate, summed over ranks
         # by a CPU collective, so the GPU stream is never waited on.
@@ -158,28 +166,29 @@ class Trainer:
             if self.dist.sum_host([float(losses is None)])[0] == 0:  # no rank ran out of memory
                 break
             recover_from_oom(self)  # every rank retries the same batches in smaller pieces
-        self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
-        params = [q for g in self.optimizer.param_groups for q in g["params"]]
-        if tc.clip_grad > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.clip_grad)
-        else:
-            grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
-        totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
-        step_loss = totals[0] / n_targets  # the true loss: all targets of all ranks
-        lr = self.optimizer.param_groups[0]["lr"]
-        loss_ok, grad_ok = torch.stack([step_loss.isfinite(), totals[1] == 0]).tolist()  # one read
-        if loss_ok and grad_ok:
-            self.scaler.step(self.optimizer)
-            self.scheduler.step()  # the LR advances only on steps actually taken
-            if self.ema:
-                self.ema.update_parameters(self.raw)
-            self.bad_streak = 0
-        elif self.scaler.is_enabled() and loss_ok:
-            p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
-        elif not on_non_finite(self, describe_non_finite(p.step + 1, losses, grad_norm, self.raw)):
-            return False
-        self.scaler.update()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
+            self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
+            params = [q for g in self.optimizer.param_groups for q in g["params"]]
+            if tc.clip_grad > 0:
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.clip_grad)
+            else:
+                grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
+            totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
+            step_loss = totals[0] / n_targets  # the true loss: all targets of all ranks
+            lr = self.optimizer.param_groups[0]["lr"]
+            loss_ok, grad_ok = torch.stack([step_loss.isfinite(), totals[1] == 0]).tolist()  # one read
+            if loss_ok and grad_ok:
+                self.scaler.step(self.optimizer)
+                self.scheduler.step()  # the LR advances only on steps actually taken
+                if self.ema:
+                    self.ema.update_parameters(self.raw)
+                self.bad_streak = 0
+            elif self.scaler.is_enabled() and loss_ok:
+                p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
+            elif not on_non_finite(self, describe_non_finite(p.step + 1, losses, grad_norm, self.raw)):
+                return False
+            self.scaler.update()
+            self.optimizer.zero_grad(set_to_none=True)
         p.step += 1
         p.samples += sum(len(b["idx"]) for b in micro) * self.dist.world
         p.tokens += n_targets
@@ -203,14 +212,15 @@ class Trainer:
                 if i == 0 and _once(self, "oom", p.step + 1 == faults.oom_at_step):
                     raise torch.OutOfMemoryError(f"injected by faults.oom_at_step={faults.oom_at_step}")
                 with no_sync:
-                    with self.precision.autocast():
+                    with self.precision.autocast(), record_function("forward"):
                         loss = self.model(batch)  # summed over this micro-batch's targets
                     if i == 0 and _once(self, "nan", p.step + 1 == faults.nan_at_step
                                         and faults.nan_rank in (-1, self.dist.rank)):
                         loss = loss * float("nan")
                     # Divide by the step's target count over all ranks (times world: DDP averages
                     # gradients over ranks): the gradients then equal one big batch's.
-                    self.scaler.scale(loss * (self.dist.world / n_targets)).backward()
+                    with record_function("backward"):
+                        self.scaler.scale(loss * (self.dist.world / n_targets)).backward()
                 losses.append(loss.detach().float())
         except torch.OutOfMemoryError:
             return None  # recover outside the except block: its traceback pins the tensors

@@ -1,0 +1,213 @@
+"""The end-of-run report: `report.md` with a table of what a run cost, plus PNG plots.
+
+    python -m loop.report RUN_DIR [RUN_DIR ...] [--out DIR] [--price-per-hour X] [--co2-g-per-kwh Y]
+
+Works on finished runs (with `summary.json`) and interrupted ones (killed, preempted: `metrics.jsonl`
+only). Several run dirs are overlaid: one line per run in each plot, one table row per run. The plots
+need matplotlib (`pip install '.[report]'`); without it the tables are still written, and the report
+says why the plots are missing. Exit codes: 0 written, 2 bad input (a RUN_DIR without metrics.jsonl).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import yaml
+
+from loop.atomic import atomic_write
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):  # absent or half-written: the report uses what else there is
+        return {}
+
+
+def _numbers(recs: list[dict], key: str) -> list[float]:
+    return [r[key] for r in recs if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
+def load_run(run_dir: Path) -> dict:
+    """Everything the report needs from one run directory, finished or not."""
+    recs = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            recs.append(json.loads(line))
+        except ValueError:  # a line cut short by a kill mid-write: the rest of the log still counts
+            pass
+    summ, meta = _json(run_dir / "summary.json"), _json(run_dir / "metadata.json")
+    try:  # only for the device, when metadata.json is missing
+        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        cfg = {}
+    last = recs[-1] if recs else {}
+    finished = "steps" in summ and not summ.get("preempted")
+    if finished:
+        wall = summ.get("wall_s") or 0.0
+    else:
+        # No summary: wall time is rebuilt from the log. Each interval's last record holds its mean
+        # ms_per_step over the steps since the previous such record, so their products add up to the
+        # training time (evals and checkpoints included, process startup not). Steps dropped by a
+        # resume (after the checkpoint) were truncated from the log and are not counted.
+        wall, prev = 0.0, 0
+        for r in (r for r in recs if "ms_per_step" in r):
+            wall, prev = wall + r["ms_per_step"] * max(r["step"] - prev, 0) / 1000, r["step"]
+    # energy_j is cumulative per training session and restarts at a resume: add up the last reading
+    # of each session (a drop marks a new one). summary.json has the final session's last reading.
+    sessions: list[float] = []
+    for e in _numbers(recs, "energy_j"):
+        if sessions and e >= sessions[-1]:
+            sessions[-1] = e
+        else:
+            sessions.append(e)
+    if isinstance(summ.get("energy_j"), (int, float)):
+        sessions[-1:] = [max(sessions[-1] if sessions else 0.0, summ["energy_j"])]
+    steps = summ.get("steps", last.get("step", 0)) if finished else last.get("step", 0)
+    tokens = summ.get("tokens", last.get("tokens", 0)) if finished else last.get("tokens", 0)
+    mem = _numbers(recs, "cuda_max_alloc_gb") + _numbers([summ], "cuda_max_alloc_gb")
+    mfu, vals = _numbers(recs, "mfu"), _numbers(recs, "val_loss") + _numbers([summ], "val_loss")
+    status = "finished" + (" (stopped early)" if summ.get("stopped_early") else "") if finished \
+        else f"interrupted at step {last.get('step', 0)}"
+    return {
+        "name": run_dir.name, "recs": recs, "status": status, "steps": steps, "tokens": tokens, "wall_s": wall,
+        "tokens_per_s": (summ.get("tokens_per_s") if finished else None) or (tokens / wall if wall else None),
+        "peak_gb": max(mem) if mem else None, "mfu": sum(mfu) / len(mfu) if mfu else None,
+        "kwh": sum(sessions) / 3.6e6 if sessions else None,
+        "final_loss": summ.get("final_loss") if finished else last.get("loss"),
+        "best_val": min(vals) if vals else None, "world": int(meta.get("world_size") or 1),
+        "device": meta.get("gpu") or meta.get("device") or summ.get("device")
+        or (cfg.get("train") or {}).get("device") or "unknown",
+    }
+
+
+def _price(price_per_hour: float | dict[str, float], device: str) -> float:
+    """A price per device-hour; a dict prices each device name (e.g. {"NVIDIA H100 80GB HBM3": 2.5,
+    "cpu": 0.05}), so runs on different hardware compared in one report are each costed right."""
+    if isinstance(price_per_hour, dict):
+        return float(price_per_hour.get(device, price_per_hour.get("default", 0.0)))
+    return float(price_per_hour)
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _hms(seconds: float) -> str:  # h:mm:ss
+    return f"{round(seconds) // 3600}:{round(seconds) % 3600 // 60:02d}:{round(seconds) % 60:02d}"
+
+
+def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_kwh: float) -> str:
+    head = ["run", "status", "device", "steps", "tokens", "wall time", "mean tokens/s", "peak memory GB",
+            "MFU", "energy kWh", "CO2 kg", "cost $", "final train loss", "best val loss"]
+    rows = []
+    for r in runs:
+        price = _price(price_per_hour, r["device"])
+        # Cost is what the hardware was rented for: every process holds one device for the wall time.
+        cost = r["wall_s"] / 3600 * r["world"] * price if price else None
+        co2 = r["kwh"] * co2_g_per_kwh / 1000 if r["kwh"] is not None else None
+        rows.append([r["name"], r["status"], f"{r['device']} x{r['world']}", str(r["steps"]),
+                     f"{r['tokens']:,}", _hms(r["wall_s"]), _fmt(r["tokens_per_s"], ",.0f"),
+                     _fmt(r["peak_gb"], ".2f"), "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
+                     _fmt(r["kwh"], ".4f"), _fmt(co2, ".4f"), _fmt(cost, ",.4f"),
+                     _fmt(r["final_loss"], ".4f"), _fmt(r["best_val"], ".4f")])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def plot(runs: list[dict], out_dir: Path) -> list[str]:
+    """One PNG per figure, one line per run; returns the file names written."""
+    import matplotlib
+    if "matplotlib.pyplot" not in sys.modules:
+        # Headless: never open a window. Not forced when pyplot is already in use (a notebook),
+        # because switching backends there closes the user's figures; Figure below needs no pyplot.
+        matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    def series(recs: list[dict], x: str, y: str) -> tuple[list, list]:
+        pts = [(r[x], r[y]) for r in recs if isinstance(r.get(y), (int, float)) and r.get(x) is not None]
+        return [p[0] for p in pts], [p[1] for p in pts]
+
+    figures = {  # name: (x key, [(y key, style suffix)], x label, y label, log y)
+        "loss_vs_step": ("step", [("loss", "train"), ("val_loss", "val")], "step", "loss", False),
+        "loss_vs_tokens": ("tokens", [("loss", "train"), ("val_loss", "val")], "tokens", "loss", False),
+        "lr": ("step", [("lr", "")], "step", "learning rate", False),
+        "tokens_per_s": ("step", [("tokens_per_s", "")], "step", "tokens/s (per log interval)", True),
+        "gpu_memory": ("step", [("cuda_max_alloc_gb", "")], "step", "peak CUDA memory allocated (GB)", False),
+    }
+    written = []
+    for name, (x, ys, xlabel, ylabel, logy) in figures.items():
+        if not any(series(r["recs"], x, y)[1] for r in runs for y, _ in ys):
+            continue  # e.g. no GPU memory on a CPU run: no empty plot
+        fig = Figure(figsize=(7, 4), dpi=110)
+        ax = fig.add_subplot()
+        for i, r in enumerate(runs):
+            color = f"C{i % 10}"  # one colour per run; train solid, val dashed with markers
+            for y, kind in ys:
+                xs, vs = series(r["recs"], x, y)
+                style = {"linestyle": "--", "marker": "o"} if kind == "val" else {"marker": "." if len(vs) < 30 else ""}
+                if vs:
+                    ax.plot(xs, vs, color=color, label=r["name"] + (f" {kind}" if kind else ""), **style)
+        ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel}")
+        if logy:
+            ax.set_yscale("log")
+        ax.xaxis.get_major_locator().set_params(integer=True)  # steps and tokens are counts
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+        fig.tight_layout()
+        fig.savefig(out_dir / f"{name}.png")
+        written.append(f"{name}.png")
+    return written
+
+
+def write_report(run_dirs: list[Path], out_dir: Path, price_per_hour: float | dict[str, float] = 0.0,
+                 co2_g_per_kwh: float = 400.0) -> Path:
+    """Read each run's metrics.jsonl (+ summary.json if it exists: a run without it is 'interrupted' and its
+    figures come from metrics.jsonl alone; + config.yaml/metadata.json if present for device name and world size),
+    write out_dir/report.md and, when matplotlib imports, PNGs (out_dir/loss_vs_step.png, loss_vs_tokens.png, lr.png,
+    tokens_per_s.png, and gpu_memory.png only if any record has cuda_max_alloc_gb); return the report.md path.
+    Several run dirs -> one plot per figure with one line per run (legend = run dir name), and one table row per run."""
+    run_dirs = [Path(d) for d in run_dirs]
+    for d in run_dirs:
+        if not (d / "metrics.jsonl").is_file():
+            raise FileNotFoundError(f"{d}: no metrics.jsonl, so not a run directory (or the run never logged a step)")
+    runs = [load_run(d) for d in run_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        names = plot(runs, out_dir)
+        plots = "\n\n".join(f"![{n[:-4]}]({n})" for n in names) or "No plottable records."
+    except ImportError:
+        plots = "Plots skipped: matplotlib is not installed (`pip install '.[report]'`)."
+    price = "per device " + json.dumps(price_per_hour) if isinstance(price_per_hour, dict) else f"${price_per_hour}"
+    md = (f"# Run report: {', '.join(r['name'] for r in runs)}\n\n{table(runs, price_per_hour, co2_g_per_kwh)}\n\n"
+          f"Wall time from summary.json (finished) or the sum of logged ms_per_step over each interval (interrupted). "
+          f"Cost = wall hours x world size x {price} per device-hour (n/a when no price is set). "
+          f"CO2 = kWh x {co2_g_per_kwh:g} g/kWh. Energy is NVML's reading (n/a without an NVIDIA GPU).\n\n"
+          f"## Plots\n\n{plots}\n")
+    path = out_dir / "report.md"
+    atomic_write(path, md.encode())  # written at the end of a run: a kill mid-write leaves the old one
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m loop.report", description=__doc__.splitlines()[0])
+    p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    p.add_argument("--out", type=Path, help="default: the run dir (one run) or reports/A_vs_B (several)")
+    p.add_argument("--price-per-hour", type=float, default=0.0, help="$ per device-hour (default 0: no cost)")
+    p.add_argument("--co2-g-per-kwh", type=float, default=400.0, help="grid carbon intensity (default 400)")
+    a = p.parse_args(argv)
+    out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else Path("reports") / "_vs_".join(d.name for d in a.run_dirs))
+    try:
+        path = write_report(a.run_dirs, out, a.price_per_hour, a.co2_g_per_kwh)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"report written: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,23 @@
+"""The profiler breakdown of a step: fractions for every region that sum to 1, and a trace file."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import run_train
+from loop.profile import REGIONS
+
+
+def test_profile_breakdown_names_every_region_and_sums_to_one(tmp_path, cache):
+    out = tmp_path / "run"
+    proc = run_train(out, cache, "train.max_steps=10", "train.profile=true")
+    parts = json.loads((out / "profile" / "breakdown.json").read_text())
+    assert set(parts) == {*REGIONS, "other"}
+    assert sum(parts.values()) == pytest.approx(1.0, abs=1e-9)
+    assert all(parts[r] > 0 for r in REGIONS), parts  # each region was seen in the profiled steps
+    assert parts["forward"] + parts["backward"] > parts["data"], parts
+    trace = json.loads((out / "profile" / "trace.json").read_text())
+    names = {e.get("name") for e in trace["traceEvents"]}
+    assert set(REGIONS) <= names
+    assert "step time breakdown" in proc.stdout

@@ -1,0 +1,142 @@
+"""The end-of-run report renders for a finished run, an interrupted run and both overlaid, with the
+numbers from their files (steps, tokens, status, cost by hand, energy n/a on CPU), real PNG plots,
+a CLI that exits 0 / 2, and tables (with the reason for no plots) when matplotlib is missing."""
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, metrics, run_and_kill, run_train, summary
+from loop.report import write_report
+
+PRICE = 36_000.0  # $ per device-hour: $10/s, so a test run of a second has a cost to 4 decimals
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, cache) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("report_runs")
+    fin, cut = base / "finished", base / "interrupted"
+    run_train(fin, cache, "train.max_steps=20", "train.log_every=5")
+    run_and_kill(cut, 12, cache, "train.max_steps=40", "train.log_every=5", "train.ckpt_every=10")
+    assert (fin / "summary.json").exists() and not (cut / "summary.json").exists()
+    return {"finished": fin, "interrupted": cut}
+
+
+def rows(md: str) -> dict[str, dict[str, str]]:
+    """The report's table as {run name: {column: cell}}."""
+    lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    head = [c.strip() for c in lines[0].strip("|").split("|")]
+    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
+    return {c[0]: dict(zip(head, c)) for c in cells}
+
+
+def hms(s: float) -> str:
+    s = round(s)
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+def assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", path
+    assert len(data) > 5000, (path, len(data))  # axes, ticks and lines, not a blank canvas
+
+
+def test_finished_run(runs, tmp_path):
+    fin = runs["finished"]
+    md = write_report([fin], tmp_path, price_per_hour=PRICE).read_text()
+    s, recs = summary(fin), metrics(fin)
+    row = rows(md)["finished"]
+    assert row["status"] == "finished"
+    assert row["steps"] == str(s["steps"]) == "20"
+    assert row["tokens"] == f"{s['tokens']:,}"
+    assert row["wall time"] == hms(s["wall_s"])
+    assert row["mean tokens/s"] == f"{s['tokens_per_s']:,.0f}"
+    assert row["cost $"] == f"{s['wall_s'] / 3600 * 1 * PRICE:,.4f}" != "0.0000"  # world size 1
+    assert row["energy kWh"] == row["CO2 kg"] == row["peak memory GB"] == "n/a"  # CPU: no NVML, no CUDA
+    assert row["final train loss"] == f"{s['final_loss']:.4f}"
+    assert row["best val loss"] == f"{min(r['val_loss'] for r in recs if 'val_loss' in r):.4f}"
+    for name in ("loss_vs_step", "loss_vs_tokens", "lr", "tokens_per_s"):
+        assert_png(tmp_path / f"{name}.png")
+        assert f"({name}.png)" in md
+    assert not (tmp_path / "gpu_memory.png").exists()  # no cuda_max_alloc_gb on CPU
+
+
+def test_interrupted_run(runs, tmp_path):
+    cut = runs["interrupted"]
+    md = write_report([cut], tmp_path, price_per_hour=PRICE).read_text()
+    recs = metrics(cut)
+    last = recs[-1]
+    row = rows(md)["interrupted"]
+    assert row["status"] == f"interrupted at step {last['step']}"
+    assert row["steps"] == str(last["step"]) and row["tokens"] == f"{last['tokens']:,}"
+    # Every interval is log_every=5 steps long, so the time is the sum of ms_per_step x 5.
+    wall = sum(r["ms_per_step"] * 5 for r in recs if "ms_per_step" in r) / 1000
+    assert [r["step"] for r in recs if "ms_per_step" in r] == list(range(5, last["step"] + 1, 5))
+    assert row["wall time"] == hms(wall)
+    assert row["cost $"] == f"{wall / 3600 * PRICE:,.4f}" != "0.0000"
+    assert row["mean tokens/s"] == f"{last['tokens'] / wall:,.0f}"
+    assert row["final train loss"] == f"{last['loss']:.4f}"
+    assert row["energy kWh"] == "n/a"
+    assert_png(tmp_path / "loss_vs_step.png")
+
+
+def test_two_runs_overlaid(runs, tmp_path):
+    single, both = tmp_path / "single", tmp_path / "both"
+    write_report([runs["finished"]], single)
+    md = write_report([runs["finished"], runs["interrupted"]], both).read_text()
+    table = rows(md)
+    assert list(table) == ["finished", "interrupted"]
+    assert table["finished"]["steps"] == "20" and table["interrupted"]["status"].startswith("interrupted at step")
+    assert table["finished"]["cost $"] == "n/a"  # no price given
+    for name in ("loss_vs_step", "loss_vs_tokens", "lr", "tokens_per_s"):
+        assert_png(both / f"{name}.png")
+    assert (both / "loss_vs_step.png").read_bytes() != (single / "loss_vs_step.png").read_bytes()
+
+
+def test_world_size_energy_and_memory_from_records(runs, tmp_path):
+    """GPU-only fields, written into a copy of the finished run: energy over two sessions, peak
+    memory, MFU, world size 2 and a per-device price."""
+    run = tmp_path / "gpu_run"
+    shutil.copytree(runs["finished"], run)
+    meta = json.loads((run / "metadata.json").read_text())
+    (run / "metadata.json").write_text(json.dumps({**meta, "world_size": 2, "gpu": "FakeGPU"}))
+    recs = metrics(run)
+    energy = iter([1000.0, 2000.0, 500.0, 1500.0])  # a resume after the second interval resets NVML's count
+    for r in recs:
+        if "ms_per_step" in r:
+            r.update(energy_j=next(energy), cuda_max_alloc_gb=r["step"] / 10, mfu=0.25)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    s = summary(run)
+    (run / "summary.json").write_text(json.dumps({**s, "energy_j": 1600.0}))
+    row = rows(write_report([run], tmp_path / "out", price_per_hour={"FakeGPU": 2.0}, co2_g_per_kwh=250).read_text())["gpu_run"]
+    kwh = (2000.0 + 1600.0) / 3.6e6
+    assert row["energy kWh"] == f"{kwh:.4f}" and row["CO2 kg"] == f"{kwh * 250 / 1000:.4f}"
+    assert row["peak memory GB"] == "2.00" and row["MFU"] == "25.0%"
+    assert row["cost $"] == f"{s['wall_s'] / 3600 * 2 * 2.0:,.4f}"
+    assert_png(tmp_path / "out" / "gpu_memory.png")
+
+
+def test_cli(runs, tmp_path):
+    ok = subprocess.run([sys.executable, "-m", "loop.report", str(runs["finished"]), "--out", str(tmp_path / "r"),
+                         "--price-per-hour", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert rows((tmp_path / "r" / "report.md").read_text())["finished"]["steps"] == "20"
+    empty = tmp_path / "not_a_run"
+    empty.mkdir()
+    bad = subprocess.run([sys.executable, "-m", "loop.report", str(runs["finished"]), str(empty)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2
+    assert str(empty) in bad.stderr and "metrics.jsonl" in bad.stderr
+
+
+def test_without_matplotlib(runs, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    md = write_report([runs["finished"], runs["interrupted"]], tmp_path).read_text()
+    assert "matplotlib is not installed" in md and "pip install '.[report]'" in md
+    assert rows(md)["finished"]["steps"] == "20"
+    assert not list(tmp_path.glob("*.png"))
