@@ -128,6 +128,14 @@ class EmaConfig:
 
 
 @dataclass
+class ReportConfig:
+    """The end-of-run report (report.md + plots): what a device-hour costs and the grid's CO2."""
+    price_per_hour: float = _opt(0.0, min=0.0)  # $ per device-hour; 0 = not reported
+    co2_g_per_kwh: float = _opt(400.0, min=0.0)
+    plots: bool = True  # PNG plots with report.md (matplotlib); the tables are written either way
+
+
+@dataclass
 class FaultsConfig:
     """Deliberate faults for tests and fire drills; -1 = off."""
     nan_at_step: int = -1  # make the loss non-finite the first time this step is reached
@@ -145,6 +153,7 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ema: EmaConfig = field(default_factory=EmaConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
 
 

@@ -163,7 +163,7 @@ def plot(runs: list[dict], out_dir: Path) -> list[str]:
 
 
 def write_report(run_dirs: list[Path], out_dir: Path, price_per_hour: float | dict[str, float] = 0.0,
-                 co2_g_per_kwh: float = 400.0) -> Path:
+                 co2_g_per_kwh: float = 400.0, plots: bool = True) -> Path:
     """Read each run's metrics.jsonl (+ summary.json if it exists: a run without it is 'interrupted' and its
     figures come from metrics.jsonl alone; + config.yaml/metadata.json if present for device name and world size),
     write out_dir/report.md and, when matplotlib imports, PNGs (out_dir/loss_vs_step.png, loss_vs_tokens.png, lr.png,
@@ -176,11 +176,14 @@ def write_report(run_dirs: list[Path], out_dir: Path, price_per_hour: float | di
     runs = [load_run(d) for d in run_dirs]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    try:
-        names = plot(runs, out_dir)
-        plots = "\n\n".join(f"![{n[:-4]}]({n})" for n in names) or "No plottable records."
-    except ImportError:
-        plots = "Plots skipped: matplotlib is not installed (`pip install '.[report]'`)."
+    if not plots:
+        plots = "Plots off (report.plots=false); `python -m loop.report RUN_DIR` draws them."
+    else:
+        try:
+            names = plot(runs, out_dir)
+            plots = "\n\n".join(f"![{n[:-4]}]({n})" for n in names) or "No plottable records."
+        except ImportError:
+            plots = "Plots skipped: matplotlib is not installed (`pip install '.[report]'`)."
     price = "per device " + json.dumps(price_per_hour) if isinstance(price_per_hour, dict) else f"${price_per_hour}"
     md = (f"# Run report: {', '.join(r['name'] for r in runs)}\n\n{table(runs, price_per_hour, co2_g_per_kwh)}\n\n"
           f"Wall time from summary.json (finished) or the sum of logged ms_per_step over each interval (interrupted). "

@@ -1,4 +1,5 @@
-"""The end of a run: `summary.json`, the exported weights (`model.pt`), the text sample.
+"""The end of a run: `summary.json`, the exported weights (`model.pt`), the text sample, and the
+report (`report.md` + plots, loop/report.py).
 
 A preempted run skips all of it and exits fast: its checkpoint is written, and rerunning the same
 command finishes the job and writes these then.
@@ -6,11 +7,13 @@ command finishes the job and writes these then.
 from __future__ import annotations
 
 import json
+import sys
 
 from loop import checkpoint
 from loop.atomic import atomic_write
 from loop.config import to_dict
 from loop.evaluate import text_sample
+from loop.report import write_report
 
 
 def finish(t) -> dict:  # t: loop.trainer.Trainer
@@ -53,6 +56,11 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         export["ema"] = t.ema.module.state_dict()
     atomic_write(t.out / "model.pt", checkpoint.to_bytes(export))
     atomic_write(t.out / "summary.json", json.dumps(summary, indent=1).encode())
+    try:  # the run itself is done and saved: a report that cannot be drawn must not fail it
+        r = t.cfg.report
+        write_report([t.out], t.out, r.price_per_hour, r.co2_g_per_kwh, r.plots)
+    except Exception as e:  # noqa: BLE001
+        print(f"warning: report not written ({type(e).__name__}: {e})", file=sys.stderr)
     print(f"done: {p.step} steps | loss "
           f"{summary['final_loss']} | val {val:.4f} | params {summary['params_sha256'][:16]} | {t.out}")
     return summary

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The default config, shrunk so a 40-step run takes about a second after startup.
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.seq_len=32",
         "data.batch_size=4", "train.log_every=1", "train.eval_every=10", "train.eval_batches=2",
-        "train.sample_tokens=16"]
+        "train.sample_tokens=16", "report.plots=false"]  # plots: tests/test_report.py
 
 
 @pytest.fixture(scope="module")

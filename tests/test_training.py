@@ -42,6 +42,8 @@ def test_run_directory_contract(tmp_path, cache):
     assert set(torch.load(ckpt / "rng_rank0.pt", weights_only=True)) >= {"python", "numpy", "torch"}
     assert not any(k.startswith(("module.", "_orig_mod.")) for k in state["model"])
     assert (out / "checkpoints" / "latest").read_text() == "step_00000020"
+    report = (out / "report.md").read_text()  # written at the end of every run
+    assert "| run | finished | cpu x1 | 20 | 5,120 |" in report, report
 
 
 def test_markov_reaches_its_entropy_rate(tmp_path, cache):
