@@ -43,6 +43,15 @@ class Preemption:
             signal.signal(s, handler)
 
 
+def fire_once(fired: set[str], fault: str, due: bool) -> bool:
+    """An injected fault fires the first time its step is reached in a process (a rollback
+    replays steps, and must not meet the same fault again)."""
+    if due and fault not in fired:
+        fired.add(fault)
+        return True
+    return False
+
+
 # ---------------------------------------------------------------------------- out of memory
 def configure_allocator() -> str:
     """Turn on expandable segments (less fragmentation, so fewer OOMs after a batch-size change)

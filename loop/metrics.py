@@ -51,15 +51,20 @@ class MetricsLog:
 
     def scalar(self, step: int, name: str, value: float) -> None:
         """A value known on the host now (e.g. val loss): merged into that step's record."""
-        for fields, _ in reversed(self.pending):
-            if fields["step"] == step:
-                fields[name] = value
+        self._merge(step, name, value)
         if self.tb:
             self.tb.add_scalar(name.replace("_", "/", 1), value, step)
 
     def text(self, step: int, name: str, value: str) -> None:
+        """A text (e.g. a model sample): into that step's record and TensorBoard's text tab."""
+        self._merge(step, name, value)
         if self.tb:
             self.tb.add_text(name, value, step)
+
+    def _merge(self, step: int, name: str, value) -> None:
+        for fields, _ in reversed(self.pending):
+            if fields["step"] == step:
+                fields[name] = value
 
     def flush(self) -> None:
         if not self.pending:

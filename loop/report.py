@@ -72,7 +72,8 @@ def load_run(run_dir: Path) -> dict:
     status = "finished" + (" (stopped early)" if summ.get("stopped_early") else "") if finished \
         else f"interrupted at step {last.get('step', 0)}"
     return {
-        "name": run_dir.name, "recs": recs, "status": status, "steps": steps, "tokens": tokens, "wall_s": wall,
+        "name": run_dir.name, "recs": recs, "status": status,
+        "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None, "steps": steps, "tokens": tokens, "wall_s": wall,
         "tokens_per_s": (summ.get("tokens_per_s") if finished else None) or (tokens / wall if wall else None),
         "peak_gb": max(mem) if mem else None, "mfu": sum(mfu) / len(mfu) if mfu else None,
         "kwh": sum(sessions) / 3.6e6 if sessions else None,
@@ -189,10 +190,23 @@ def write_report(run_dirs: list[Path], out_dir: Path, price_per_hour: float | di
           f"Wall time from summary.json (finished) or the sum of logged ms_per_step over each interval (interrupted). "
           f"Cost = wall hours x world size x {price} per device-hour (n/a when no price is set). "
           f"CO2 = kWh x {co2_g_per_kwh:g} g/kWh. Energy is NVML's reading (n/a without an NVIDIA GPU).\n\n"
-          f"## Plots\n\n{plots}\n")
+          f"## Plots\n\n{plots}\n{samples(runs)}")
     path = out_dir / "report.md"
     atomic_write(path, md.encode())  # written at the end of a run: a kill mid-write leaves the old one
     return path
+
+
+def samples(runs: list[dict]) -> str:
+    """The newest text sample of each run (from its last evaluation, or summary.json)."""
+    out = []
+    for r in runs:
+        found = [(x["step"], x["sample"]) for x in r["recs"] if x.get("sample")]
+        if r["final_sample"]:
+            found.append(r["final_sample"])
+        if found:
+            step, text = found[-1]
+            out.append(f"**{r['name']}**, step {step}:\n\n```\n{text}\n```")
+    return "\n## Samples\n\n" + "\n\n".join(out) + "\n" if out else ""
 
 
 def main(argv: list[str] | None = None) -> int:

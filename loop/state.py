@@ -55,6 +55,7 @@ def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
 
 
 def restore(t, path: Path) -> None:
+    t.dist.say(f"loading checkpoint {path} ...")
     state = resume.load_model_state(path, t.raw)
     changed = changed_keys(state["config"], t.cfg)
     if changed:

@@ -12,7 +12,6 @@ import sys
 from loop import checkpoint
 from loop.atomic import atomic_write
 from loop.config import to_dict
-from loop.evaluate import text_sample
 from loop.report import write_report
 
 
@@ -38,9 +37,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         "rollbacks": p.rollbacks, "micro_batch": -(-t.cfg.data.batch_size // p.micro_split),
         "preempted": False, "precision": t.precision.name, "device": str(t.device),
         "optimal_loss": t.data.meta.get("optimal_loss"),
-        "sample": text_sample(t.ema.module if t.ema else t.raw,
-                              t.data.val[0]["x"][None, :8].to(t.device),  # (1, 8) prompt
-                              t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode),
+"sample": t.sample(),
     }
     if t.ema:
         summary["ema_params_sha256"] = checkpoint.params_sha256(t.ema.module)

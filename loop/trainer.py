@@ -25,11 +25,11 @@ from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
 from loop.ema import build_ema
-from loop.evaluate import val_loss
+from loop.evaluate import text_sample, val_loss
 from loop.distributed import Dist
 from loop.errors import BadInput
-from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
-                         worker_ignores_stop_signals)
+from loop.guards import (Preemption, describe_non_finite, fire_once, on_non_finite,
+                         recover_from_oom, worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
@@ -209,12 +209,12 @@ class Trainer:
                 # DDP: all-reduce gradients only after the last micro-batch's backward.
                 sync = i == len(parts) - 1 or self.dist.world == 1
                 no_sync = nullcontext() if sync else self.model.no_sync()
-                if i == 0 and _once(self, "oom", p.step + 1 == faults.oom_at_step):
+                if i == 0 and fire_once(self.fired, "oom", p.step + 1 == faults.oom_at_step):
                     raise torch.OutOfMemoryError(f"injected by faults.oom_at_step={faults.oom_at_step}")
                 with no_sync:
                     with self.precision.autocast(), record_function("forward"):
                         loss = self.model(batch)  # summed over this micro-batch's targets
-                    if i == 0 and _once(self, "nan", p.step + 1 == faults.nan_at_step
+                    if i == 0 and fire_once(self.fired, "nan", p.step + 1 == faults.nan_at_step
                                         and faults.nan_rank in (-1, self.dist.rank)):
                         loss = loss * float("nan")
                     # Divide by the step's target count over all ranks (times world: DDP averages
@@ -234,12 +234,13 @@ class Trainer:
         """Validation loss into the metrics; True if it is the best so far."""
         val = self.validate()
         self.log.scalar(step, "val_loss", val)
+        if self.dist.main and (sample := self.sample()):
+            self.log.text(step, "sample", sample)
         self.last_eval = (step, val)
         return self.monitor.update(step, val)
 
-def _once(trainer: Trainer, fault: str, due: bool) -> bool:
-    """A fault fires the first time its step is reached in a process (a rollback replays steps)."""
-    if due and fault not in trainer.fired:
-        trainer.fired.add(fault)
-        return True
-    return False
+    def sample(self) -> str | None:
+        """A short text from the model (EMA weights if on), drawn with its own generator."""
+        prompt = self.data.val[0]["x"][None, :8].to(self.device)  # (1, 8)
+        return text_sample(self.ema.module if self.ema else self.raw, prompt,
+                           self.cfg.train.sample_tokens, self.cfg.run.seed, self.data.decode)

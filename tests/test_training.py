@@ -25,6 +25,7 @@ def test_run_directory_contract(tmp_path, cache):
     assert [r["step"] for r in recs] == list(range(1, 21))
     assert all({"step", "loss", "lr", "grad_norm"} <= r.keys() for r in recs)
     assert [r["step"] for r in recs if "val_loss" in r] == [10, 20]
+    assert [r["step"] for r in recs if "sample" in r] == [10, 20]  # a text sample at each eval
     s = summary(out)
     assert {"steps", "final_loss", "val_loss", "params_sha256", "wall_s", "tokens_per_s"} <= s.keys()
     assert s["steps"] == 20 and s["final_loss"] == recs[-1]["loss"] and s["val_loss"] == recs[-1]["val_loss"]
@@ -34,6 +35,7 @@ def test_run_directory_contract(tmp_path, cache):
     ea = EventAccumulator(str(out / "tb"))
     ea.Reload()
     assert [(e.step, e.value) for e in ea.Scalars("train/loss")] == [(r["step"], r["loss"]) for r in recs]
+    assert "sample/text_summary" in ea.Tags()["tensors"]  # the samples, in TensorBoard's text tab
 
     # Checkpoints: manifest, only tensors and primitives (weights_only load), the final weights.
     ckpt = out / "checkpoints" / "step_00000020"
@@ -44,6 +46,7 @@ def test_run_directory_contract(tmp_path, cache):
     assert (out / "checkpoints" / "latest").read_text() == "step_00000020"
     report = (out / "report.md").read_text()  # written at the end of every run
     assert "| run | finished | cpu x1 | 20 | 5,120 |" in report, report
+    assert "## Samples" in report and s["sample"] in report
 
 
 def test_markov_reaches_its_entropy_rate(tmp_path, cache):
