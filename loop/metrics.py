@@ -2,7 +2,8 @@
 step), and TensorBoard scalars under `tb/`.
 
 Every step's record has step, loss, lr, grad_norm, tokens, samples, skipped, data_ms (time the loop
-waited for data). The last record of each log interval adds the interval's tokens_per_s,
+waited for data) and, on CUDA, gpu_ms (the step's time on the GPU's timeline, from CUDA events
+recorded at each step's end and read at the flush, so no extra sync). The last record of each log interval adds the interval's tokens_per_s,
 samples_per_s, ms_per_step, data_wait_pct, MFU where the device's peak is known, and the host
 telemetry (CUDA memory, NVML readings). All values are global (rank 0 logs for all ranks).
 
@@ -44,9 +45,13 @@ class MetricsLog:
         self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
         self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
         self.telemetry, self.mfu = telemetry or dict, mfu or (lambda _: None)
+        self.last_event = None  # CUDA event at the end of the last logged step
         self.mark = (time.perf_counter(), start_step, start_tokens, start_samples)  # at the last flush
 
     def record(self, fields: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        if loss.is_cuda:  # mark the end of this step on the GPU's own timeline: no sync
+            fields["_event"] = torch.cuda.Event(enable_timing=True)
+            fields["_event"].record()
         self.pending.append((fields, torch.stack([loss.float(), grad_norm.float()])))
 
     def scalar(self, step: int, name: str, value: float) -> None:
@@ -71,6 +76,11 @@ class MetricsLog:
             return
         values = torch.stack([v for _, v in self.pending]).tolist()  # the one host read
         recs = [{**f, "loss": loss, "grad_norm": g} for (f, _), (loss, g) in zip(self.pending, values)]
+        for rec in recs:  # GPU time per step, between step-end events (complete after the read above)
+            event = rec.pop("_event", None)
+            if event is not None and self.last_event is not None:
+                rec["gpu_ms"] = self.last_event.elapsed_time(event)
+            self.last_event = event or self.last_event
         recs[-1].update(self._interval(recs))  # rates over the interval, on its last step
         for rec in recs:
             self.file.write(json.dumps(rec) + "\n")
