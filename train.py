@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
         precision = Precision(cfg.train.precision, device)
         summary = Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist).run()
+        dist.barrier()  # rank 0 writes the summary and report last: the others wait, then all close
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

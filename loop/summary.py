@@ -17,6 +17,8 @@ from loop.report import write_report
 
 def finish(t) -> dict:  # t: loop.trainer.Trainer
     p, m = t.progress, t.monitor.state
+    if not t.preempted and not (t.last_eval and t.last_eval[0] == p.step):
+        t.validate()  # every rank takes part: validation all-reduces over ranks
     if not t.dist.main:
         return {"steps": p.step, "preempted": t.preempted}
     if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
@@ -26,7 +28,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
             t.mirror.close()
         print(f"preempted at step {p.step}; checkpoint written to {t.ckpt_root}")
         return {"steps": p.step, "preempted": True}
-    val = t.last_eval[1] if t.last_eval and t.last_eval[0] == p.step else t.validate()
+    val = t.last_eval[1]
     summary = {
         "steps": p.step, "final_loss": t.log.last_loss, "val_loss": val,
         "params_sha256": checkpoint.params_sha256(t.raw), "wall_s": p.train_s,

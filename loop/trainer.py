@@ -227,8 +227,11 @@ class Trainer:
         return torch.stack(losses)
 
     def validate(self) -> float:
+        """The validation loss over every rank's share (a collective: all ranks call it)."""
         model = self.ema.module if self.ema else self.raw
-        return val_loss(model, self.val, self.precision, self.device, self.dist)
+        val = val_loss(model, self.val, self.precision, self.device, self.dist)
+        self.last_eval = (self.progress.step, val)
+        return val
 
     def _evaluate(self, step: int) -> bool:
         """Validation loss into the metrics; True if it is the best so far."""
@@ -236,7 +239,6 @@ class Trainer:
         self.log.scalar(step, "val_loss", val)
         if self.dist.main and (sample := self.sample()):
             self.log.text(step, "sample", sample)
-        self.last_eval = (step, val)
         return self.monitor.update(step, val)
 
     def sample(self) -> str | None:

@@ -69,6 +69,18 @@ def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc,
         assert "has no rng_rank1.pt" in proc.stdout + proc.stderr  # new rank: fresh streams
 
 
+def test_ddp_run_whose_last_step_is_not_an_eval_step_finishes(tmp_path, cache):
+    # The final validation all-reduces over ranks, so every rank must run it, not rank 0 alone;
+    # and a finished DDP run started again (resumed at its last step) validates the same way.
+    out = tmp_path / "run"
+    args = [cache, "train.max_steps=7", "train.eval_every=5", "train.ckpt_every=5", "model.dropout=0"]
+    run_train(out, *args, nproc=2)
+    first = summary(out)
+    assert first["steps"] == 7 and first["val_loss"] > 0
+    rerun = run_train(out, *args, nproc=2)
+    assert "at step 7" in rerun.stdout and summary(out)["val_loss"] == first["val_loss"]
+
+
 def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, cache):
     out = tmp_path / "run"
     run_train(out, cache, *STEPS, "faults.nan_at_step=7", "faults.nan_rank=1", nproc=2)
