@@ -96,7 +96,9 @@ def children(pid: int) -> list[int]:
 
 def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     out = tmp_path / "run"
-    cmd = train_cmd(out, cache, *STEPS, nproc=2, restarts=1)
+    # Two restarts allowed: on a loaded 2-core machine the restarted workers' gloo mesh has been
+    # seen to miss its connection window once ("Connection refused"), which costs one restart.
+    cmd = train_cmd(out, cache, *STEPS, nproc=2, restarts=2)
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=ENV)
     seen, killed = [], None
