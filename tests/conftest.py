@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,7 @@ def run_and_signal(out: Path, at_step: int, *overrides: str, sig: int = signal.S
     proc = subprocess.Popen(train_cmd(out, *overrides, nproc=nproc), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=group,
                             env=ENV if nproc else None)
+    timer = watchdog(proc)  # a job that hangs before at_step fails the test, not the suite
     seen = []
     for line in proc.stdout:
         seen.append(line)
@@ -74,7 +76,16 @@ def run_and_signal(out: Path, at_step: int, *overrides: str, sig: int = signal.S
             break
     seen.append(proc.stdout.read())
     proc.wait(timeout=60)
+    timer.cancel()
     return proc.returncode, "".join(seen)
+
+
+def watchdog(proc: subprocess.Popen, seconds: float = 240) -> threading.Timer:
+    """SIGKILL the process and its descendants after `seconds` unless cancelled."""
+    timer = threading.Timer(seconds, lambda: [os.kill(p, signal.SIGKILL) for p in
+                                              [*descendants(proc.pid), proc.pid]])
+    timer.start()
+    return timer
 
 
 def descendants(pid: int) -> list[int]:

@@ -8,12 +8,11 @@ import os
 import re
 import signal
 import subprocess
-import threading
 
 import pytest
 import torch
 
-from conftest import ENV, ROOT, descendants, metrics, run_and_signal, run_train, summary, train_cmd
+from conftest import ENV, ROOT, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
 
 STEPS = ["train.max_steps=20", "train.ckpt_every=5", "model.dropout=0"]
 
@@ -104,9 +103,7 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
-    watchdog = threading.Timer(240, lambda: [os.kill(p, signal.SIGKILL) for p in
-                                             [*descendants(proc.pid), proc.pid]])
-    watchdog.start()  # a hang fails this test instead of stalling the whole suite
+    timer = watchdog(proc)  # a hang fails this test instead of stalling the whole suite
     seen, killed = [], None
     try:
         for line in proc.stdout:
@@ -118,7 +115,7 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
                 os.kill(killed, signal.SIGKILL)
         proc.wait(timeout=60)
     finally:
-        watchdog.cancel()
+        timer.cancel()
     printed = "".join(seen)
     assert proc.returncode == 0 and killed, printed
     assert re.search(r"resumed from \S+ at step 10", printed), printed
