@@ -37,10 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         dist, device = distributed.init(cfg.train.device)
         seed_everything(cfg.run.seed + dist.rank)  # DDP copies rank 0's initial weights to all
         data = build_data(cfg.data)
-        model = distributed.wrap(build_model(cfg.model, data).to(device), dist, device)
+        precision = Precision(cfg.train.precision, device)
+        model = distributed.wrap(build_model(cfg.model, data).to(device), dist, device, cfg,
+                                 precision.dtype)
         optimizer = build_optimizer(model, cfg.optim, device)
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
-        precision = Precision(cfg.train.precision, device)
         summary = Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist).run()
         dist.barrier()  # rank 0 writes the summary and report last: the others wait, then all close
     except BadInput as e:

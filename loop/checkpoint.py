@@ -4,6 +4,7 @@ Layout under `<out_dir>/checkpoints/`:
     step_00000100/state.pt        model, optimizer, scheduler, scaler, progress, config (rank 0)
     step_00000100/rng_rank0.pt    every RNG stream of rank 0 (one file per rank)
     step_00000100/manifest.json   step, sizes and sha256 of the files above; written last
+    (train.strategy=fsdp: also __<rank>_0.distcp and .metadata, the sharded model and optimizer)
     latest                        name of the newest complete checkpoint (for people and tools)
 A checkpoint is written into a temp dir, fsynced, then renamed into place, so a kill at any
 moment leaves either the complete checkpoint or none. It counts only if its manifest verifies.
@@ -34,10 +35,10 @@ MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-def params_sha256(model: nn.Module) -> str:
-    """sha256 over the bytes of every parameter and buffer, in state_dict order."""
+def params_sha256(state: dict[str, torch.Tensor]) -> str:
+    """sha256 over the bytes of every parameter and buffer of a model's state_dict, in its order."""
     h = hashlib.sha256()
-    for t in model.state_dict().values():
+    for t in state.values():
         h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
@@ -102,8 +103,11 @@ def to_bytes(obj) -> bytes:
 
 
 def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: dict,
-         keep: set[str] = frozenset(), midway: Callable[[], None] | None = None, dist=None) -> Path:
+         keep: set[str] = frozenset(), midway: Callable[[], None] | None = None, dist=None,
+         shards: Callable[[Path], list[str]] | None = None) -> Path:
     """Write `files` (name -> object for torch.save) as checkpoint `step`; return its path.
+    `shards`, if given, is called by every rank with the directory being written, writes its
+    part of a sharded state there, and returns the names of the files it wrote.
 
     With several processes every rank calls this with its own files (rank 0: the shared state and
     its RNG; rank r: its RNG); rank 0 writes the manifest over all of them and moves the directory
@@ -121,6 +125,10 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
         tmp.mkdir()
     dist.barrier()
     entries = {}
+    for name in shards(tmp) if shards else []:
+        with open(tmp / name, "rb") as f:
+            size, digest = os.fstat(f.fileno()).st_size, hashlib.file_digest(f, "sha256").hexdigest()
+        entries[name] = {"size": size, "sha256": digest}
     for i, (name, obj) in enumerate(files.items()):
         data = to_bytes(obj)
         write_synced(tmp / name, data)

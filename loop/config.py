@@ -116,6 +116,9 @@ class TrainConfig:
     nan_policy: str = _opt("skip", choices=("skip", "rollback", "abort"))  # on a non-finite loss/grad
     max_bad_steps: int = _opt(5, min=1)  # skip/rollback give up after this many bad steps in a row
     oom_policy: str = _opt("split", choices=("split", "abort"))  # split: halve the micro-batch, retry
+    strategy: str = _opt("ddp", choices=("ddp", "fsdp"))  # several processes: full copies or shards
+    fsdp_mixed_precision: bool = False  # fsdp: weights in the autocast dtype for compute, fp32 reduce
+    fsdp_cpu_offload: bool = False  # fsdp: keep sharded weights and optimizer state in host memory
     profile: bool = False  # profile steps 4-8 and print where the time goes (loop/profile.py)
 
 

@@ -11,6 +11,7 @@ exit path.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -101,13 +102,50 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
     return Dist(rank, local, world, cpu_group), device
 
 
-def wrap(model: torch.nn.Module, d: Dist, device: torch.device) -> torch.nn.Module:
-    """DDP with one process per device; the unwrapped model stays reachable as `.module`."""
+def check_supported(cfg, world: int, device: torch.device) -> None:
+    """Refuse, before anything is written, what this process layout cannot do (yet)."""
+    t = cfg.train
+    for key, bad, why in (
+            ("train.async_save", t.async_save and world > 1, "not supported with several processes "
+             "yet; expected false under torchrun"),
+            ("ema.enabled", cfg.ema.enabled and t.strategy == "fsdp", "not supported with "
+             "train.strategy=fsdp yet; expected false, or train.strategy=ddp"),
+            ("train.fsdp_cpu_offload", t.fsdp_cpu_offload and device.type != "cuda", "moves "
+             f"parameters from the GPU to host memory, but this run is on {device}; expected false")):
+        if bad:
+            raise BadInput(f"config key {key}: {why}.")
+
+
+def wrap(model: torch.nn.Module, d: Dist, device: torch.device, cfg, param_dtype=None) -> torch.nn.Module:
+    """DDP with one process per device (the unwrapped model stays reachable as `.module`), or, with
+    train.strategy=fsdp, FSDP2 sharding in place (loop/fsdp.py)."""
+    check_supported(cfg, d.world, device)
+    t = cfg.train
     if d.world == 1:
+        if t.strategy == "fsdp":
+            print("note: train.strategy=fsdp has no effect with one process; training unsharded")
         return model
+    if t.strategy == "fsdp":
+        from loop import fsdp
+
+        return fsdp.shard(model, param_dtype if t.fsdp_mixed_precision else None, t.fsdp_cpu_offload)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+@contextmanager
+def grad_sync(model: torch.nn.Module, sync: bool):
+    """Around forward and backward of a micro-batch: with `sync` false, gradients only accumulate
+    locally (DDP `no_sync`; FSDP defers its reduce-scatter); the last micro-batch syncs them all."""
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(sync)
+        yield
+    elif sync or not hasattr(model, "no_sync"):
+        yield
+    else:
+        with model.no_sync():
+            yield
 
 
 def close() -> None:

@@ -16,6 +16,7 @@ import torch
 
 from loop import checkpoint
 from loop.errors import GaveUp
+from loop.fsdp import local
 from loop.state import restore
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a terminated job
@@ -85,8 +86,8 @@ def describe_non_finite(step: int, micro_losses: torch.Tensor, grad_norm: torch.
                         model: torch.nn.Module) -> str:
     """Which values were not finite at `step` (read only on this failure path)."""
     bad_micro = [i for i, ok in enumerate(torch.isfinite(micro_losses).tolist()) if not ok]
-    bad_grads = [n for n, p in model.named_parameters()
-                 if p.grad is not None and not torch.isfinite(p.grad).all()]
+    bad_grads = [n for n, p in model.named_parameters()  # FSDP: this rank's shards
+                 if p.grad is not None and not torch.isfinite(local(p.grad)).all()]
     parts = [f"loss of micro-batch {', '.join(map(str, bad_micro))}" if bad_micro else "",
              f"grad norm ({grad_norm.item()})" if not torch.isfinite(grad_norm) else "",
              f"gradients of {', '.join(bad_grads[:5])}{' ...' if len(bad_grads) > 5 else ''}"

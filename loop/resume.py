@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch.nn as nn
 
-from loop import checkpoint
+from loop import checkpoint, fsdp
 from loop.errors import BadInput
 
 
@@ -39,12 +39,27 @@ def verified(path: Path, key: str) -> Path:
     return path
 
 
-def load_model_state(path: Path, model: nn.Module) -> dict:
-    """Load a checkpoint's state.pt and put its weights into `model`, refusing a mismatch."""
+def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:
+    """Load a checkpoint's state.pt and put its weights (and, if given, the optimizer state) into
+    `model`, refusing a mismatch. Weights alone load across strategies: an FSDP checkpoint's
+    shards into a plain model and a whole state_dict into an FSDP one."""
     state = checkpoint.load(path, "state.pt")
-    bad = checkpoint.shape_mismatches(model, state["model"])
+    was_sharded = bool(state.get("sharded"))
+    if optimizer is not None and was_sharded != fsdp.is_sharded(model):
+        how = {True: "train.strategy=fsdp", False: "one process or train.strategy=ddp"}
+        raise BadInput(f"checkpoint {path} was written with {how[was_sharded]}; resuming it with "
+                       f"{how[not was_sharded]} is not supported. Use the strategy it was written "
+                       f"with, or start a new run.out_dir with run.init_from={path} (weights only).")
+    bad = checkpoint.shape_mismatches(model, fsdp.saved_shapes(path) if was_sharded else state["model"])
     if bad:
         raise BadInput(f"checkpoint {path} does not fit the configured model:\n  " + "\n  ".join(bad)
                        + "\nUse the config it was trained with, or a new run.out_dir.")
-    model.load_state_dict(state["model"])
+    if was_sharded:
+        fsdp.load(model, optimizer, path)
+    elif fsdp.is_sharded(model):
+        fsdp.load_full(model, state["model"])
+    else:
+        model.load_state_dict(state["model"])
+    if optimizer is not None and not was_sharded:
+        optimizer.load_state_dict(state["optimizer"])
     return state

@@ -3,7 +3,8 @@
 `save` writes a checkpoint of the trainer (rank 0 the shared state, every rank its RNG), and
 `capture` returns the checkpoint's files: `state.pt` (model with unwrapped keys, optimizer,
 scheduler, GradScaler, EMA, best/early-stop tracking, progress, config) and `rng_rank<r>.pt`
-(this rank's RNG streams). `restore` loads them in an order that matters: RNG streams last,
+(this rank's RNG streams). With FSDP the model and optimizer are not in `state.pt`: every rank
+writes its shards of them with torch.distributed.checkpoint (loop/fsdp.py). `restore` loads them in an order that matters: RNG streams last,
 since building and loading the other parts may draw from them.
 """
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from loop import checkpoint, resume, rng
+from loop import checkpoint, fsdp, resume, rng
 from loop.atomic import atomic_write
 from loop.config import changed_keys, config_hash, to_dict
 from loop.ema import ema_state, load_ema_state
@@ -43,7 +44,8 @@ def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
         return mine
     return {
         "state.pt": {
-            "model": t.raw.state_dict(), "optimizer": t.optimizer.state_dict(),
+            "model": None if t.sharded else t.raw.state_dict(),
+            "optimizer": None if t.sharded else t.optimizer.state_dict(), "sharded": t.sharded,
             "scheduler": t.scheduler.state_dict(), "scaler": t.scaler.state_dict(),
             "ema": ema_state(t.ema) if t.ema else None,
             "monitor": t.monitor.state_dict(), "progress": asdict(t.progress),
@@ -56,11 +58,10 @@ def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
 
 def restore(t, path: Path) -> None:
     t.dist.say(f"loading checkpoint {path} ...")
-    state = resume.load_model_state(path, t.raw)
+    state = resume.load_model_state(path, t.raw, t.optimizer)
     changed = changed_keys(state["config"], t.cfg)
     if changed:
         t.dist.say(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
-    t.optimizer.load_state_dict(state["optimizer"])
     t.scheduler.load_state_dict(state["scheduler"])
     if state["scaler"]:  # empty when fp16 is off
         t.scaler.load_state_dict(state["scaler"])
@@ -89,7 +90,8 @@ def warm_start(t, path: Path) -> None:
 def save(t, step: int) -> None:
     """Write checkpoint `step` (every rank takes part), then mark best / mirror it."""
     t.log.flush()  # metrics up to this step must be on disk before the checkpoint counts
-    if not torch.stack([torch.isfinite(p).all() for p in t.model.parameters()]).all():
+    finite = torch.stack([torch.isfinite(fsdp.local(p)).all() for p in t.model.parameters()]).all()
+    if t.dist.sum_host([float(not finite)])[0]:  # FSDP: each rank sees only its shards
         print(f"warning: step {step}: weights are not all finite; no checkpoint written",
               file=sys.stderr)
         return
@@ -103,7 +105,8 @@ def save(t, step: int) -> None:
     if t.saver:
         t.saver.save(*args, then=then)  # returns once the state is copied
     else:
-        path = checkpoint.save(*args, dist=t.dist)
+        shards = partial(fsdp.save, t.model, t.optimizer) if t.sharded else None
+        path = checkpoint.save(*args, dist=t.dist, shards=shards)
         if t.dist.main:
             then(path)
 

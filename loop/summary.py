@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from loop import checkpoint
+from loop import checkpoint, fsdp
 from loop.atomic import atomic_write
 from loop.config import to_dict
 from loop.report import write_report
@@ -19,6 +19,8 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     p, m = t.progress, t.monitor.state
     if not t.preempted and not (t.last_eval and t.last_eval[0] == p.step):
         t.validate()  # every rank takes part: validation all-reduces over ranks
+    # Collectives with FSDP (gather the whole model, sample through it): every rank takes part.
+    weights, sample = ({}, None) if t.preempted else (fsdp.full_state(t.raw), t.sample())
     if not t.dist.main:
         return {"steps": p.step, "preempted": t.preempted}
     if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
@@ -31,7 +33,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     val = t.last_eval[1]
     summary = {
         "steps": p.step, "final_loss": t.log.last_loss, "val_loss": val,
-        "params_sha256": checkpoint.params_sha256(t.raw), "wall_s": p.train_s,
+        "params_sha256": checkpoint.params_sha256(weights), "wall_s": p.train_s,
         "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
         "skipped_steps": p.skipped, "overflow_steps": p.overflows,
         "best": {"metric": t.monitor.metric, "value": m.best, "step": m.best_step},
@@ -39,10 +41,10 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         "rollbacks": p.rollbacks, "micro_batch": -(-t.cfg.data.batch_size // p.micro_split),
         "preempted": False, "precision": t.precision.name, "device": str(t.device),
         "optimal_loss": t.data.meta.get("optimal_loss"),
-"sample": t.sample(),
+        "sample": sample,
     }
     if t.ema:
-        summary["ema_params_sha256"] = checkpoint.params_sha256(t.ema.module)
+        summary["ema_params_sha256"] = checkpoint.params_sha256(t.ema.module.state_dict())
     summary.update({k: v for k, v in t.telemetry.read().items()  # this session's energy and peak memory
                     if k in ("energy_j", "cuda_max_alloc_gb")})
     t.telemetry.close()
@@ -50,7 +52,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     t.log.close()
     if t.mirror:
         t.mirror.close()
-    export = {"model": t.raw.state_dict(), "config": to_dict(t.cfg)}
+    export = {"model": weights, "config": to_dict(t.cfg)}  # FSDP: the consolidated model
     if t.ema:
         export["ema"] = t.ema.module.state_dict()
     atomic_write(t.out / "model.pt", checkpoint.to_bytes(export))

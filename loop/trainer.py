@@ -13,21 +13,19 @@ from __future__ import annotations
 
 import json
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from torch.profiler import record_function
 
 from data.sampler import split_batch, train_loader, val_batches
-from loop import checkpoint, resume
+from loop import checkpoint, fsdp, resume
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
 from loop.ema import build_ema
 from loop.evaluate import text_sample, val_loss
-from loop.distributed import Dist
-from loop.errors import BadInput
+from loop.distributed import Dist, grad_sync
 from loop.guards import (Preemption, describe_non_finite, fire_once, on_non_finite,
                          recover_from_oom, worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
@@ -44,6 +42,7 @@ class Trainer:
         self.cfg, self.model, self.data, self.device = cfg, model, data, device
         self.dist = dist or Dist()
         self.raw = getattr(model, "module", model)  # unwrapped (DDP keeps it as .module)
+        self.sharded = fsdp.is_sharded(model)  # FSDP: every rank holds a shard of each weight
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.scaler = precision.scaler
         self.out = Path(cfg.run.out_dir)
@@ -60,9 +59,6 @@ class Trainer:
         self.telemetry: Telemetry | None = None  # rank 0 only
         self.metadata: dict = {}  # rank 0 only; also goes into every checkpoint
         self.preempted = False
-        if cfg.train.async_save and self.dist.world > 1:
-            raise BadInput("config key train.async_save: not supported with several processes yet; "
-                           "expected false under torchrun.")
         self.saver = AsyncSaver() if cfg.train.async_save else None
         self.bad_streak = 0  # non-finite steps in a row
         self.fired: set[str] = set()  # injected faults already fired in this process
@@ -173,6 +169,7 @@ class Trainer:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.clip_grad)
             else:
                 grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
+            grad_norm = fsdp.whole(grad_norm)  # FSDP: a DTensor, already reduced over ranks
             totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
             step_loss = totals[0] / n_targets  # the true loss: all targets of all ranks
             lr = self.optimizer.param_groups[0]["lr"]
@@ -206,12 +203,10 @@ class Trainer:
             for i, batch in enumerate(parts):
                 batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
                          for k, v in batch.items()}
-                # DDP: all-reduce gradients only after the last micro-batch's backward.
-                sync = i == len(parts) - 1 or self.dist.world == 1
-                no_sync = nullcontext() if sync else self.model.no_sync()
                 if i == 0 and fire_once(self.fired, "oom", p.step + 1 == faults.oom_at_step):
                     raise torch.OutOfMemoryError(f"injected by faults.oom_at_step={faults.oom_at_step}")
-                with no_sync:
+                # Gradients cross ranks only after the last micro-batch's backward.
+                with grad_sync(self.model, i == len(parts) - 1):
                     with self.precision.autocast(), record_function("forward"):
                         loss = self.model(batch)  # summed over this micro-batch's targets
                     if i == 0 and fire_once(self.fired, "nan", p.step + 1 == faults.nan_at_step
@@ -237,12 +232,15 @@ class Trainer:
         """Validation loss into the metrics; True if it is the best so far."""
         val = self.validate()
         self.log.scalar(step, "val_loss", val)
-        if self.dist.main and (sample := self.sample()):
-            self.log.text(step, "sample", sample)
+        if sample := self.sample():
+            self.log.text(step, "sample", sample)  # a no-op off rank 0
         return self.monitor.update(step, val)
 
     def sample(self) -> str | None:
-        """A short text from the model (EMA weights if on), drawn with its own generator."""
+        """A short text from the model (EMA weights if on), drawn with its own generator, on rank 0
+        (on every rank with FSDP, whose forward needs all of them; the same text on each)."""
+        if not (self.dist.main or self.sharded):
+            return None
         prompt = self.data.val[0]["x"][None, :8].to(self.device)  # (1, 8)
         return text_sample(self.ema.module if self.ema else self.raw, prompt,
                            self.cfg.train.sample_tokens, self.cfg.run.seed, self.data.decode)

@@ -45,6 +45,15 @@ def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> 
 
 # Two processes share two cores: one thread each keeps them from fighting over them.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+DIST = ["train.max_steps=20", "train.ckpt_every=5", "model.dropout=0"]  # multi-process test runs
+
+
+@pytest.fixture(scope="session")
+def two_proc(tmp_path_factory, cache) -> Path:
+    """A 2-process DDP run of DIST: the reference the multi-process tests compare with."""
+    out = tmp_path_factory.mktemp("ddp") / "run"
+    run_train(out, cache, *DIST, nproc=2)
+    return out
 
 
 def run_train(out: Path, *overrides: str, check: bool = True, nproc: int = 0,

@@ -12,16 +12,8 @@ import subprocess
 import pytest
 import torch
 
+from conftest import DIST as STEPS
 from conftest import ENV, ROOT, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
-
-STEPS = ["train.max_steps=20", "train.ckpt_every=5", "model.dropout=0"]
-
-
-@pytest.fixture(scope="module")
-def two_proc(tmp_path_factory, cache):
-    out = tmp_path_factory.mktemp("ddp") / "run"
-    run_train(out, cache, *STEPS, nproc=2)
-    return out
 
 
 def test_two_processes_equal_one_with_twice_the_batch(tmp_path, cache, two_proc):

@@ -1,0 +1,98 @@
+"""FSDP2 (`train.strategy=fsdp`): parameters, gradients and optimizer state sharded over ranks.
+
+    torchrun --nproc_per_node=8 train.py train.strategy=fsdp [train.fsdp_mixed_precision=true]
+
+`shard` applies `fully_shard` to every block of the model (each element of an `nn.ModuleList`:
+the transformer blocks of the GPT) and then to the root, so one block's full weights exist only
+while it runs. Module and parameter names do not change, so state_dict keys stay those of the
+plain model. Checkpoints are written with `torch.distributed.checkpoint` (DCP): each rank writes
+its own shard (`__<rank>_0.distcp`) and rank 0 the `.metadata`, next to the usual `state.pt` and
+RNG files, and DCP reshards on load, so a resume may use a different number of processes.
+`full_state` gathers the whole model onto rank 0's CPU: the consolidated export (`model.pt`),
+which loads into the plain model in one process.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_state_dict, set_model_state_dict,
+                                                     set_state_dict)
+from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
+                                    fully_shard, register_fsdp_forward_method)
+from torch.distributed.tensor import DTensor
+
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+
+
+def shard(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool) -> nn.Module:
+    """Shard `model` in place: per block, then the root. Every rank starts from rank 0's weights."""
+    for t in model.state_dict().values():  # as DDP does at construction: ranks were seeded apart
+        dist.broadcast(t, src=0)
+    kw = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
+    if param_dtype is not None:  # compute in param_dtype, reduce gradients in float32
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]:
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    if hasattr(model, "generate"):  # called directly, not through forward: gather the root's weights
+        register_fsdp_forward_method(model, "generate")
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (a parameter or gradient shard); other tensors as they are."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's full value (e.g. the gradient norm, reduced over ranks); other tensors as they are."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The whole state_dict on rank 0's CPU ({} on other ranks). A collective for FSDP models."""
+    if is_sharded(model):
+        return get_model_state_dict(model, options=FULL)
+    return model.state_dict()
+
+
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> list[str]:
+    """Every rank writes its shards of the model and optimizer into `path` (a collective, which
+    returns once all are written); returns the names of the files this rank wrote."""
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path)
+    rank = dist.get_rank()
+    return sorted(p.name for p in path.glob(f"__{rank}_*.distcp")) + [".metadata"] * (rank == 0)
+
+
+def saved_shapes(path: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors in a DCP checkpoint as shape-only (meta) tensors, to check a fit."""
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    return {k.removeprefix("model."): torch.empty(v.size, device="meta")
+            for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
+
+
+def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
+    """Load the shards this rank needs from `path` (any world size wrote it); optimizer optional."""
+    if optimizer is None:
+        msd = get_model_state_dict(model)
+        dcp.load({"model": msd}, checkpoint_id=path)
+        set_model_state_dict(model, msd)
+        return
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+
+def load_full(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Weights from a whole (unsharded) state_dict, which every rank holds, into the shards."""
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
