@@ -9,14 +9,22 @@ else
 ENV :=
 endif
 ARGS ?=
+# make bench: the scaffold vs a bare loop, then the checkpoint stall (bench/; a benchmark, not a test)
+BENCH_CONFIG ?= configs/default.yaml
+BENCH_STEPS ?= 50
+BENCH_REPS ?= 3
 
-.PHONY: train test profile clean
+.PHONY: train test profile bench clean
 train: $(ENV)
 	$(PYTHON) train.py $(ARGS)
 
 profile: $(ENV)
 	rm -rf runs/profile  # a fresh profile each time
 	$(PYTHON) train.py run.out_dir=runs/profile train.max_steps=8 train.profile=true $(ARGS)
+
+bench: $(ENV)
+	$(PYTHON) -m bench.loop_vs_bare --config $(BENCH_CONFIG) --steps $(BENCH_STEPS) --reps $(BENCH_REPS) $(ARGS)
+	$(PYTHON) -m bench.ckpt_stall --config $(BENCH_CONFIG) --reps $(BENCH_REPS)
 
 test: $(ENV)
 	$(PYTHON) -m pytest $(ARGS)

@@ -15,7 +15,7 @@ import sys
 
 from data import build_data
 from loop.config import load_config, parse_args
-from loop.device import pick_device
+from loop.device import pick_device, use_tf32
 from loop import determinism, distributed
 from loop.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, BadInput, GaveUp
 from loop.guards import EXIT_PREEMPTED, configure_allocator
@@ -37,9 +37,12 @@ def main(argv: list[str] | None = None) -> int:
         dist, device = distributed.init(cfg.train.device)
         seed_everything(cfg.run.seed + dist.rank)  # DDP copies rank 0's initial weights to all
         data = build_data(cfg.data)
+        use_tf32(device, cfg.train.tf32)
         precision = Precision(cfg.train.precision, device)
-        model = distributed.wrap(build_model(cfg.model, data).to(device), dist, device, cfg,
-                                 precision.dtype)
+        model = build_model(cfg.model, data).to(device)
+        if cfg.train.compile:
+            model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
+        model = distributed.wrap(model, dist, device, cfg, precision.dtype)
         optimizer = build_optimizer(model, cfg.optim, device)
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
         summary = Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist).run()

@@ -13,8 +13,6 @@ test: figures depend on the machine, its disk and the load beside it.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import shutil
 import statistics
@@ -25,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from bench.common import RESULTS, append_result, device_label, sync_device
 from data import build_data
 from data.sampler import train_loader
 from loop import checkpoint, determinism
@@ -38,9 +37,6 @@ from loop.schedule import build_scheduler
 from loop.state import capture
 from loop.trainer import Trainer
 from model import build_model
-
-RESULTS = Path(__file__).resolve().parent / "results" / "ckpt_stall.jsonl"
-
 
 def build_trainer(config: str, overrides: list[str]) -> Trainer:
     """train.py's wiring, then two optimizer steps so AdamW's moments are in the state."""
@@ -68,11 +64,6 @@ def build_trainer(config: str, overrides: list[str]) -> Trainer:
             t.ema.update_parameters(model)
         optimizer.zero_grad(set_to_none=True)
     return t
-
-
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":  # queued kernels must not be billed to the save
-        torch.cuda.synchronize(device)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -110,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         shutil.rmtree(out, ignore_errors=True)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    device = str(t.device) if t.device.type != "cuda" else f"cuda ({torch.cuda.get_device_name(t.device)})"
+    device = device_label(t.device)
     n_params = sum(q.numel() for q in t.model.parameters())
     print(f"checkpoint {size / 1e6:.1f} MB | {n_params:,} parameters | {device} | torch {torch.__version__} "
           f"| {os.cpu_count()} CPUs | medians of {args.reps} saves each, interleaved")
@@ -120,16 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     for label, k in rows:
         print(f"{label:<38}{med[k]:>10.1f}{min(times[k]) * 1e3:>9.1f}{max(times[k]) * 1e3:>9.1f}")
     print(f"stall ratio sync / async: {med['sync'] / med['async']:.1f}x")
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join(["python -m bench.ckpt_stall", *(argv if argv is not None else sys.argv[1:])]),
-              "device": device, "torch": torch.__version__, "cpus": os.cpu_count(), "reps": args.reps,
-              "n_params": n_params, "ckpt_mb": round(size / 1e6, 2),
-              "median_ms": {k: round(v, 2) for k, v in med.items()},
-              "ratio_sync_over_async": round(med["sync"] / med["async"], 2)}
-    with open(RESULTS, "a") as f:
-        f.write(json.dumps(record) + "\n")
-    print(f"appended to {RESULTS.relative_to(Path.cwd()) if RESULTS.is_relative_to(Path.cwd()) else RESULTS}")
+    append_result(RESULTS / "ckpt_stall.jsonl", "bench.ckpt_stall", argv, {
+        "device": device, "reps": args.reps, "n_params": n_params, "ckpt_mb": round(size / 1e6, 2),
+        "median_ms": {k: round(v, 2) for k, v in med.items()},
+        "ratio_sync_over_async": round(med["sync"] / med["async"], 2)})
     return 0
 
 

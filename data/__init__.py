@@ -6,14 +6,16 @@ To add a task: write a builder that returns `Data` (datasets whose items are dic
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 from torch.utils.data import Dataset
 
 from data.markov import prepare_markov
-from data.prepare import embedded_text, prepare_text, read_text
+from data.prepare import embedded_text, prepare_text, read_text, write_tokens
 from data.tokens import TokenWindows
 from loop.errors import BadInput
 
@@ -29,7 +31,7 @@ class Data:
 
 
 def _token_data(root: Path, seq_len: int) -> Data:
-    meta = json.loads((root / "meta.json").read_text())
+    meta = {"kind": "tokens", "source": str(root), **json.loads((root / "meta.json").read_text())}
     train, val = TokenWindows(root / "train.bin", seq_len), TokenWindows(root / "val.bin", seq_len)
     for name, ds in (("train", train), ("val", val)):
         if len(ds) == 0:
@@ -54,7 +56,35 @@ def build_markov(cfg) -> Data:
     return _token_data(root, cfg.seq_len)
 
 
-BUILDERS = {"text": build_text, "markov": build_markov}
+def build_random(cfg) -> Data:
+    s = cfg.synthetic
+    if s.vocab_size > 2**16:  # token files hold uint16 ids
+        raise BadInput(f"config key data.synthetic.vocab_size: expected at most 65536; got {s.vocab_size}.")
+    out = Path(cfg.cache_dir) / f"random-v{s.vocab_size}-n{s.tokens}-s{s.seed}-val{cfg.val_fraction:g}"
+    if not (out / "meta.json").exists():
+        ids = np.random.default_rng(s.seed).integers(0, s.vocab_size, s.tokens, dtype=np.uint16)
+        meta = {"kind": "random", "source": f"random(vocab={s.vocab_size}, seed={s.seed})",
+                "vocab_size": s.vocab_size, "optimal_loss": math.log(s.vocab_size)}
+        write_tokens(out, ids, cfg.val_fraction, meta)
+    return _token_data(out, cfg.seq_len)
+
+
+def build_tokens(cfg) -> Data:
+    """A directory already holding train.bin / val.bin (uint16 token ids) and meta.json (at least
+    `vocab_size`), e.g. written by another tokenizer's prepare script."""
+    root = Path(cfg.path)
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+        meta["vocab_size"] = int(meta["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(f"config key data.path: {root} (data.name=tokens): expected a directory with "
+                       f"train.bin, val.bin and a meta.json holding vocab_size ({e}).")
+    if not ((root / "train.bin").is_file() and (root / "val.bin").is_file()):
+        raise BadInput(f"config key data.path: {root} (data.name=tokens): train.bin or val.bin is missing.")
+    return _token_data(root, cfg.seq_len)
+
+
+BUILDERS = {"text": build_text, "markov": build_markov, "random": build_random, "tokens": build_tokens}
 
 
 def build_data(cfg) -> Data:

@@ -53,9 +53,18 @@ class MarkovConfig:
 
 
 @dataclass
+class SyntheticConfig:
+    """Uniform random tokens (data.name=random): a throughput workload at any vocabulary size,
+    nothing downloaded; the best possible loss is ln(vocab_size)."""
+    vocab_size: int = _opt(50304, min=2)
+    tokens: int = _opt(2_000_000, min=1000)
+    seed: int = 0
+
+
+@dataclass
 class DataConfig:
-    name: str = "text"  # a key of data.BUILDERS
-    path: str = ""  # a local text file; empty = the Python docs that ship with CPython
+    name: str = "text"  # a key of data.BUILDERS: text, markov, random, tokens
+    path: str = ""  # text: a local text file (empty = the Python docs in CPython); tokens: a directory
     cache_dir: str = "data/cache"
     seq_len: int = _opt(128, min=1)
     batch_size: int = _opt(16, min=1)  # per micro-step, per process
@@ -64,6 +73,7 @@ class DataConfig:
     pin_memory: bool = True  # only takes effect on CUDA
     val_fraction: float = _opt(0.1, min=0.0)
     markov: MarkovConfig = field(default_factory=MarkovConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
 @dataclass
@@ -74,6 +84,7 @@ class ModelConfig:
     n_embd: int = _opt(128, min=1)
     dropout: float = _opt(0.1, min=0.0)
     bias: bool = False
+    activation_checkpointing: bool = False  # recompute each block's activations in backward
 
 
 @dataclass
@@ -119,6 +130,8 @@ class TrainConfig:
     strategy: str = _opt("ddp", choices=("ddp", "fsdp"))  # several processes: full copies or shards
     fsdp_mixed_precision: bool = False  # fsdp: weights in the autocast dtype for compute, fp32 reduce
     fsdp_cpu_offload: bool = False  # fsdp: keep sharded weights and optimizer state in host memory
+    compile: bool = False  # torch.compile the model in place (state_dict keys unchanged)
+    tf32: bool = True  # CUDA: TF32 tensor cores for float32 matmuls and convolutions (Ampere+)
     profile: bool = False  # profile steps 4-8 and print where the time goes (loop/profile.py)
 
 

@@ -23,7 +23,7 @@ class Telemetry:
             n = sum(p.numel() for p in model.parameters())
             self.flops = gpt_flops_per_token(n, model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd,
                                              seq_len, model.wpe.weight.numel())
-        if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.allow_tf32:
+        if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.fp32_precision == "tf32":
             precision = "tf32"
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
         peak = peak_flops(name, precision)

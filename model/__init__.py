@@ -13,7 +13,7 @@ def build_gpt(cfg, data) -> nn.Module:
         raise BadInput(f"config key model.n_embd: expected a multiple of model.n_head="
                        f"{cfg.n_head}; got {cfg.n_embd}.")
     return GPT(data.vocab_size, data.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout,
-               cfg.bias)
+               cfg.bias, cfg.activation_checkpointing)
 
 
 BUILDERS = {"gpt": build_gpt}

@@ -3,6 +3,8 @@
 `forward(batch)` returns the *summed* cross-entropy over the batch's real targets (targets equal to
 -100 are ignored). The loop divides by the target count of the whole optimizer step, so gradient
 accumulation is exact even when micro-batches hold different numbers of targets.
+With `activation_checkpointing` each block keeps only its input for backward and recomputes the
+rest (`torch.utils.checkpoint`, non-reentrant): less memory, about one more forward of compute.
 """
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 
 class SelfAttention(nn.Module):
@@ -45,9 +48,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float, bias: bool):
+                 dropout: float, bias: bool, activation_checkpointing: bool = False):
         super().__init__()
-        self.seq_len = seq_len
+        self.seq_len, self.activation_checkpointing = seq_len, activation_checkpointing
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(seq_len, n_embd)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
@@ -70,7 +73,12 @@ class GPT(nn.Module):
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
-            x = block(x)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                # Keep only the block's input; recompute its insides in backward (same dropout
+                # masks: the RNG state is saved and replayed), trading compute for memory.
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
     def forward(self, batch: dict) -> torch.Tensor:

@@ -14,7 +14,7 @@ from data.markov import entropy_rate, prepare_markov, transition_matrix
 from data.prepare import prepare_text
 from data.sampler import StreamSampler, epoch_order, train_loader, val_batches
 from data.tokens import TokenWindows
-from loop.config import DataConfig, MarkovConfig
+from loop.config import DEFAULT_CONFIG, DataConfig, MarkovConfig, load_config
 from loop.errors import BadInput
 
 SEQ, BS = 16, 8
@@ -212,3 +212,20 @@ def test_markov_stream_follows_P(tmp_path):
     # and the empirical per-token entropy matches the entropy rate
     nll = -np.log(P[ids[:-1], ids[1:]]).mean()
     assert nll == pytest.approx(entropy_rate(P), abs=0.02)
+
+
+def test_random_tokens_and_a_token_directory(tmp_path):
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=random", "data.synthetic.vocab_size=50304",
+                                       "data.synthetic.tokens=5000", f"data.cache_dir={tmp_path}", "data.seq_len=16"])
+    d = build_data(cfg.data)
+    assert d.vocab_size == 50304 and d.meta["optimal_loss"] == pytest.approx(math.log(50304))
+    ids = torch.cat([d.train[i]["x"] for i in range(len(d.train))])
+    assert ids.max() > 40000 and ids.min() >= 0  # the whole vocabulary is in use, uint16 and all
+    # The same files, read as a token directory (data.name=tokens): the same samples.
+    root = next(p for p in tmp_path.iterdir() if p.name.startswith("random-"))
+    cfg.data.name, cfg.data.path = "tokens", str(root)
+    again = build_data(cfg.data)
+    assert torch.equal(again.train[7]["x"], d.train[7]["x"]) and again.vocab_size == 50304
+    cfg.data.path = str(tmp_path / "missing")
+    with pytest.raises(BadInput, match="data.path: .*missing.*meta.json"):
+        build_data(cfg.data)

@@ -1,0 +1,32 @@
+"""What the benchmarks share: naming the device, waiting for it, and the results record."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def device_label(device: torch.device) -> str:
+    return str(device) if device.type != "cuda" else f"cuda ({torch.cuda.get_device_name(device)})"
+
+
+def sync_device(device: torch.device) -> None:
+    if device.type == "cuda":  # queued kernels must be billed to what queued them
+        torch.cuda.synchronize(device)
+
+
+def append_result(path: Path, module: str, argv: list[str] | None, fields: dict) -> None:
+    """One JSON line: date, the command, torch version and CPU count, then `fields`."""
+    record = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join([f"python -m {module}", *(argv if argv is not None else sys.argv[1:])]),
+              "torch": torch.__version__, "cpus": os.cpu_count(), **fields}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+    print(f"appended to {path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path}")

@@ -1,0 +1,190 @@
+"""What the honest loop costs: the scaffold's full loop against a bare loop, side by side.
+
+    make bench                                          # default config (CPU here), then ckpt_stall
+    python -m bench.loop_vs_bare --steps 50 --warmup 10 --reps 3 [--config C] [key=value ...]
+    python -m bench.loop_vs_bare --variant model.activation_checkpointing=true   # a third arm
+
+Each repetition runs every arm once, in fresh processes, the order alternating:
+  scaffold  `train.py` as users run it (DataLoader, guards, metrics.jsonl, TensorBoard, telemetry),
+            timed by its own interval clock over the steps after warm-up; no evaluation or
+            checkpoint falls inside that window (both happen at the end, untimed).
+  bare      this file with --bare: the same model, optimizer, schedule, precision, batch size and
+            accumulation, on batches of the same dataset collated onto the device before timing;
+            forward, backward, unscale, clip, step, zero_grad and nothing else.
+  variant   the scaffold with one more override (e.g. activation checkpointing, compile).
+The table shows medians: tokens/s, the ratio to bare, peak memory (CUDA: max allocated; CPU: the
+process's max RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
+goes to bench/results/loop_vs_bare.jsonl. A benchmark, not a test: figures depend on the machine
+and on what else runs on it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, append_result, device_label, sync_device
+from data import build_data
+from data.sampler import collate
+from loop.config import DEFAULT_CONFIG, load_config
+from loop.device import pick_device, use_tf32
+from loop.optim import build_optimizer
+from loop.precision import Precision
+from loop.rng import seed_everything
+from loop.schedule import build_scheduler
+from model import build_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
+    """The bare loop in this process; tokens/s over `steps` steps after `warmup`."""
+    cfg = load_config(config, overrides)
+    device = pick_device(cfg.train.device)
+    use_tf32(device, cfg.train.tf32)
+    seed_everything(cfg.run.seed)
+    data = build_data(cfg.data)
+    model = build_model(cfg.model, data).to(device)
+    if cfg.train.compile:
+        model.compile()
+    optimizer = build_optimizer(model, cfg.optim, device)
+    scheduler = build_scheduler(optimizer, cfg.schedule, warmup + steps)
+    precision = Precision(cfg.train.precision, device)
+    scaler = precision.scaler
+    b, k = cfg.data.batch_size, cfg.train.grad_accum
+    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(cfg.run.seed))
+    micro = [collate([data.train[i] for i in order[j * b:(j + 1) * b].tolist()]) for j in range(2 * k)]
+    micro = [{key: v.to(device) if torch.is_tensor(v) else v for key, v in m.items()} for m in micro]
+    tokens = 0
+
+    def step(n: int) -> None:
+        nonlocal tokens
+        batches = micro[(n % 2) * k:(n % 2 + 1) * k]  # two fixed steps' worth, alternating
+        n_targets = sum(m["n_targets"] for m in batches)
+        for m in batches:
+            with precision.autocast():
+                loss = model(m)
+            scaler.scale(loss / n_targets).backward()
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
+        scaler.step(optimizer)
+        scaler.update()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        tokens += n_targets
+
+    for n in range(warmup):
+        step(n)
+    sync_device(device)
+    tokens, t0 = 0, time.perf_counter()
+    for n in range(steps):
+        step(n)
+    sync_device(device)
+    out = {"tokens_per_s": tokens / (time.perf_counter() - t0), "data_wait_pct": 0.0}
+    if device.type == "cuda":
+        out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    return out
+
+
+def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -> dict:
+    """Steady-state figures from a run's metrics.jsonl: the intervals inside (warmup, warmup+steps]."""
+    by_step = {r["step"]: r for r in records}
+    ends = [by_step[s] for s in range(warmup + every, warmup + steps + 1, every)]
+    seconds = sum(r["ms_per_step"] * every for r in ends) / 1000
+    tokens = by_step[warmup + steps]["tokens"] - by_step[warmup]["tokens"]
+    data_ms = sum(by_step[s]["data_ms"] for s in range(warmup + 1, warmup + steps + 1))
+    out = {"tokens_per_s": tokens / seconds, "data_wait_pct": 100 * data_ms / (1000 * seconds)}
+    if "mfu" in ends[-1]:  # MFU is linear in tokens/s: rescale one interval's to the whole window
+        out["mfu"] = ends[-1]["mfu"] * out["tokens_per_s"] / ends[-1]["tokens_per_s"]
+    if "cuda_max_alloc_gb" in ends[-1]:
+        out["peak_gb"] = ends[-1]["cuda_max_alloc_gb"]
+    return out
+
+
+def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
+    """One arm in a fresh process; adds its max RSS (GB)."""
+    every = math.gcd(args.warmup, args.steps)
+    if arm == "bare":
+        cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", args.config,
+               "--warmup", str(args.warmup), "--steps", str(args.steps), *args.overrides]
+    else:
+        out = workdir / arm
+        shutil.rmtree(out, ignore_errors=True)
+        cmd = [sys.executable, "train.py", "--config", args.config, *args.overrides, *extra,
+               f"run.out_dir={out}", "run.resume=never", f"train.max_steps={args.warmup + args.steps}",
+               f"train.log_every={every}", "train.eval_every=0", "train.ckpt_every=0",
+               "train.sample_tokens=0", "report.plots=false"]
+    log = workdir / f"{arm}.log"
+    with open(log, "w") as f:  # files, not pipes, so wait4 can reap it and report its memory
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        raise SystemExit(f"{arm} failed (exit {proc.returncode}): {' '.join(cmd)}\n{log.read_text()}")
+    if arm == "bare":
+        figures = json.loads(log.read_text().strip().splitlines()[-1])
+    else:
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        figures = scaffold_figures(records, args.warmup, args.steps, every)
+    return {**figures, "max_rss_gb": usage.ru_maxrss / 1e6}  # Linux reports kB
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=50, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--reps", type=int, default=3, help="runs of each arm (default: %(default)s)")
+    p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                   help="also run the scaffold with this override (repeatable)")
+    p.add_argument("--results", type=Path, default=RESULTS / "loop_vs_bare.jsonl")
+    p.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one bare run (internal)
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. data.batch_size=8")
+    args = p.parse_args(argv)
+    if args.bare:
+        print(json.dumps(bare(args.config, args.overrides, args.warmup, args.steps)))
+        return 0
+    cfg = load_config(args.config, args.overrides)  # bad input fails here, before any run
+    arms = {"scaffold": [], "bare": [], **{v: [v] for v in args.variant}}
+    runs: dict[str, list[dict]] = {arm: [] for arm in arms}
+    Path("runs").mkdir(exist_ok=True)
+    workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))
+    try:
+        for rep in range(args.reps):
+            order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
+            for arm in order:
+                runs[arm].append(run_arm(arm, arms[arm], args, workdir))
+                print(f"rep {rep + 1}/{args.reps} {arm}: {runs[arm][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
+    bare_tps = med["bare"]["tokens_per_s"]
+    device = device_label(pick_device(cfg.train.device))
+    print(f"\n{device} | torch {torch.__version__} | {os.cpu_count()} CPUs | {args.config} "
+          f"{' '.join(args.overrides)} | medians of {args.reps} runs, {args.steps} steps after "
+          f"{args.warmup} warm-up")
+    print(f"{'arm':<40}{'tokens/s':>11}{'vs bare':>9}{'peak GB':>9}{'max RSS GB':>11}{'data wait':>10}{'MFU':>7}")
+    for arm, m in med.items():
+        mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "-"
+        peak = f"{m['peak_gb']:.2f}" if "peak_gb" in m else "-"
+        print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{peak:>9}"
+              f"{m['max_rss_gb']:>11.2f}{m['data_wait_pct']:>9.2f}%{mfu:>7}")
+    append_result(args.results, "bench.loop_vs_bare", argv, {
+        "device": device, "config": args.config, "overrides": args.overrides, "steps": args.steps,
+        "warmup": args.warmup, "reps": args.reps, "median": med,
+        "ratio_to_bare": {arm: m["tokens_per_s"] / bare_tps for arm, m in med.items()}, "runs": runs})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The benchmarks run end to end in CI-sized form (tiny model, a few steps) and write their record;
+the figures themselves are machine-dependent and are not asserted, only their consistency."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from bench import loop_vs_bare
+from conftest import TINY
+
+
+def test_loop_vs_bare_runs_and_records(tmp_path, cache):
+    results = tmp_path / "r.jsonl"
+    args = ["--steps", "4", "--warmup", "2", "--reps", "1", "--results", str(results),
+            "--variant", "model.activation_checkpointing=true", *[t for t in TINY if "log_every" not in t], cache]
+    assert loop_vs_bare.main(args) == 0
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    med = record["median"]
+    assert set(med) == {"scaffold", "bare", "model.activation_checkpointing=true"}
+    for arm, m in med.items():
+        assert m["tokens_per_s"] > 0 and m["max_rss_gb"] > 0
+        assert record["ratio_to_bare"][arm] == pytest.approx(m["tokens_per_s"] / med["bare"]["tokens_per_s"])
+    assert med["bare"]["data_wait_pct"] == 0 and 0 <= med["scaffold"]["data_wait_pct"] < 100
+
+
+def test_scaffold_figures_use_only_the_timed_window():
+    # Intervals of 2 steps: 10 ms/step while warming up, then 20 ms/step; 100 tokens a step.
+    recs = [{"step": s, "tokens": 100 * s, "data_ms": 1.0,
+             **({"ms_per_step": 10.0 if s <= 2 else 20.0} if s % 2 == 0 else {})} for s in range(1, 7)]
+    fig = loop_vs_bare.scaffold_figures(recs, warmup=2, steps=4, every=2)
+    assert fig["tokens_per_s"] == pytest.approx(400 / 0.080)  # 4 steps x 20 ms
+    assert fig["data_wait_pct"] == pytest.approx(100 * 4.0 / 80.0)
