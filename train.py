@@ -42,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(cfg.model, data).to(device)
         if cfg.train.compile:
             model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
+            print("model compiled in place (torch.compile); the first steps include compilation")
         model = distributed.wrap(model, dist, device, cfg, precision.dtype)
         optimizer = build_optimizer(model, cfg.optim, device)
         scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)

@@ -31,7 +31,11 @@ class Data:
 
 
 def _token_data(root: Path, seq_len: int) -> Data:
-    meta = {"kind": "tokens", "source": str(root), **json.loads((root / "meta.json").read_text())}
+    try:
+        meta = {"kind": "tokens", "source": str(root), **json.loads((root / "meta.json").read_text())}
+        meta["vocab_size"] = int(meta["vocab_size"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise BadInput(f"data: {root}: expected a meta.json holding vocab_size ({e}).")
     train, val = TokenWindows(root / "train.bin", seq_len), TokenWindows(root / "val.bin", seq_len)
     for name, ds in (("train", train), ("val", val)):
         if len(ds) == 0:
@@ -73,14 +77,10 @@ def build_tokens(cfg) -> Data:
     """A directory already holding train.bin / val.bin (uint16 token ids) and meta.json (at least
     `vocab_size`), e.g. written by another tokenizer's prepare script."""
     root = Path(cfg.path)
-    try:
-        meta = json.loads((root / "meta.json").read_text())
-        meta["vocab_size"] = int(meta["vocab_size"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    missing = [n for n in ("train.bin", "val.bin", "meta.json") if not (root / n).is_file()]
+    if missing:
         raise BadInput(f"config key data.path: {root} (data.name=tokens): expected a directory with "
-                       f"train.bin, val.bin and a meta.json holding vocab_size ({e}).")
-    if not ((root / "train.bin").is_file() and (root / "val.bin").is_file()):
-        raise BadInput(f"config key data.path: {root} (data.name=tokens): train.bin or val.bin is missing.")
+                       f"train.bin, val.bin and meta.json; missing {', '.join(missing)}.")
     return _token_data(root, cfg.seq_len)
 
 

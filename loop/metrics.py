@@ -3,9 +3,10 @@ step), and TensorBoard scalars under `tb/`.
 
 Every step's record has step, loss, lr, grad_norm, tokens, samples, skipped, data_ms (time the loop
 waited for data) and, on CUDA, gpu_ms (the step's time on the GPU's timeline, from CUDA events
-recorded at each step's end and read at the flush, so no extra sync). The last record of each log interval adds the interval's tokens_per_s,
-samples_per_s, ms_per_step, data_wait_pct, MFU where the device's peak is known, and the host
-telemetry (CUDA memory, NVML readings). All values are global (rank 0 logs for all ranks).
+recorded at each step's end and read at the flush, so no extra sync). The last record of each log
+interval adds the interval's tokens_per_s, samples_per_s, ms_per_step, data_wait_pct, MFU where the
+device's peak is known, and the host telemetry (CUDA memory, NVML readings). All values are global
+(rank 0 logs for all ranks).
 
 Per-step loss and grad norm stay on the device until `flush()`, which reads them all in one host
 transfer, so logging adds no sync per step. `metrics.jsonl` keeps losses at full float precision

@@ -227,5 +227,5 @@ def test_random_tokens_and_a_token_directory(tmp_path):
     again = build_data(cfg.data)
     assert torch.equal(again.train[7]["x"], d.train[7]["x"]) and again.vocab_size == 50304
     cfg.data.path = str(tmp_path / "missing")
-    with pytest.raises(BadInput, match="data.path: .*missing.*meta.json"):
+    with pytest.raises(BadInput, match="data.path: .*missing train.bin, val.bin, meta.json"):
         build_data(cfg.data)

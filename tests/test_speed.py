@@ -10,17 +10,23 @@ from conftest import metrics, run_train, summary
 from model.gpt import GPT
 
 
-def grads(activation_checkpointing: bool) -> list[torch.Tensor]:
+def grads(activation_checkpointing: bool) -> tuple[list[torch.Tensor], int]:
+    """Gradients of one batch, and how many times block 0 ran forward."""
     torch.manual_seed(0)
     model = GPT(16, 8, 2, 2, 32, 0.1, True, activation_checkpointing)
+    calls = []
+    # A pre-hook: the recomputation stops early, once it has what backward needs, so a forward
+    # hook (run when forward returns) would not see it.
+    model.blocks[0].register_forward_pre_hook(lambda *_: calls.append(1))
     x = torch.randint(0, 16, (4, 9), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(2)  # the dropout masks: drawn in forward, replayed by the recomputation
     model({"x": x[:, :-1], "y": x[:, 1:]}).backward()
-    return [p.grad for p in model.parameters()]
+    return [p.grad for p in model.parameters()], len(calls)
 
 
 def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(one_thread):
-    plain, ckpt = grads(False), grads(True)
+    (plain, n_plain), (ckpt, n_ckpt) = grads(False), grads(True)
+    assert (n_plain, n_ckpt) == (1, 2)  # it really recomputed the block in backward
     assert len(plain) == len(ckpt) and all(torch.equal(a, b) for a, b in zip(plain, ckpt))
 
 
@@ -29,7 +35,8 @@ def test_compiled_and_plain_runs_share_checkpoints(tmp_path, cache):
     plain, mixed = tmp_path / "plain", tmp_path / "mixed"
     run_train(plain, cache, *steps)
     # Compiled to step 3, then resumed without compile from the compiled run's checkpoint.
-    run_train(mixed, cache, *steps[1:], "train.max_steps=3", "train.compile=true")
+    compiled = run_train(mixed, cache, *steps[1:], "train.max_steps=3", "train.compile=true")
+    assert "model compiled in place" in compiled.stdout
     state = torch.load(mixed / "checkpoints" / "step_00000003" / "state.pt", weights_only=True)
     assert list(state["model"]) == list(torch.load(plain / "model.pt", weights_only=True)["model"])
     rerun = run_train(mixed, cache, *steps)
