@@ -13,18 +13,12 @@ from __future__ import annotations
 
 import sys
 
-from data import build_data
-from loop.config import load_config, parse_args
-from loop.device import pick_device, use_tf32
 from loop import determinism, distributed
+from loop.build import build_trainer
+from loop.config import load_config, parse_args
+from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, BadInput, GaveUp
 from loop.guards import EXIT_PREEMPTED, configure_allocator
-from loop.optim import build_optimizer
-from loop.precision import Precision
-from loop.rng import seed_everything
-from loop.schedule import build_scheduler
-from loop.trainer import Trainer
-from model import build_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,18 +29,7 @@ def main(argv: list[str] | None = None) -> int:
         if pick_device(cfg.train.device).type == "cuda":
             print(f"CUDA allocator: {configure_allocator()}")  # before CUDA initialises
         dist, device = distributed.init(cfg.train.device)
-        seed_everything(cfg.run.seed + dist.rank)  # DDP copies rank 0's initial weights to all
-        data = build_data(cfg.data)
-        use_tf32(device, cfg.train.tf32)
-        precision = Precision(cfg.train.precision, device)
-        model = build_model(cfg.model, data).to(device)
-        if cfg.train.compile:
-            model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
-            print("model compiled in place (torch.compile); the first steps include compilation")
-        model = distributed.wrap(model, dist, device, cfg, precision.dtype)
-        optimizer = build_optimizer(model, cfg.optim, device)
-        scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
-        summary = Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist).run()
+        summary = build_trainer(cfg, dist, device).run()
         dist.barrier()  # rank 0 writes the summary and report last: the others wait, then all close
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)

@@ -24,45 +24,25 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, append_result, device_label, sync_device
-from data import build_data
-from data.sampler import train_loader
-from loop import checkpoint, determinism
+from loop import build, checkpoint, determinism
 from loop.async_save import AsyncSaver
 from loop.config import DEFAULT_CONFIG, config_hash, load_config
 from loop.device import pick_device
-from loop.optim import build_optimizer
-from loop.precision import Precision
-from loop.rng import seed_everything
-from loop.schedule import build_scheduler
+from loop.distributed import Dist
+from loop.metrics import NullLog
 from loop.state import capture
 from loop.trainer import Trainer
-from model import build_model
+
 
 def build_trainer(config: str, overrides: list[str]) -> Trainer:
-    """train.py's wiring, then two optimizer steps so AdamW's moments are in the state."""
+    """train.py's wiring, then two real optimizer steps so AdamW's moments are in the state."""
     cfg = load_config(config, overrides)
     if cfg.run.deterministic:
         determinism.enable()
-    device = pick_device(cfg.train.device)
-    seed_everything(cfg.run.seed)
-    data = build_data(cfg.data)
-    model = build_model(cfg.model, data).to(device)
-    optimizer = build_optimizer(model, cfg.optim, device)
-    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
-    precision = Precision(cfg.train.precision, device)
-    t = Trainer(cfg, model, data, optimizer, scheduler, precision, device)
-    batches = iter(train_loader(data.train, cfg.data.batch_size, cfg.run.seed, 0, 0, 2, False))
+    t = build.build_trainer(cfg, Dist(), pick_device(cfg.train.device))
+    t.log, t.batches = NullLog(), t._batches()
     for _ in range(2):
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in next(batches).items()}
-        with precision.autocast():
-            loss = model(batch) / batch["n_targets"]
-        t.scaler.scale(loss).backward()
-        t.scaler.step(optimizer)
-        t.scaler.update()
-        scheduler.step()
-        if t.ema:
-            t.ema.update_parameters(model)
-        optimizer.zero_grad(set_to_none=True)
+        t._step()
     return t
 
 

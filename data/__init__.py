@@ -1,7 +1,8 @@
 """Datasets, one builder per `data.name`, each returning a `Data` bundle the loop consumes.
 
-To add a task: write a builder that returns `Data` (datasets whose items are dicts with at least
-`x`, `y` and `idx`), and add it to BUILDERS. The loop never looks inside a sample.
+To add a task: write a builder that returns `Data` (datasets addressable by index whose items are
+dicts with at least `x`, `y` (targets; -100 = not counted) and `idx`, the item's index), add it to
+BUILDERS, and its options (if any) to data/config.py. The loop never looks inside a sample.
 """
 from __future__ import annotations
 
@@ -24,10 +25,10 @@ from loop.errors import BadInput
 class Data:
     train: Dataset
     val: Dataset
-    vocab_size: int
-    seq_len: int
-    decode: Callable[[list[int]], str]
-    meta: dict = field(default_factory=dict)
+    vocab_size: int  # classes a target can take: tokens of a vocabulary, or labels
+    seq_len: int  # targets per sample: a text window's length, 1 for a classifier
+    decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text samples
+    meta: dict = field(default_factory=dict)  # e.g. optimal_loss of a synthetic task
 
 
 def _token_data(root: Path, seq_len: int) -> Data:

@@ -78,11 +78,13 @@ def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_worker
     )
 
 
-def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int, rank: int = 0,
+def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int | None, rank: int = 0,
                 world: int = 1) -> list[dict]:
     """A fixed validation set drawn by its own generator: the same batches at every evaluation, and
-    the same set whatever the process count (rank r evaluates its slice of each global batch)."""
-    g = torch.Generator().manual_seed(seed + 1)
+    the same set whatever the process count (rank r evaluates its slice of each global batch).
+    seed=None draws from the global torch RNG, which training also draws from: only the lab
+    switch eval_consumes_train_rng does that, to show why it must not be done."""
+    g = None if seed is None else torch.Generator().manual_seed(seed + 1)
     global_batch = batch_size * world
     idx = torch.randperm(len(ds), generator=g)[: global_batch * n_batches].tolist()
     mine = [i for k in range(0, len(idx), global_batch)

@@ -2,7 +2,8 @@
 
     python train.py --config configs/default.yaml optim.lr=3e-4 optim.betas.1=0.99 train.max_steps=100
 
-Every key is checked before anything runs: an unknown key gets a did-you-mean, a wrong type or an
+The `data` and `model` sections are defined next to their builders (data/config.py,
+model/config.py), so a new task adds its options there. Every key is checked before anything runs: an unknown key gets a did-you-mean, a wrong type or an
 out-of-range value names the key, the expected type and the value given, malformed YAML names the
 file and line. All of these raise `BadInput` (exit code 2, nothing written). `save` writes the
 resolved config; `load_config` on that file gives back an equal object.
@@ -10,7 +11,6 @@ resolved config; `load_config` on that file gives back an equal object.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -18,19 +18,14 @@ from pathlib import Path
 
 import yaml
 
+from data.config import DataConfig, MarkovConfig, SyntheticConfig  # noqa: F401 (also imported from here)
 from loop.atomic import atomic_write
-from loop.config_check import check, from_dict, override
+from loop.config_check import check, from_dict, opt, override, to_dict
 from loop.errors import BadInput
+from loop.lab import SWITCHES
+from model.config import CnnConfig, ModelConfig  # noqa: F401
 
 DEFAULT_CONFIG = "configs/default.yaml"
-
-
-def _opt(default, *, min=None, choices=None):
-    """A field with an optional lower bound or set of allowed values, checked at load time."""
-    meta = {"min": min, "choices": choices}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
-    return field(default=default, metadata=meta)
 
 
 @dataclass
@@ -44,90 +39,46 @@ class RunConfig:
 
 
 @dataclass
-class MarkovConfig:
-    """Synthetic data with a known answer: a random Markov chain whose entropy rate is the best loss."""
-    vocab_size: int = _opt(32, min=2)
-    branching: int = _opt(4, min=1)  # next-token support per state
-    tokens: int = _opt(200_000, min=1000)
-    seed: int = 0
-
-
-@dataclass
-class SyntheticConfig:
-    """Uniform random tokens (data.name=random): a throughput workload at any vocabulary size,
-    nothing downloaded; the best possible loss is ln(vocab_size)."""
-    vocab_size: int = _opt(50304, min=2)
-    tokens: int = _opt(2_000_000, min=1000)
-    seed: int = 0
-
-
-@dataclass
-class DataConfig:
-    name: str = "text"  # a key of data.BUILDERS: text, markov, random, tokens
-    path: str = ""  # text: a local text file (empty = the Python docs in CPython); tokens: a directory
-    cache_dir: str = "data/cache"
-    seq_len: int = _opt(128, min=1)
-    batch_size: int = _opt(16, min=1)  # per micro-step, per process
-    num_workers: int = _opt(0, min=0)
-    prefetch_factor: int = _opt(2, min=1)
-    pin_memory: bool = True  # only takes effect on CUDA
-    val_fraction: float = _opt(0.1, min=0.0)
-    markov: MarkovConfig = field(default_factory=MarkovConfig)
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
-
-
-@dataclass
-class ModelConfig:
-    name: str = "gpt"  # a key of model.BUILDERS
-    n_layer: int = _opt(4, min=1)
-    n_head: int = _opt(4, min=1)
-    n_embd: int = _opt(128, min=1)
-    dropout: float = _opt(0.1, min=0.0)
-    bias: bool = False
-    activation_checkpointing: bool = False  # recompute each block's activations in backward
-
-
-@dataclass
 class OptimConfig:
-    lr: float = _opt(1e-3, min=0.0)
-    weight_decay: float = _opt(0.1, min=0.0)
-    betas: list[float] = _opt([0.9, 0.95])
-    eps: float = _opt(1e-8, min=0.0)
+    lr: float = opt(1e-3, min=0.0)
+    weight_decay: float = opt(0.1, min=0.0)
+    betas: list[float] = opt([0.9, 0.95])
+    eps: float = opt(1e-8, min=0.0)
 
 
 @dataclass
 class ScheduleConfig:
     name: str = "warmup_cosine"  # a key of loop.schedule.SCHEDULES
-    warmup_steps: int = _opt(20, min=0)
-    min_lr_ratio: float = _opt(0.1, min=0.0)  # cosine floor, as a fraction of optim.lr
-    restart_period: int = _opt(100, min=1)  # cosine_restarts: steps in the first cycle
-    restart_mult: int = _opt(1, min=1)  # cosine_restarts: each cycle is this many times longer
-    step_size: int = _opt(100, min=1)  # step: decay every this many steps
-    gamma: float = _opt(0.5, min=0.0)  # step: decay factor
+    warmup_steps: int = opt(20, min=0)
+    min_lr_ratio: float = opt(0.1, min=0.0)  # cosine floor, as a fraction of optim.lr
+    restart_period: int = opt(100, min=1)  # cosine_restarts: steps in the first cycle
+    restart_mult: int = opt(1, min=1)  # cosine_restarts: each cycle is this many times longer
+    step_size: int = opt(100, min=1)  # step: decay every this many steps
+    gamma: float = opt(0.5, min=0.0)  # step: decay factor
 
 
 @dataclass
 class TrainConfig:
-    max_steps: int = _opt(500, min=0)
-    grad_accum: int = _opt(2, min=1)
-    clip_grad: float = _opt(1.0, min=0.0)  # 0 = no clipping (the norm is still logged)
-    precision: str = _opt("auto", choices=("auto", "bf16", "fp16", "fp32"))
+    max_steps: int = opt(500, min=0)
+    grad_accum: int = opt(2, min=1)
+    clip_grad: float = opt(1.0, min=0.0)  # 0 = no clipping (the norm is still logged)
+    precision: str = opt("auto", choices=("auto", "bf16", "fp16", "fp32"))
     device: str = "auto"  # auto (cuda > mps > cpu) or a torch device string
-    log_every: int = _opt(10, min=1)
-    eval_every: int = _opt(50, min=0)  # 0 = only at the end
-    eval_batches: int = _opt(10, min=1)
-    ckpt_every: int = _opt(100, min=0)  # 0 = only at the end
-    keep_last: int = _opt(3, min=1)  # newest checkpoints kept, plus the best one
+    log_every: int = opt(10, min=1)
+    eval_every: int = opt(50, min=0)  # 0 = only at the end
+    eval_batches: int = opt(10, min=1)
+    ckpt_every: int = opt(100, min=0)  # 0 = only at the end
+    keep_last: int = opt(3, min=1)  # newest checkpoints kept, plus the best one
     async_save: bool = False  # copy state to CPU memory, write the checkpoint in a background thread
     best_metric: str = "val_loss"  # the validation metric that picks the best checkpoint
-    best_mode: str = _opt("min", choices=("min", "max"))
-    early_stop_patience: int = _opt(0, min=0)  # stop after this many evals without improvement; 0 = off
-    early_stop_min_delta: float = _opt(0.0, min=0.0)  # what counts as an improvement
-    sample_tokens: int = _opt(200, min=0)  # length of the text sample in summary.json
-    nan_policy: str = _opt("skip", choices=("skip", "rollback", "abort"))  # on a non-finite loss/grad
-    max_bad_steps: int = _opt(5, min=1)  # skip/rollback give up after this many bad steps in a row
-    oom_policy: str = _opt("split", choices=("split", "abort"))  # split: halve the micro-batch, retry
-    strategy: str = _opt("ddp", choices=("ddp", "fsdp"))  # several processes: full copies or shards
+    best_mode: str = opt("min", choices=("min", "max"))
+    early_stop_patience: int = opt(0, min=0)  # stop after this many evals without improvement; 0 = off
+    early_stop_min_delta: float = opt(0.0, min=0.0)  # what counts as an improvement
+    sample_tokens: int = opt(200, min=0)  # length of the text sample in summary.json
+    nan_policy: str = opt("skip", choices=("skip", "rollback", "abort"))  # on a non-finite loss/grad
+    max_bad_steps: int = opt(5, min=1)  # skip/rollback give up after this many bad steps in a row
+    oom_policy: str = opt("split", choices=("split", "abort"))  # split: halve the micro-batch, retry
+    strategy: str = opt("ddp", choices=("ddp", "fsdp"))  # several processes: full copies or shards
     fsdp_mixed_precision: bool = False  # fsdp: weights in the autocast dtype for compute, fp32 reduce
     fsdp_cpu_offload: bool = False  # fsdp: keep sharded weights and optimizer state in host memory
     compile: bool = False  # torch.compile the model in place (state_dict keys unchanged)
@@ -139,15 +90,15 @@ class TrainConfig:
 class EmaConfig:
     """Exponential moving average of the weights, used for validation and exported at the end."""
     enabled: bool = False
-    decay: float = _opt(0.999, min=0.0)
-    warmup: int = _opt(10, min=1)  # effective decay min(decay, (1+n)/(warmup+n)) after n updates
+    decay: float = opt(0.999, min=0.0)
+    warmup: int = opt(10, min=1)  # effective decay min(decay, (1+n)/(warmup+n)) after n updates
 
 
 @dataclass
 class ReportConfig:
     """The end-of-run report (report.md + plots): what a device-hour costs and the grid's CO2."""
-    price_per_hour: float = _opt(0.0, min=0.0)  # $ per device-hour; 0 = not reported
-    co2_g_per_kwh: float = _opt(400.0, min=0.0)
+    price_per_hour: float = opt(0.0, min=0.0)  # $ per device-hour; 0 = not reported
+    co2_g_per_kwh: float = opt(400.0, min=0.0)
     plots: bool = True  # PNG plots with report.md (matplotlib); the tables are written either way
 
 
@@ -161,6 +112,12 @@ class FaultsConfig:
 
 
 @dataclass
+class LabConfig:
+    """Teaching switches that each break one concern on purpose (loop/lab.py); off by default."""
+    break_: str = opt("", choices=("", *SWITCHES))  # written lab.break=NAME
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -171,6 +128,7 @@ class Config:
     ema: EmaConfig = field(default_factory=EmaConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
+    lab: LabConfig = field(default_factory=LabConfig)
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -204,10 +162,6 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 
 
 # ---------------------------------------------------------------------------------------- output
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
-
-
 def changed_keys(old: dict, new: Config) -> list[str]:
     """Dotted keys whose values differ between a saved config dict and `new`."""
     def flat(d: dict, prefix: str = "") -> dict:

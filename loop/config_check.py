@@ -3,17 +3,41 @@
 The section dataclasses themselves live in `loop/config.py`. Here: unknown keys (with a
 did-you-mean), type coercion (an int where a float is asked is fine; "abc" is not), list
 elements by index (`optim.betas.1=0.99`), and the bounds and choices declared on the fields.
-Every problem raises `BadInput` naming the key.
+Every problem raises `BadInput` naming the key. A key that is a Python keyword (`lab.break`) is
+held in a field with a trailing underscore (`break_`); users only ever see the key.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import keyword
 import typing
 
 import yaml
 
 from loop.errors import BadInput
+
+
+def opt(default, *, min=None, choices=None):
+    """A field with an optional lower bound or set of allowed values, checked at load time."""
+    meta = {"min": min, "choices": choices}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def field_of(key: str) -> str:
+    return f"{key}_" if keyword.iskeyword(key) else key
+
+
+def key_of(field: str) -> str:
+    return field[:-1] if field.endswith("_") and keyword.iskeyword(field[:-1]) else field
+
+
+def to_dict(obj) -> dict:
+    """A config (or section) as plain data, spelled with the keys users write."""
+    return {key_of(f.name): to_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name))
+            else (list(v) if isinstance(v, list) else v) for f in dataclasses.fields(obj)}
 
 
 def from_dict(cls, raw, prefix: str, source: str):
@@ -22,8 +46,8 @@ def from_dict(cls, raw, prefix: str, source: str):
         raise BadInput(f"config {prefix.rstrip('.') or 'file'} in {source}: expected a mapping of "
                        f"keys, got {raw!r}.")
     hints, obj = typing.get_type_hints(cls), cls()
-    for name, value in raw.items():
-        key = f"{prefix}{name}"
+    for key_name, value in raw.items():
+        key, name = f"{prefix}{key_name}", field_of(str(key_name))
         if name not in hints:
             raise BadInput(_unknown(key))
         if dataclasses.is_dataclass(hints[name]):
@@ -34,7 +58,7 @@ def from_dict(cls, raw, prefix: str, source: str):
 
 
 def override(obj, parts: list[str], text: str, key: str) -> None:
-    name, rest = parts[0], parts[1:]
+    name, rest = field_of(parts[0]), parts[1:]
     hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
     if name not in hints:
         raise BadInput(_unknown(key))
@@ -94,7 +118,7 @@ def _wrong(key: str, expected: str, value) -> BadInput:
 def check(obj, prefix: str = "") -> None:
     """Apply the bounds and choices declared on the fields."""
     for f in dataclasses.fields(obj):
-        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        value, key = getattr(obj, f.name), f"{prefix}{key_of(f.name)}"
         if dataclasses.is_dataclass(value):
             check(value, key + ".")
             continue
@@ -102,7 +126,8 @@ def check(obj, prefix: str = "") -> None:
         if lo is not None and value < lo:
             raise BadInput(f"config key {key}: expected a value >= {lo}, got {value!r}.")
         if choices and value not in choices:
-            raise BadInput(f"config key {key}: expected one of {', '.join(choices)}; "
+            shown = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
+            raise BadInput(f"config key {key}: expected one of {shown}; "
                            f"got {value!r}.")
 
 
@@ -110,9 +135,9 @@ def all_keys(cls, prefix: str = "") -> list[str]:
     out = []
     for name, hint in typing.get_type_hints(cls).items():
         if dataclasses.is_dataclass(hint):
-            out += all_keys(hint, f"{prefix}{name}.")
+            out += all_keys(hint, f"{prefix}{key_of(name)}.")
         else:
-            out.append(f"{prefix}{name}")
+            out.append(f"{prefix}{key_of(name)}")
     return out
 
 

@@ -1,39 +1,103 @@
-"""Validation loss and text samples, both without touching any training random stream.
+"""Validation metrics and text samples, both without touching any training random stream.
 
-Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their own
-generator), and returns the mean loss over all their real targets with one host read. The sample
-uses its own `torch.Generator`.
+A model's `forward(batch)` returns the loss summed over the batch's real targets, or a dict with
+that sum as "loss" and more sums over the same targets (a classifier: "accuracy", the number it got
+right). Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their
+own generator) and reports each sum divided by the number of real targets, as `val_loss`,
+`val_accuracy`, ..., with one host read. The sample uses its own `torch.Generator`. The functions
+at the end are the trainer's evaluation step (they take the Trainer, like loop/state.py's).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 
+from data.sampler import val_batches
+from loop.errors import BadInput
+
+
+def loss_and_sums(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Split what a model's forward returned into the summed loss and its other sums."""
+    if isinstance(out, dict):
+        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
+    return out, {}
+
 
 @torch.no_grad()
-def val_loss(model: nn.Module, batches: list[dict], precision, device: torch.device, dist) -> float:
-    """Mean loss over the real targets of every rank's validation batches."""
+def val_metrics(model: nn.Module, batches: list[dict], precision, device: torch.device,
+                dist) -> dict[str, float]:
+    """`val_<name>` for the loss and every other sum the model returns: means over the real
+    targets of every rank's validation batches."""
     was_training = model.training
     model.eval()
-    total, count = torch.zeros((), device=device), 0
+    sums, count, names = None, 0, ["loss"]
     for batch in batches:
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with precision.autocast():
-            total += model(batch).float()
+            loss, extra = loss_and_sums(model(batch))
+        names = ["loss", *extra]
+        values = torch.stack([loss.float(), *(v.float() for v in extra.values())])  # (names,)
+        sums = values if sums is None else sums + values
         count += batch["n_targets"]
     model.train(was_training)
-    total, count = dist.sum_(torch.stack([total, torch.tensor(float(count), device=device)])).tolist()
-    return total / count
+    totals = dist.sum_(torch.cat([sums, torch.tensor([float(count)], device=device)])).tolist()
+    return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals)}
 
 
 @torch.no_grad()
-def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decode) -> str | None:
-    """`n` tokens after `prompt` (1, T), decoded; None for models without `generate`."""
-    if not hasattr(model, "generate") or n == 0:
-        return None
+def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decode) -> str:
+    """`n` tokens after `prompt` (1, T), decoded."""
     was_training = model.training
     model.eval()
     g = torch.Generator(prompt.device).manual_seed(seed)
     ids = model.generate(prompt, n, g)[0].tolist()
     model.train(was_training)
     return decode(ids)
+
+
+# ------------------------------------------------------------- the trainer's evaluation (t: Trainer)
+def validate(t) -> dict[str, float]:
+    """val_loss and the model's other val_ metrics over every rank's share (EMA weights if on); a
+    collective: every rank calls it."""
+    batches = t.val
+    if t.lab == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
+        d = t.cfg.data
+        batches = val_batches(t.data.val, d.batch_size, t.cfg.train.eval_batches, None, t.dist.rank,
+                              t.dist.world)
+    metrics = val_metrics(t.ema.module if t.ema else t.raw, batches, t.precision, t.device, t.dist)
+    t.last_eval = (t.progress.step, metrics)
+    return metrics
+
+
+def evaluate(t, step: int) -> bool:
+    """Validation metrics and a text sample into the log; True if the monitored metric
+    (train.best_metric) is the best so far."""
+    metrics = validate(t)
+    for name, value in metrics.items():
+        t.log.scalar(step, name, value)
+    if text := sample(t):
+        t.log.text(step, "sample", text)  # a no-op off rank 0
+    return t.monitor.update(step, metrics[t.monitor.metric])
+
+
+def check_best_metric(t) -> None:
+    """train.best_metric must be one the model reports: probe one validation batch (eval mode, no
+    gradients, no random draws) before anything is written."""
+    if t.monitor.metric == "val_loss":
+        return
+    names = val_metrics(t.raw, t.val[:1], t.precision, t.device, t.dist)
+    if t.monitor.metric not in names:
+        raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
+                       f"model reports ({', '.join(names)}); got {t.monitor.metric!r}.")
+
+
+def sample(t) -> str | None:
+    """A short text from the model (EMA weights if on), drawn with its own generator, on rank 0 (on
+    every rank with FSDP, whose forward needs all of them; the same text on each). None for models
+    that do not generate (a classifier) or data without a decoder."""
+    model = t.ema.module if t.ema else t.raw
+    if not (t.dist.main or t.sharded) or not hasattr(model, "generate") or t.data.decode is None \
+            or t.cfg.train.sample_tokens == 0:
+        return None
+    prompt = t.data.val[0]["x"][None, :8].to(t.device)  # (1, 8)
+    return text_sample(model, prompt, t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode)

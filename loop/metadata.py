@@ -96,7 +96,8 @@ def collect(cfg, device: torch.device, precision: str, world_size: int, resumed_
         "git": git_info(), "config_sha256": config_hash(cfg), "argv": safe_argv(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
         "resumed_from": str(resumed_from) if resumed_from else None,
-        "faults_injected": faults or None, "determinism": in_effect(),
+        "faults_injected": faults or None, "lab_break": cfg.lab.break_ or None,
+        "determinism": in_effect(),
         "device": str(device), "precision": precision, "hardware": hardware(),
         "environment": safe_environment(),
         # str(): torch.__version__ is a TorchVersion, which weights_only loading refuses

@@ -63,14 +63,16 @@ def restore(t, path: Path) -> None:
     if changed:
         t.dist.say(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
     t.scheduler.load_state_dict(state["scheduler"])
-    if state["scaler"]:  # empty when fp16 is off
+    if state["scaler"] and t.lab != "no_scaler_state":  # empty when fp16 is off; lab: dropped
         t.scaler.load_state_dict(state["scaler"])
     if t.ema and state["ema"]:
         load_ema_state(t.ema, state["ema"])
     t.monitor.load_state_dict(state["monitor"])
     t.progress = Progress(**state["progress"])
     mine = f"rng_rank{t.dist.rank}.pt"
-    if (path / mine).exists():
+    if t.lab == "no_rng_restore":  # lab: the streams go on from wherever this process is
+        pass
+    elif (path / mine).exists():
         rng.restore(checkpoint.load(path, mine))  # last: nothing above draws from it
     else:  # more processes than the run that saved it: this rank's streams start fresh
         rng.seed_everything(t.cfg.run.seed + 1000 * t.progress.step + t.dist.rank)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 
-from loop import checkpoint, fsdp
+from loop import checkpoint, evaluate, fsdp
 from loop.atomic import atomic_write
 from loop.config import to_dict
 from loop.report import write_report
@@ -18,9 +18,9 @@ from loop.report import write_report
 def finish(t) -> dict:  # t: loop.trainer.Trainer
     p, m = t.progress, t.monitor.state
     if not t.preempted and not (t.last_eval and t.last_eval[0] == p.step):
-        t.validate()  # every rank takes part: validation all-reduces over ranks
+        evaluate.validate(t)  # every rank takes part: validation all-reduces over ranks
     # Collectives with FSDP (gather the whole model, sample through it): every rank takes part.
-    weights, sample = ({}, None) if t.preempted else (fsdp.full_state(t.raw), t.sample())
+    weights, sample = ({}, None) if t.preempted else (fsdp.full_state(t.raw), evaluate.sample(t))
     if not t.dist.main:
         return {"steps": p.step, "preempted": t.preempted}
     if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
@@ -30,9 +30,9 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
             t.mirror.close()
         print(f"preempted at step {p.step}; checkpoint written to {t.ckpt_root}")
         return {"steps": p.step, "preempted": True}
-    val = t.last_eval[1]
+    val = t.last_eval[1]["val_loss"]
     summary = {
-        "steps": p.step, "final_loss": t.log.last_loss, "val_loss": val,
+        "steps": p.step, "final_loss": t.log.last_loss, **t.last_eval[1],  # val_loss, val_...
         "params_sha256": checkpoint.params_sha256(weights), "wall_s": p.train_s,
         "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
         "skipped_steps": p.skipped, "overflow_steps": p.overflows,
@@ -41,7 +41,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         "rollbacks": p.rollbacks, "micro_batch": -(-t.cfg.data.batch_size // p.micro_split),
         "preempted": False, "precision": t.precision.name, "device": str(t.device),
         "optimal_loss": t.data.meta.get("optimal_loss"),
-        "sample": sample,
+        "sample": sample, "lab_break": t.lab or None,
     }
     if t.ema:
         summary["ema_params_sha256"] = checkpoint.params_sha256(t.ema.module.state_dict())

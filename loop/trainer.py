@@ -19,13 +19,14 @@ import torch
 from torch.profiler import record_function
 
 from data.sampler import split_batch, train_loader, val_batches
-from loop import checkpoint, fsdp, resume
+from loop import checkpoint, evaluate, fsdp, resume
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
 from loop.ema import build_ema
-from loop.evaluate import text_sample, val_loss
+from loop.evaluate import loss_and_sums
 from loop.distributed import Dist, grad_sync
+from loop.lab import banner
 from loop.guards import (Preemption, describe_non_finite, fire_once, on_non_finite,
                          recover_from_oom, worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
@@ -53,7 +54,7 @@ class Trainer:
         self.ema = build_ema(self.raw, cfg.ema)
         self.val = val_batches(data.val, cfg.data.batch_size, tc.eval_batches, cfg.run.seed,
                                self.dist.rank, self.dist.world)
-        self.last_eval: tuple[int, float] | None = None
+        self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, val_loss, val_...)
         self.log: MetricsLog | None = None
         self.mirror = None
         self.telemetry: Telemetry | None = None  # rank 0 only
@@ -62,9 +63,13 @@ class Trainer:
         self.saver = AsyncSaver() if cfg.train.async_save else None
         self.bad_streak = 0  # non-finite steps in a row
         self.fired: set[str] = set()  # injected faults already fired in this process
+        self.lab = cfg.lab.break_  # a lab switch breaking one concern on purpose (loop/lab.py)
 
     def run(self) -> dict:
         cfg, tc = self.cfg, self.cfg.train
+        if self.lab:
+            self.dist.say(banner(self.lab))
+        evaluate.check_best_metric(self)
         path = self.dist.on_main(lambda: resume.choose(cfg.run.resume, self.ckpt_root, cfg.run.mirror))
         if path:
             restore(self, path)
@@ -81,7 +86,7 @@ class Trainer:
         n_params = sum(p.numel() for p in self.raw.parameters())
         self.dist.say(f"{n_params:,} parameters | {self.device} | {self.precision.name} | {self.dist.world} "
                       f"process(es) | global batch {cfg.data.batch_size * tc.grad_accum * self.dist.world} "
-                      f"x {self.data.seq_len} tokens")
+                      f"samples of {self.data.seq_len} target(s)")
         if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
             save(self, 0)  # something to roll back to before the first periodic checkpoint
         self.batches, preemption = self._batches(), Preemption()
@@ -97,7 +102,7 @@ class Trainer:
                 stop = self.dist.sum_host([float(preemption.signal is not None)])[0] > 0  # all agree
                 step, best = self.progress.step, False
                 if tc.eval_every and step % tc.eval_every == 0:
-                    best = self._evaluate(step)
+                    best = evaluate.evaluate(self, step)
                 done = step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if step % tc.log_every == 0 or done:
                     self.log.flush()
@@ -136,7 +141,8 @@ class Trainer:
 
     def _batches(self):
         d = self.cfg.data
-        return iter(train_loader(self.data.train, d.batch_size, self.cfg.run.seed, self.progress.samples,
+        start = 0 if self.lab == "no_sampler_state" else self.progress.samples  # lab: from the top
+        return iter(train_loader(self.data.train, d.batch_size, self.cfg.run.seed, start,
                                  d.num_workers, d.prefetch_factor, d.pin_memory and self.device.type == "cuda",
                                  worker_ignores_stop_signals, self.dist.rank, self.dist.world))
 
@@ -163,12 +169,16 @@ class Trainer:
                 break
             recover_from_oom(self)  # every rank retries the same batches in smaller pieces
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
-            self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
+            lab_clip_first = self.lab == "clip_before_unscale"  # lab: the wrong order, on purpose
+            if not lab_clip_first:
+                self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
             if tc.clip_grad > 0:
                 grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.clip_grad)
             else:
                 grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
+            if lab_clip_first:
+                self.scaler.unscale_(self.optimizer)
             grad_norm = fsdp.whole(grad_norm)  # FSDP: a DTensor, already reduced over ranks
             totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
             step_loss = totals[0] / n_targets  # the true loss: all targets of all ranks
@@ -189,9 +199,13 @@ class Trainer:
         p.step += 1
         p.samples += sum(len(b["idx"]) for b in micro) * self.dist.world
         p.tokens += n_targets
-        self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples,
-                         "skipped": not (loss_ok and grad_ok), "data_ms": data_ms,
-                         "micro_batch": -(-self.cfg.data.batch_size // p.micro_split)}, step_loss, grad_norm)
+        fields = {"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples,
+                  "skipped": not (loss_ok and grad_ok), "data_ms": data_ms,
+                  "micro_batch": -(-self.cfg.data.batch_size // p.micro_split)}
+        if self.cfg.data.log_ids:  # for audits: the global ids of this step's samples, in order
+            ranks = self.dist.gather_to_main([b["idx"].tolist() for b in micro])  # rank 0 only
+            fields["ids"] = ranks and [i for m in range(len(micro)) for r in ranks for i in r[m]]
+        self.log.record(fields, step_loss, grad_norm)
         return True
 
     def _forward_backward(self, micro: list[dict], n_targets: int) -> torch.Tensor | None:
@@ -199,6 +213,7 @@ class Trainer:
         p, faults = self.progress, self.cfg.faults
         losses = []
         parts = [b for m in micro for b in split_batch(m, p.micro_split)]
+        lab_mean = self.lab == "mean_loss_per_microbatch"  # lab: each micro-batch's own mean / k
         try:
             for i, batch in enumerate(parts):
                 batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
@@ -208,39 +223,16 @@ class Trainer:
                 # Gradients cross ranks only after the last micro-batch's backward.
                 with grad_sync(self.model, i == len(parts) - 1):
                     with self.precision.autocast(), record_function("forward"):
-                        loss = self.model(batch)  # summed over this micro-batch's targets
+                        loss = loss_and_sums(self.model(batch))[0]  # summed over its targets
                     if i == 0 and fire_once(self.fired, "nan", p.step + 1 == faults.nan_at_step
                                         and faults.nan_rank in (-1, self.dist.rank)):
                         loss = loss * float("nan")
                     # Divide by the step's target count over all ranks (times world: DDP averages
                     # gradients over ranks): the gradients then equal one big batch's.
+                    per = batch["n_targets"] * len(parts) if lab_mean else n_targets
                     with record_function("backward"):
-                        self.scaler.scale(loss * (self.dist.world / n_targets)).backward()
+                        self.scaler.scale(loss * (self.dist.world / per)).backward()
                 losses.append(loss.detach().float())
         except torch.OutOfMemoryError:
             return None  # recover outside the except block: its traceback pins the tensors
         return torch.stack(losses)
-
-    def validate(self) -> float:
-        """The validation loss over every rank's share (a collective: all ranks call it)."""
-        model = self.ema.module if self.ema else self.raw
-        val = val_loss(model, self.val, self.precision, self.device, self.dist)
-        self.last_eval = (self.progress.step, val)
-        return val
-
-    def _evaluate(self, step: int) -> bool:
-        """Validation loss into the metrics; True if it is the best so far."""
-        val = self.validate()
-        self.log.scalar(step, "val_loss", val)
-        if sample := self.sample():
-            self.log.text(step, "sample", sample)  # a no-op off rank 0
-        return self.monitor.update(step, val)
-
-    def sample(self) -> str | None:
-        """A short text from the model (EMA weights if on), drawn with its own generator, on rank 0
-        (on every rank with FSDP, whose forward needs all of them; the same text on each)."""
-        if not (self.dist.main or self.sharded):
-            return None
-        prompt = self.data.val[0]["x"][None, :8].to(self.device)  # (1, 8)
-        return text_sample(self.ema.module if self.ema else self.raw, prompt,
-                           self.cfg.train.sample_tokens, self.cfg.run.seed, self.data.decode)

@@ -18,7 +18,7 @@ from loop.config import DEFAULT_CONFIG, load_config
 from loop.distributed import Dist, check_supported
 from loop.errors import BadInput
 from loop.checkpoint import params_sha256
-from loop.evaluate import val_loss
+from loop.evaluate import val_metrics
 from loop.precision import Precision
 from model import build_model
 
@@ -66,7 +66,7 @@ def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache, one_t
     # The run's validation summed each rank's half; here one process sums them all, so float32
     # rounding may differ in the last places.
     batches = val_batches(data.val, cfg.data.batch_size * 2, cfg.train.eval_batches, cfg.run.seed, 0, 1)
-    got = val_loss(model, batches, Precision("fp32", torch.device("cpu")), torch.device("cpu"), Dist())
+    got = val_metrics(model, batches, Precision("fp32", torch.device("cpu")), torch.device("cpu"), Dist())["val_loss"]
     assert got == pytest.approx(summary(fsdp_run)["val_loss"], rel=1e-5)
 
 

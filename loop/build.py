@@ -1,0 +1,33 @@
+"""The parts of a run, wired in the order train.py needs them: seed, data, model, wrapping,
+optimizer, schedule, precision -> a `Trainer`. Shared by train.py, make verify's in-process audits
+(loop/audit_grads.py) and the benchmarks, so each builds exactly what a real run trains.
+"""
+from __future__ import annotations
+
+import torch
+
+from data import build_data
+from loop import distributed
+from loop.device import use_tf32
+from loop.distributed import Dist
+from loop.optim import build_optimizer
+from loop.precision import Precision
+from loop.rng import seed_everything
+from loop.schedule import build_scheduler
+from loop.trainer import Trainer
+from model import build_model
+
+
+def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
+    seed_everything(cfg.run.seed + dist.rank)  # DDP copies rank 0's initial weights to all
+    data = build_data(cfg.data)
+    use_tf32(device, cfg.train.tf32)
+    precision = Precision(cfg.train.precision, device)
+    model = build_model(cfg.model, data).to(device)
+    if cfg.train.compile:
+        model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
+        dist.say("model compiled in place (torch.compile); the first steps include compilation")
+    model = distributed.wrap(model, dist, device, cfg, precision.dtype)
+    optimizer = build_optimizer(model, cfg.optim, device)
+    scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
+    return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist)
