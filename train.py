@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import sys
 
-from loop import determinism, distributed
+from loop import determinism, distributed, dotenv
 from loop.build import build_trainer
 from loop.config import load_config, parse_args
 from loop.device import pick_device
@@ -23,6 +23,7 @@ from loop.guards import EXIT_PREEMPTED, configure_allocator
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        dotenv.load()  # ./.env first (loop/dotenv.py): the config and the loop see its variables
         cfg = load_config(*parse_args(argv))
         if cfg.run.deterministic:
             determinism.enable()

@@ -8,7 +8,8 @@ produced this run.
   of the hostname (not the name), versions of python, torch and numpy;
 - environment: only variables that steer training (CUDA_*, NCCL_*, PYTORCH_*, OMP_*, SLURM_*, ...).
   Anything that looks like a secret (*KEY*, *TOKEN*, *SECRET*, *PASSWORD*) is never written, and
-  such values on the command line are masked.
+  such values on the command line are masked; nor is any variable taken from `.env` (loop/dotenv.py),
+  whatever its name.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loop import dotenv
 from loop.config import config_hash
 from loop.determinism import in_effect
 
@@ -53,7 +55,7 @@ def git_info(root: Path = ROOT) -> dict:
 
 def safe_environment() -> dict:
     return {k: v for k, v in sorted(os.environ.items())
-            if k.startswith(ENV_PREFIXES) and not SECRET.search(k)}
+            if k.startswith(ENV_PREFIXES) and not SECRET.search(k) and k not in dotenv.FROM_FILE}
 
 
 def safe_argv() -> list[str]:

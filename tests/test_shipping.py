@@ -1,0 +1,201 @@
+"""Shipping: the `.env` loader (loop/dotenv.py) and what it promises end to end (the variables reach
+train.py, their values reach no file of the run, a malformed line exits 2 with nothing written), and
+static checks of the Dockerfile, .dockerignore, .env.example and the CI workflow.
+
+    .venv/bin/python -m pytest tests/test_shipping.py -q
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from conftest import ROOT, TINY
+from loop import dotenv, metadata
+from loop.errors import BadInput
+
+DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
+
+
+# ------------------------------------------------------------------------------------- the parser
+def test_parse_quotes_export_comments():
+    text = ("# a comment\n"
+            "\n"
+            "PLAIN=value\n"
+            "export EXPORTED=1\n"
+            "  SPACED = padded value  \n"
+            "SINGLE='it has # and \"double\" quotes'\n"
+            'DOUBLE="  kept spaces  "\n'
+            "HASH=abc#def # not a comment\n"
+            "EQUALS=a=b=c\n"
+            "EMPTY=\n"
+            "EMPTY_QUOTED=''\n"
+            "    # an indented comment\r\n"
+            "PLAIN=last wins\r\n")
+    assert dotenv.parse(text) == {
+        "PLAIN": "last wins", "EXPORTED": "1", "SPACED": "padded value",
+        "SINGLE": 'it has # and "double" quotes', "DOUBLE": "  kept spaces  ",
+        "HASH": "abc#def # not a comment", "EQUALS": "a=b=c", "EMPTY": "", "EMPTY_QUOTED": ""}
+
+
+@pytest.mark.parametrize("bad", ["no equals sign hunter2", "1STARTS_WITH_DIGIT=hunter2",
+                                 "TWO WORDS=hunter2", "=hunter2", "OPEN='hunter2", "MIXED=\"hunter2'",
+                                 "AFTER='hunter2' trailing", 'INNER="hunter2"x"', "export",
+                                 "KEY-DASH=hunter2"])
+def test_a_malformed_line_names_the_file_and_line_but_not_the_line(bad):
+    text = f"# header\nGOOD=1\n{bad}\n"
+    with pytest.raises(BadInput) as e:
+        dotenv.parse(text)
+    assert str(e.value).startswith(".env line 3:") and "hunter2" not in str(e.value)
+
+
+def test_load_environment_wins_and_nothing_is_set_from_a_malformed_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(dotenv, "FROM_FILE", set())
+    environ = {"ALREADY": "from the environment"}
+    path = tmp_path / ".env"
+    assert dotenv.load(path, environ) == [] and environ == {"ALREADY": "from the environment"}
+    path.write_text("ALREADY=from the file\nNEW='from the file'\n")
+    assert dotenv.load(path, environ) == ["NEW"]
+    assert environ == {"ALREADY": "from the environment", "NEW": "from the file"}
+    assert dotenv.FROM_FILE == {"NEW"}
+    path.write_text("LATER=1\nnot an assignment\n")
+    with pytest.raises(BadInput, match=r"\.env line 2:"):
+        dotenv.load(path, environ)
+    assert "LATER" not in environ  # the whole file is checked before anything is set
+
+
+def test_variables_from_env_file_are_left_out_of_metadata(monkeypatch):
+    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    monkeypatch.setenv("NCCL_SOCKET_IFNAME", "from-dotenv")  # not secret-looking, but from .env
+    monkeypatch.setattr(dotenv, "FROM_FILE", {"NCCL_SOCKET_IFNAME"})
+    recorded = metadata.safe_environment()
+    assert recorded["NCCL_DEBUG"] == "INFO" and "NCCL_SOCKET_IFNAME" not in recorded
+
+
+# ---------------------------------------------------------------------------- end to end, train.py
+def run_in(work: Path, env_text: str, *overrides: str, env: dict | None = None
+           ) -> subprocess.CompletedProcess:
+    """A 2-step train.py subprocess whose working directory is `work`, holding `.env` = env_text.
+    (2 steps, also where exit 2 is expected: should that regress, the test fails fast.)"""
+    work.mkdir()
+    (work / ".env").write_text(env_text)
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(DEFAULT_CONFIG), *TINY,
+           "train.max_steps=2", *overrides]
+    return subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+
+
+def clean_env(*names: str, **values: str) -> dict:
+    """This environment without `names` (so .env provides them), plus `values`."""
+    return {**{k: v for k, v in os.environ.items() if k not in names}, **values}
+
+
+def test_env_file_values_reach_no_file_of_the_run(tmp_path, cache):
+    values = {"AWS_ACCESS_KEY_ID": "dotenv-akid-0q1w", "AWS_SECRET_ACCESS_KEY": "dotenv-secret-9e8r",
+              "AWS_DEFAULT_REGION": "dotenv-region-2t3y", "NCCL_SOCKET_IFNAME": "dotenv-ifname-6u7i",
+              "NCCL_DEBUG": "dotenv-loses-5o4p"}
+    env_text = ("# the checkpoint mirror's credentials\n"
+                f"export AWS_ACCESS_KEY_ID={values['AWS_ACCESS_KEY_ID']}\n"
+                f"AWS_SECRET_ACCESS_KEY='{values['AWS_SECRET_ACCESS_KEY']}'\n"
+                f'AWS_DEFAULT_REGION="{values["AWS_DEFAULT_REGION"]}"\n'
+                "\n"
+                f"NCCL_SOCKET_IFNAME={values['NCCL_SOCKET_IFNAME']}\n"
+                f"NCCL_DEBUG={values['NCCL_DEBUG']}\n")
+    out = tmp_path / "run"
+    proc = run_in(tmp_path / "work", env_text, f"run.out_dir={out}", cache, "train.ckpt_every=1",
+                  env=clean_env(*values, NCCL_DEBUG="INFO"))
+    assert proc.returncode == 0, proc.stderr
+    meta = json.loads((out / "metadata.json").read_text())
+    # The environment's own NCCL_DEBUG won over .env's and is recorded as always; the name that
+    # came from .env is not, though it does not look secret.
+    assert meta["environment"]["NCCL_DEBUG"] == "INFO"
+    assert "NCCL_SOCKET_IFNAME" not in meta["environment"]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    names = {p.name for p in files}
+    assert {"metadata.json", "config.yaml", "metrics.jsonl", "summary.json", "state.pt"} <= names
+    checkpoints = [torch.load(p, weights_only=True)["metadata"] for p in out.rglob("state.pt")]
+    assert len(checkpoints) == 2
+    for value in values.values():
+        assert value not in proc.stdout + proc.stderr, value
+        for path in files:  # every byte written: metadata, config, metrics, summary, tb, checkpoints
+            assert value.encode() not in path.read_bytes(), (value, path)
+        assert all(value not in repr(m) for m in checkpoints), value
+
+
+def test_env_file_variables_reach_train_py(tmp_path):
+    # Determinism mode reads CUBLAS_WORKSPACE_CONFIG after .env is loaded and refuses this value.
+    out = tmp_path / "run"
+    proc = run_in(tmp_path / "work", "CUBLAS_WORKSPACE_CONFIG=:0:0\n", f"run.out_dir={out}",
+                  "run.deterministic=true", env=clean_env("CUBLAS_WORKSPACE_CONFIG"))
+    assert proc.returncode == 2 and "':0:0'" in proc.stderr, proc.stderr
+    assert not out.exists()
+
+
+def test_a_malformed_env_file_exits_2_and_writes_nothing(tmp_path):
+    out = tmp_path / "run"
+    proc = run_in(tmp_path / "work", "GOOD=1\n\nAWS_SECRET_ACCESS_KEY dotenv-secret-missing-equals\n",
+                  f"run.out_dir={out}")
+    assert proc.returncode == 2, proc.stderr
+    assert ".env line 3" in proc.stderr and "dotenv-secret" not in proc.stdout + proc.stderr
+    assert not out.exists()
+
+
+# --------------------------------------------------------------------------------- shipping files
+def dockerfile() -> tuple[str, str]:
+    """The Dockerfile's text and its FROM image, with ${ARG}s resolved from their defaults."""
+    text = (ROOT / "Dockerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)", text, re.MULTILINE))
+    image = re.search(r"^FROM (\S+)", text, re.MULTILINE).group(1)
+    return text, re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], image)
+
+
+def test_dockerfile_base_image_is_official_pytorch_at_the_locked_version():
+    text, image = dockerfile()
+    torch_pin = re.search(r"^torch==(\S+)$", (ROOT / "requirements.lock").read_text(), re.MULTILINE)
+    match = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda(\d+\.\d+)-cudnn\d+-runtime", image)
+    assert match, image  # official, exact version, CUDA runtime flavour: never `latest`
+    assert match.group(1) == torch_pin.group(1)
+    assert not re.search(r"pip install[^\n]*\btorch\b", text)  # torch comes with the image
+
+
+def test_dockerfile_runs_as_non_root_and_records_the_commit():
+    text, _ = dockerfile()
+    users = re.findall(r"^USER (\S+)", text, re.MULTILINE)
+    assert users and users[-1] not in ("root", "0") and not users[-1].startswith("0:")
+    arg = re.search(r"^ARG GIT_COMMIT\b", text, re.MULTILINE)
+    env = re.search(r"^ENV GIT_COMMIT=\$\{?GIT_COMMIT\}?", text, re.MULTILINE)
+    assert arg and env and arg.start() < env.start()  # --build-arg GIT_COMMIT=... -> the environment
+
+
+def test_dockerignore_keeps_secrets_history_and_outputs_out_of_the_image():
+    lines = set((ROOT / ".dockerignore").read_text().split("\n"))
+    assert {".git", ".venv", ".env", "runs", "data/cache"} <= lines
+
+
+def test_env_example_parses_and_git_ignores_env():
+    text = (ROOT / ".env.example").read_text()
+    assert dotenv.parse(text) == {}  # all commented out: a plain copy sets nothing
+    uncommented = dotenv.parse(re.sub(r"^# ([A-Z_]+=)", r"\1", text, flags=re.MULTILINE))
+    assert {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION"} <= set(uncommented)
+    assert ".env" in (ROOT / ".gitignore").read_text().split("\n")
+
+
+def test_ci_workflow_runs_make_test_with_cpu_torch():
+    flow = yaml.safe_load((ROOT / ".github" / "workflows" / "test.yml").read_text())
+    assert {"push", "pull_request"} <= set(flow[True])  # YAML 1.1 reads the key `on` as True
+    job = flow["jobs"]["test"]
+    assert job["runs-on"] == "ubuntu-latest" and job["timeout-minutes"] > 0
+    assert job["env"]["PIP_EXTRA_INDEX_URL"] == "https://download.pytorch.org/whl/cpu"
+    setup = next(s for s in job["steps"] if s.get("uses", "").startswith("actions/setup-python"))
+    assert setup["with"]["python-version"] == "3.11" and setup["with"]["cache"] == "pip"
+    assert any(s.get("run") == "make test" for s in job["steps"])
+    # Why the CPU index wins: the lock's `==2.13.0` matches 2.13.0+cpu, which sorts above 2.13.0.
+    assert SpecifierSet("==2.13.0").contains("2.13.0+cpu") and Version("2.13.0+cpu") > Version("2.13.0")
