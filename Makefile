@@ -14,9 +14,14 @@ BENCH_CONFIG ?= configs/default.yaml
 BENCH_STEPS ?= 50
 BENCH_REPS ?= 3
 
-.PHONY: train test profile bench clean
+.PHONY: train test verify profile bench clean
 train: $(ENV)
 	$(PYTHON) train.py $(ARGS)
+
+# make verify: audits on a config (resume, determinism, accumulation, clipping, data, eval; ddp
+# with --nproc 2): ARGS="--config configs/mnist.yaml" or any overrides (loop/verify.py)
+verify: $(ENV)
+	$(PYTHON) -m loop.verify $(ARGS)
 
 profile: $(ENV)
 	rm -rf runs/profile  # a fresh profile each time

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import yaml
 
-from data.config import DataConfig, MarkovConfig, SyntheticConfig  # noqa: F401 (also imported from here)
+from data.config import DataConfig, MarkovConfig  # noqa: F401 (MarkovConfig: importable from here too)
 from loop.atomic import atomic_write
 from loop.config_check import check, from_dict, opt, override, to_dict
 from loop.errors import BadInput
 from loop.lab import SWITCHES
-from model.config import CnnConfig, ModelConfig  # noqa: F401
+from model.config import ModelConfig
 
 DEFAULT_CONFIG = "configs/default.yaml"
 
@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
     p = argparse.ArgumentParser(description="Train with the honest loop.")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (default: %(default)s)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after --config
     return args.config, args.overrides
 
 

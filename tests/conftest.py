@@ -5,11 +5,11 @@ import json
 import os
 import signal
 import subprocess
-import sys
-import threading
 from pathlib import Path
 
 import pytest
+
+from loop import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
 # The default config, shrunk so a 40-step run takes about a second after startup.
@@ -38,9 +38,7 @@ def cache(tmp_path_factory) -> str:
 
 def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> list[str]:
     """python train.py ...; or, with nproc, the same under torchrun with nproc processes."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                f"--nproc_per_node={nproc}", f"--max-restarts={restarts}"] if nproc else [sys.executable]
-    return [*launcher, "train.py", f"run.out_dir={out}", *TINY, *overrides]
+    return jobs.train_cmd([f"run.out_dir={out}", *TINY, *overrides], nproc, restarts)
 
 
 # Two processes share two cores: one thread each keeps them from fighting over them.
@@ -69,42 +67,13 @@ def run_and_signal(out: Path, at_step: int, *overrides: str, sig: int = signal.S
                    group: bool = False, repeat: int = 1, nproc: int = 0) -> tuple[int, str]:
     """Start a run; once it reports `at_step`, send `sig` (`repeat` times; to the whole process
     group, as SLURM does, if `group`). Return its exit code and everything it printed."""
-    proc = subprocess.Popen(train_cmd(out, *overrides, nproc=nproc), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=group,
-                            env=ENV if nproc else None)
-    timer = watchdog(proc)  # a job that hangs before at_step fails the test, not the suite
-    seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        if line.startswith("step") and int(line.split()[1].split("/")[0]) >= at_step:
-            # torchrun's workers are not in its process group: signal each process of the job.
-            pids = [*descendants(proc.pid), proc.pid] if nproc else [proc.pid]
-            for _ in range(repeat):
-                for pid in pids:
-                    os.killpg(pid, sig) if group and pid == proc.pid else os.kill(pid, sig)
-            break
-    seen.append(proc.stdout.read())
-    proc.wait(timeout=60)
-    timer.cancel()
-    return proc.returncode, "".join(seen)
+    return jobs.run_until(train_cmd(out, *overrides, nproc=nproc), at_step, sig, group, repeat,
+                          tree=bool(nproc), cwd=ROOT, env=ENV if nproc else None)
 
 
-def watchdog(proc: subprocess.Popen, seconds: float = 240) -> threading.Timer:
+def watchdog(proc: subprocess.Popen, seconds: float = 240):
     """SIGKILL the process and its descendants after `seconds` unless cancelled."""
-    timer = threading.Timer(seconds, lambda: [os.kill(p, signal.SIGKILL) for p in
-                                              [*descendants(proc.pid), proc.pid]])
-    timer.start()
-    return timer
-
-
-def descendants(pid: int) -> list[int]:
-    """Child processes, grandchildren first (Linux /proc)."""
-    try:
-        with open(f"/proc/{pid}/task/{pid}/children") as f:
-            kids = [int(c) for c in f.read().split()]
-    except FileNotFoundError:
-        return []
-    return [d for k in kids for d in descendants(k)] + kids
+    return jobs.watchdog(proc, seconds)
 
 
 def run_and_kill(out: Path, at_step: int, *overrides: str) -> str:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loop.config import Config, config_hash, load_config, save
+from loop.config import Config, config_hash, load_config, parse_args, save
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,3 +201,9 @@ def test_train_py_missing_data_path_exits_2(tmp_path):
     assert str(missing) in r.stderr and "Traceback" not in r.stderr
     assert not out.exists() and not cache.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+def test_overrides_before_and_after_config():
+    # `make train ARGS=...` and make verify put overrides on both sides of --config.
+    assert parse_args(["train.max_steps=3", "--config", "x.yaml", "optim.lr=0.1"]) == \
+        ("x.yaml", ["train.max_steps=3", "optim.lr=0.1"])

@@ -1,0 +1,135 @@
+"""make verify: a one-command proof that a training setup (yours: your model, data and config) is
+honest. It runs short audits on the config as given and prints a table of check, result, numbers.
+
+    make verify                                           # the default config
+    make verify ARGS="--config configs/mnist.yaml"        # another config; overrides apply to every run
+    python -m loop.verify [--config PATH] [--steps 20] [--nproc 2] [--checks resume,data] [--keep]
+                          [section.key=value ...]
+
+    resume        N steps straight vs the same run SIGKILLed at a random step and rerun: every
+                  step's loss, grad norm and lr, params_sha256 and the final checkpoint identical
+    determinism   two identical runs give identical losses and weights
+    accumulation  grad_accum k x micro-batch b vs 1 x k*b: the gradient handed to the optimizer
+    clipping      that gradient vs a plain float32 reference, clipped by hand
+    data          no sample repeated or skipped across the resume
+    eval          evaluating in between does not change training
+    ddp           (--nproc n) n processes vs one process with n times the micro-batch
+
+Exit codes: 0 every check passed; 1 a check failed (the table names it and the usual cause);
+2 bad input (the config). The runs go to runs/verify/<time>/, deleted when every check passes
+unless --keep. loop/audit_runs.py and loop/audit_grads.py say how each check works.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from loop import audit_runs, determinism
+from loop.audit_grads import TOLERANCE, Result, gradient_audits
+from loop.config import DEFAULT_CONFIG, load_config
+from loop.device import pick_device
+from loop.errors import EXIT_BAD_INPUT, BadInput
+from loop.lab import banner
+from loop.precision import resolve
+
+CHECKS = ("resume", "determinism", "accumulation", "clipping", "data", "eval", "ddp")
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m loop.verify", description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=DEFAULT_CONFIG)
+    p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (at least 8)")
+    p.add_argument("--nproc", type=int, default=0, help="also check n processes against one (ddp)")
+    p.add_argument("--checks", default="", help=f"comma-separated subset of {', '.join(CHECKS)}")
+    p.add_argument("--kill-at", type=int, default=0, help="the step to kill at (default: random)")
+    p.add_argument("--out", default="runs/verify", help="where the audit runs go")
+    p.add_argument("--keep", action="store_true", help="keep the runs even when every check passes")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
+    p.add_argument("overrides", nargs="*", help="dotted overrides for every run, e.g. optim.lr=3e-4")
+    return p.parse_intermixed_args(argv)  # overrides may come before or after the options
+
+
+def chosen(a: argparse.Namespace) -> list[str]:
+    names = [c for c in a.checks.split(",") if c] or [c for c in CHECKS if c != "ddp" or a.nproc > 1]
+    unknown = [c for c in names if c not in CHECKS]
+    if unknown:
+        raise BadInput(f"--checks: unknown check {', '.join(unknown)}; expected some of {', '.join(CHECKS)}.")
+    if "ddp" in names and a.nproc < 2:
+        raise BadInput("--checks ddp: needs --nproc 2 (or more) processes to compare with one.")
+    if a.steps < 8:
+        raise BadInput(f"--steps: expected at least 8 (a checkpoint, then a kill after it); got {a.steps}.")
+    return names
+
+
+def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
+    cfg = load_config(a.config, a.overrides)  # bad input stops here, before anything runs
+    if cfg.lab.break_:
+        print(banner(cfg.lab.break_), flush=True)
+    if cfg.run.deterministic:
+        determinism.enable()
+    every = max(a.steps // 4, 2)
+    kill_at = a.kill_at or random.Random().randint(every + 1, a.steps - 1)
+    plan = audit_runs.Plan(a.config, a.overrides, a.steps, every, kill_at, a.nproc, root, a.timeout)
+    tolerance = TOLERANCE[resolve(cfg.train.precision, pick_device(cfg.train.device))]
+    results = gradient_audits(a.config, a.overrides, set(checks))
+    if {"resume", "determinism", "data", "eval"} & set(checks):
+        if why := audit_runs.run(plan, "A"):  # the reference every run check compares with
+            return results + [Result(c, False, why, audit_runs.HINTS[c]) for c in checks
+                              if c in audit_runs.HINTS and c != "ddp"]
+    if "resume" in checks or "data" in checks:
+        resumed = audit_runs.resume(plan)
+        results += [resumed] if "resume" in checks else []
+        if "data" in checks:
+            from data import build_data
+
+            results.append(audit_runs.data(plan, len(build_data(cfg.data).train))
+                           if (root / "R" / "summary.json").exists() else  # R ran to its end
+                           Result("data", False, f"no resumed run to compare: {resumed.numbers}"))
+    if "determinism" in checks:
+        results.append(audit_runs.determinism(plan))
+    if "eval" in checks:
+        results.append(audit_runs.evaluation(plan))
+    if "ddp" in checks:
+        results.append(audit_runs.ddp(plan, cfg.data.batch_size, tolerance))
+    return sorted(results, key=lambda r: CHECKS.index(r.check))
+
+
+def table(results: list[Result]) -> str:
+    mark = {True: "PASS", False: "FAIL", None: "skip"}
+    lines = [f"{'check':<13} {'result':<6} numbers", "-" * 100]
+    lines += [f"{r.check:<13} {mark[r.ok]:<6} {r.numbers}" for r in results]
+    hints = [f"  {r.check}: usual cause: {r.hint}" for r in results if r.ok is False and r.hint]
+    return "\n".join(lines + (["", "failed:", *hints] if hints else []))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    try:
+        checks = chosen(a)
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        root = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=a.out))
+        results = audit(a, checks, root)
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        if "root" in locals():
+            shutil.rmtree(root, ignore_errors=True)
+        return EXIT_BAD_INPUT
+    print(table(results), flush=True)
+    (root / "verify.json").write_text(json.dumps(
+        {"argv": sys.argv, "results": [vars(r) for r in results]}, indent=1))
+    failed = [r.check for r in results if r.ok is False]
+    if failed or a.keep:
+        print(f"runs kept in {root}")
+    else:
+        shutil.rmtree(root)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Each lab switch (lab.break=..., loop/lab.py) breaks one concern, and make verify fails the check
+that guards it, naming it and the usual cause. The switches that only matter under fp16 run with
+train.precision=fp16 (the GradScaler exists only there)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import TINY, metrics, run_train
+from loop.lab import SWITCHES
+from test_verify import rows, verify
+
+
+@pytest.mark.parametrize("name", list(SWITCHES))
+def test_verify_names_the_check_each_switch_breaks(tmp_path, cache, name):
+    s = SWITCHES[name]
+    proc = verify(tmp_path, "--checks", ",".join(s.caught_by), *TINY, cache, f"lab.break={name}",
+                  *s.needs)
+    table = rows(proc.stdout)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert {c: r for c, (r, _) in table.items()} == {c: "FAIL" for c in s.caught_by}, proc.stdout
+    for check in s.caught_by:
+        assert f"  {check}: usual cause: " in proc.stdout
+    assert f"LAB SWITCH ON: lab.break={name}" in proc.stdout
+    kept = next((tmp_path / "verify").iterdir())  # failed audits keep their runs to look at
+    assert json.loads((kept / "verify.json").read_text())["results"]
+
+
+def test_a_switched_run_says_so_loudly_and_in_its_files(tmp_path, cache):
+    out = tmp_path / "run"
+    proc = run_train(out, cache, "train.max_steps=3", "lab.break=no_rng_restore")
+    assert "LAB SWITCH ON: lab.break=no_rng_restore" in proc.stdout
+    assert json.loads((out / "metadata.json").read_text())["lab_break"] == "no_rng_restore"
+    assert json.loads((out / "summary.json").read_text())["lab_break"] == "no_rng_restore"
+    assert len(metrics(out)) == 3
