@@ -16,7 +16,9 @@ import numpy as np
 from torch.utils.data import Dataset
 
 from data.markov import prepare_markov
+from data.mnist import CLASSES, mnist_splits
 from data.prepare import embedded_text, prepare_text, read_text, write_tokens
+from data.shakespeare import prepare_shakespeare
 from data.tokens import TokenWindows
 from loop.errors import BadInput
 
@@ -85,7 +87,19 @@ def build_tokens(cfg) -> Data:
     return _token_data(root, cfg.seq_len)
 
 
-BUILDERS = {"text": build_text, "markov": build_markov, "random": build_random, "tokens": build_tokens}
+def build_shakespeare(cfg) -> Data:
+    """TinyShakespeare, downloaded once and verified (data/shakespeare.py), character level."""
+    return _token_data(prepare_shakespeare(cfg), cfg.seq_len)
+
+
+def build_mnist(cfg) -> Data:
+    """Digit images and their labels: one target per sample, 10 classes, nothing to decode."""
+    train, val, meta = mnist_splits(cfg)
+    return Data(train, val, vocab_size=CLASSES, seq_len=1, decode=None, meta=meta)
+
+
+BUILDERS = {"text": build_text, "markov": build_markov, "random": build_random, "tokens": build_tokens,
+            "shakespeare": build_shakespeare, "mnist": build_mnist}
 
 
 def build_data(cfg) -> Data:

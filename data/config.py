@@ -35,7 +35,7 @@ class DataConfig:
     # mnist: a directory of your own IDX files (empty = download the canonical ones)
     path: str = ""
     url: str = ""  # shakespeare, mnist: download from this base URL (a mirror) instead
-    cache_dir: str = "data/cache"
+    cache_dir: str = "data/cache"  # prepared corpora, and downloads (shakespeare/, mnist/)
     seq_len: int = opt(128, min=1)
     batch_size: int = opt(16, min=1)  # per micro-step, per process
     num_workers: int = opt(0, min=0)

@@ -79,6 +79,7 @@ def load_run(run_dir: Path) -> dict:
         "kwh": sum(sessions) / 3.6e6 if sessions else None,
         "final_loss": summ.get("final_loss") if finished else last.get("loss"),
         "best_val": min(vals) if vals else None, "world": int(meta.get("world_size") or 1),
+        "best": summ.get("best") if finished else None,  # the checkpoint train.best_metric picked
         "device": meta.get("gpu") or meta.get("device") or summ.get("device")
         or (cfg.get("train") or {}).get("device") or "unknown",
     }
@@ -100,9 +101,16 @@ def _hms(seconds: float) -> str:  # h:mm:ss
     return f"{round(seconds) // 3600}:{round(seconds) % 3600 // 60:02d}:{round(seconds) % 60:02d}"
 
 
+def _best(best: dict | None) -> str:
+    """e.g. 'val_accuracy 0.9912 at step 2000' (a classifier's best is its highest accuracy)."""
+    if not best or best.get("value") is None:
+        return "n/a"
+    return f"{best['metric']} {best['value']:.4g} at step {best['step']}"
+
+
 def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_kwh: float) -> str:
     head = ["run", "status", "device", "steps", "tokens", "wall time", "mean tokens/s", "peak memory GB",
-            "MFU", "energy kWh", "CO2 kg", "cost $", "final train loss", "best val loss"]
+            "MFU", "energy kWh", "CO2 kg", "cost $", "final train loss", "best val loss", "best checkpoint"]
     rows = []
     for r in runs:
         price = _price(price_per_hour, r["device"])
@@ -113,7 +121,7 @@ def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_
                      f"{r['tokens']:,}", _hms(r["wall_s"]), _fmt(r["tokens_per_s"], ",.0f"),
                      _fmt(r["peak_gb"], ".2f"), "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
                      _fmt(r["kwh"], ".4f"), _fmt(co2, ".4f"), _fmt(cost, ",.4f"),
-                     _fmt(r["final_loss"], ".4f"), _fmt(r["best_val"], ".4f")])
+                     _fmt(r["final_loss"], ".4f"), _fmt(r["best_val"], ".4f"), _best(r["best"])])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
 

@@ -1,10 +1,12 @@
 """Models, one builder per `model.name`. The contract the loop relies on: `forward(batch)` returns
-the loss summed over the batch's real targets (a scalar tensor). `generate` is optional."""
+the loss summed over the batch's real targets (a scalar tensor), or a dict of such sums with the
+loss under "loss" (loop/evaluate.py). `generate` is optional."""
 from __future__ import annotations
 
 import torch.nn as nn
 
 from loop.errors import BadInput
+from model.cnn import CNN
 from model.gpt import GPT
 
 
@@ -16,7 +18,16 @@ def build_gpt(cfg, data) -> nn.Module:
                cfg.bias, cfg.activation_checkpointing)
 
 
-BUILDERS = {"gpt": build_gpt}
+def build_cnn(cfg, data) -> nn.Module:
+    shape = tuple(data.train[0]["x"].shape)  # one sample's (channels, height, width)
+    if len(shape) != 3 or min(shape[1:]) < 4:
+        raise BadInput(f"config key model.name=cnn: expected data whose samples are images (channels, "
+                       f"height, width), height and width at least 4 (two 2x poolings); got x of "
+                       f"shape {shape}.")
+    return CNN(shape, data.vocab_size, cfg.cnn.channels, cfg.cnn.hidden, cfg.dropout)
+
+
+BUILDERS = {"gpt": build_gpt, "cnn": build_cnn}
 
 
 def build_model(cfg, data) -> nn.Module:

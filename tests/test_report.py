@@ -60,6 +60,8 @@ def test_finished_run(runs, tmp_path):
     assert row["energy kWh"] == row["CO2 kg"] == row["peak memory GB"] == "n/a"  # CPU: no NVML, no CUDA
     assert row["final train loss"] == f"{s['final_loss']:.4f}"
     assert row["best val loss"] == f"{min(r['val_loss'] for r in recs if 'val_loss' in r):.4f}"
+    best = s["best"]  # the monitored metric (val_loss here), at the step it was best
+    assert row["best checkpoint"] == f"val_loss {best['value']:.4g} at step {best['step']}"
     for name in ("loss_vs_step", "loss_vs_tokens", "lr", "tokens_per_s"):
         assert_png(tmp_path / f"{name}.png")
         assert f"({name}.png)" in md

@@ -1,0 +1,188 @@
+"""Downloads (data/download.py) against a local HTTP server: verified, cached, atomic, and failing
+with a message that says where to place the file by hand. No test here touches the internet.
+
+    python -m pytest tests/test_download.py -q
+"""
+from __future__ import annotations
+
+import hashlib
+import http.server
+import socket
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_train
+from data import build_data, mnist, shakespeare
+from data.config import DataConfig
+from data.download import fetch
+from fake_mnist import write_fake_mnist
+from loop.errors import BadInput
+
+BLOB = np.random.default_rng(0).bytes(2_500_000)  # three read chunks: the streaming path
+BLOB_SHA = hashlib.sha256(BLOB).hexdigest()
+WRONG_SHA = "0" * 64
+
+
+class Server:
+    """Serves `files` (URL path -> bytes) on 127.0.0.1 at an ephemeral port and counts requests."""
+
+    def __init__(self):
+        self.files: dict[str, bytes] = {}
+        self.requests: list[str] = []
+        server = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                server.requests.append(self.path)
+                body = server.files.get(self.path)
+                if body is None:
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):  # keep the test output quiet
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True).start()
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = Server()
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def dead_url() -> str:
+    """A port nothing listens on: bound for a moment to pick it, then closed."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+def hint(e: pytest.ExceptionInfo, dest: Path, url: str, sha: str) -> bool:
+    msg = str(e.value)
+    return f"Download it yourself from {url} and place it at {dest.resolve()} (sha256 {sha})" in msg
+
+
+# ------------------------------------------------------------------------------- the helper
+def test_verified_download_is_cached_and_reused_offline(server, tmp_path, capsys):
+    server.files["/blob.bin"] = BLOB
+    path = fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, tmp_path / "cache")
+    assert path == tmp_path / "cache" / "blob.bin" and path.read_bytes() == BLOB
+    assert server.requests == ["/blob.bin"] and "downloading" in capsys.readouterr().out
+    again = fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, tmp_path / "cache")
+    assert again == path and server.requests == ["/blob.bin"]  # the server saw no second request
+    assert capsys.readouterr().out == ""
+    assert [p.name for p in (tmp_path / "cache").iterdir()] == ["blob.bin"]  # no temp file left
+
+
+def test_checksum_mismatch_leaves_nothing(server, tmp_path):
+    server.files["/blob.bin"] = BLOB
+    cache = tmp_path / "cache"
+    with pytest.raises(BadInput) as e:
+        fetch("blob.bin", [f"{server.url}/blob.bin"], WRONG_SHA, cache)
+    assert f"{server.url}/blob.bin (checksum mismatch: got {BLOB_SHA}, expected {WRONG_SHA})" in str(e.value)
+    assert hint(e, cache / "blob.bin", f"{server.url}/blob.bin", WRONG_SHA)
+    assert list(cache.iterdir()) == []  # neither a temp file nor the final one
+
+
+def test_server_down_and_http_errors_name_each_url(server, dead_url, tmp_path):
+    cache = tmp_path / "cache"
+    urls = [f"{server.url}/missing.bin", f"{dead_url}/blob.bin"]
+    with pytest.raises(BadInput) as e:
+        fetch("blob.bin", urls, BLOB_SHA, cache, origin="https://example.org/blob.bin")
+    msg = str(e.value)
+    assert msg.startswith("data: cannot fetch blob.bin; tried ")
+    assert f"{urls[0]} (HTTP 404 Not Found)" in msg and f"{urls[1]} (connection refused)" in msg
+    assert hint(e, cache / "blob.bin", "https://example.org/blob.bin", BLOB_SHA)  # origin, not a mirror
+    assert list(cache.iterdir()) == []
+
+
+def test_falls_back_to_the_next_url(server, dead_url, tmp_path):
+    server.files["/bad.bin"], server.files["/blob.bin"] = b"not it", BLOB
+    urls = [f"{dead_url}/blob.bin", f"{server.url}/bad.bin", f"{server.url}/blob.bin"]
+    path = fetch("blob.bin", urls, BLOB_SHA, tmp_path)
+    assert path.read_bytes() == BLOB and server.requests == ["/bad.bin", "/blob.bin"]
+    assert [p.name for p in tmp_path.iterdir()] == ["blob.bin"]
+
+
+def test_a_corrupt_cached_file_is_replaced(server, tmp_path):
+    (tmp_path / "blob.bin").write_bytes(BLOB[:1000])  # e.g. a partial copy placed by hand
+    server.files["/blob.bin"] = BLOB
+    assert fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, tmp_path).read_bytes() == BLOB
+
+
+# ------------------------------------------------------------------------------- the data sets
+def test_mnist_download_good_path(server, tmp_path, monkeypatch):
+    src = write_fake_mnist(tmp_path / "src", n_train=300, n_val=100, seed=1)
+    pins = {n: hashlib.sha256((src / n).read_bytes()).hexdigest() for n in mnist.FILES}
+    monkeypatch.setattr(mnist, "FILES", pins)  # the generated files stand in for the real ones
+    server.files.update({f"/mirror/{n}": (src / n).read_bytes() for n in pins})
+    cfg = DataConfig(name="mnist", url=f"{server.url}/mirror/", cache_dir=str(tmp_path / "cache"))
+    data = build_data(cfg)
+    assert (len(data.train), len(data.val), data.vocab_size, data.seq_len) == (300, 100, 10, 1)
+    item = data.val[7]
+    assert item["x"].shape == (1, 28, 28) and item["x"].dtype == torch.float32
+    assert item["y"].shape == () and item["y"].dtype == torch.int64 and 0 <= int(item["y"]) <= 9
+    assert item["idx"] == 7
+    cached = tmp_path / "cache" / "mnist"
+    assert sorted(p.name for p in cached.iterdir()) == sorted(pins)
+    assert all((cached / n).read_bytes() == (src / n).read_bytes() for n in pins)
+    assert len(server.requests) == 4
+    build_data(cfg)
+    assert len(server.requests) == 4  # the second build reads the cache only
+
+
+def test_shakespeare_download_good_path(server, tmp_path, monkeypatch):
+    text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40
+    monkeypatch.setattr(shakespeare, "SHA256", hashlib.sha256(text.encode()).hexdigest())
+    server.files["/m/input.txt"] = text.encode()
+    data = build_data(DataConfig(name="shakespeare", url=f"{server.url}/m", seq_len=8,
+                                 cache_dir=str(tmp_path)))
+    assert server.requests == ["/m/input.txt"]  # <data.url>/input.txt
+    assert data.vocab_size == len(set(text)) and data.decode(data.train[0]["x"].tolist()) == text[:8]
+    assert (tmp_path / "shakespeare" / "input.txt").read_text() == text
+
+
+# ------------------------------------------------------------------------------- through train.py
+def test_train_py_mnist_wrong_bytes_exits_2(server, tmp_path):
+    server.files.update({f"/{n}": b"not a gzip file" for n in mnist.FILES})
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    r = run_train(out, "data.name=mnist", "model.name=cnn", f"data.url={server.url}",
+                  f"data.cache_dir={cache}", check=False)
+    assert r.returncode == 2, r.stderr
+    name = "train-images-idx3-ubyte.gz"
+    assert r.stderr.startswith(f"error: data: cannot fetch {name}; tried {server.url}/{name} "
+                               f"(checksum mismatch: got {hashlib.sha256(b'not a gzip file').hexdigest()}")
+    assert f"Download it yourself from {mnist.BASE_URLS[0]}{name} and place it at " \
+           f"{(cache / 'mnist' / name).resolve()} (sha256 {mnist.FILES[name]})" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    assert list((cache / "mnist").iterdir()) == []
+
+
+def test_train_py_shakespeare_server_down_exits_2(dead_url, tmp_path):
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    r = run_train(out, "data.name=shakespeare", f"data.url={dead_url}", f"data.cache_dir={cache}",
+                  check=False)
+    assert r.returncode == 2, r.stderr
+    assert f"{dead_url}/input.txt (connection refused)" in r.stderr
+    assert f"Download it yourself from {shakespeare.URLS[0]} and place it at " \
+           f"{(cache / 'shakespeare' / 'input.txt').resolve()} (sha256 {shakespeare.SHA256})" in r.stderr
+    assert "Traceback" not in r.stderr and not out.exists()
+    assert list((cache / "shakespeare").iterdir()) == []

@@ -1,0 +1,182 @@
+"""The MNIST task: the CNN's forward contract, IDX validation, and a real train.py run that learns
+(generated digits, tests/fake_mnist.py, so nothing is downloaded).
+
+    python -m pytest tests/test_mnist.py -q
+"""
+from __future__ import annotations
+
+import gzip
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import metrics, run_and_kill, run_train, summary
+from data import build_data
+from data.config import DataConfig
+from data.sampler import collate
+from data.tokens import IGNORE_INDEX
+from fake_mnist import IMAGES_MAGIC, LABELS_MAGIC, NAMES, idx_gz, images_and_labels, write_fake_mnist
+from loop.errors import BadInput
+from model import build_model
+from model.config import ModelConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny in-process models: one thread is faster
+
+ACCURACY = 0.95  # val_accuracy the run below must reach (measured: 0.976 at step 100)
+TRAIN_IMAGES, TRAIN_LABELS = NAMES["train"]
+MNIST = ["--config", "configs/mnist.yaml"]
+
+
+@pytest.fixture(scope="module")
+def digits(tmp_path_factory):
+    return write_fake_mnist(tmp_path_factory.mktemp("digits"), n_train=2000, n_val=500, seed=0)
+
+
+def cnn(data, channels=4, hidden=16, seed=0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(name="cnn", dropout=0.0)
+    cfg.cnn.channels, cfg.cnn.hidden = channels, hidden
+    return build_model(cfg, data)
+
+
+# ------------------------------------------------------------------------------- the model
+def test_cnn_sums_over_real_targets_only(digits):
+    data = build_data(DataConfig(name="mnist", path=str(digits)))
+    model = cnn(data).eval()
+    batch = collate([data.train[i] for i in range(12)])
+    assert batch["x"].shape == (12, 1, 28, 28) and batch["y"].shape == (12,) and batch["n_targets"] == 12
+    logits = model.logits(batch["x"])  # (12, 10)
+    y = batch["y"].clone()
+    y[[0, 5, 6]] = IGNORE_INDEX
+    out = model({**batch, "y": y})
+    keep = y != IGNORE_INDEX
+    expected = F.cross_entropy(logits[keep], y[keep], reduction="sum")
+    assert out["loss"].item() == pytest.approx(expected.item(), rel=1e-6)
+    assert out["accuracy"].item() == (logits.argmax(-1)[keep] == y[keep]).sum().item()
+    assert out["accuracy"].dtype == torch.float32
+    # A model that gets every sample right: accuracy counts the 9 real targets, not the 3 ignored.
+    right = {**batch, "y": torch.where(keep, logits.argmax(-1), IGNORE_INDEX)}
+    assert model(right)["accuracy"].item() == 9
+
+
+def test_cnn_parameters_and_accumulation(digits):
+    data = build_data(DataConfig(name="mnist", path=str(digits)))
+    c, h = 32, 128  # configs/mnist.yaml: conv 1->32, conv 32->64, 64*7*7 -> 128 -> 10
+    n = (9 * c + c) + (9 * c * 2 * c + 2 * c) + (2 * c * 7 * 7 * h + h) + (h * 10 + 10)
+    assert sum(p.numel() for p in cnn(data, c, h).parameters()) == n == 421_642
+    # No BatchNorm: two half batches' summed gradients equal one whole batch's (what the loop's
+    # gradient accumulation relies on).
+    model = cnn(data)
+    batch = collate([data.train[i] for i in range(16)])
+    model(batch)["loss"].backward()
+    whole = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for half in (slice(0, 8), slice(8, 16)):
+        model({k: v[half] for k, v in batch.items() if torch.is_tensor(v)})["loss"].backward()
+    assert all(torch.allclose(a, p.grad, rtol=1e-5, atol=1e-6) for a, p in zip(whole, model.parameters()))
+
+
+def test_cnn_needs_images(tmp_path):
+    text = build_data(DataConfig(name="random", cache_dir=str(tmp_path), seq_len=8))
+    with pytest.raises(BadInput, match=r"model.name=cnn: expected data whose samples are images.*\(8,\)"):
+        build_model(ModelConfig(name="cnn"), text)
+
+
+def test_items_are_normalised_images_with_labels(digits):
+    data = build_data(DataConfig(name="mnist", path=str(digits)))
+    assert (len(data.train), len(data.val), data.vocab_size, data.seq_len) == (2000, 500, 10, 1)
+    assert data.decode is None
+    raw = np.frombuffer(gzip.decompress((digits / TRAIN_IMAGES).read_bytes()), np.uint8, offset=16)
+    item = data.train[3]
+    pixels = torch.from_numpy(raw[3 * 784 : 4 * 784].reshape(1, 28, 28).astype(np.float32))
+    assert torch.equal(item["x"], (pixels / 255 - 0.1307) / 0.3081) and item["idx"] == 3
+    assert data.meta["source"] == str(digits) and data.meta["train_images"] == 2000
+
+
+# ------------------------------------------------------------------------------- bad IDX files
+def malformed(root, case: str) -> str:
+    """Break one file of a copy of the fake data; return the file's name."""
+    images, labels = images_and_labels(20, np.random.default_rng(0))
+    good = gzip.decompress(idx_gz(IMAGES_MAGIC, images))
+    broken = {
+        "truncated gzip": (TRAIN_IMAGES, idx_gz(IMAGES_MAGIC, images)[:-40]),
+        "truncated content": (TRAIN_IMAGES, gzip.compress(good[:-5])),
+        "wrong magic": (TRAIN_LABELS, idx_gz(IMAGES_MAGIC, labels)),
+        "wrong dims": (TRAIN_IMAGES, idx_gz(IMAGES_MAGIC, images[:, :27, :])),
+        "count mismatch": (TRAIN_LABELS, idx_gz(LABELS_MAGIC, labels[:19])),
+        "label out of range": (TRAIN_LABELS, idx_gz(LABELS_MAGIC, np.where(labels == labels[4], 10, labels))),
+    }
+    name, body = broken[case]
+    write_fake_mnist(root, 20, 10, seed=0)
+    (root / name).write_bytes(body)
+    return name
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("truncated gzip", "cannot decompress it"),
+    ("truncated content", "15691 bytes after decompression; its header promises 20 items, 15696 bytes"),
+    ("wrong magic", "magic number 0x00000803; expected a gzipped IDX file with magic 0x00000801"),
+    ("wrong dims", "items of shape (27, 28); expected a gzipped IDX file with magic 0x00000803 and "
+                   "items of shape (28, 28)"),
+    ("count mismatch", "holds 19 labels and"),
+    ("label out of range", "label 10 at item 4"),
+])
+def test_bad_idx_names_the_file(tmp_path, case, expected):
+    name = malformed(tmp_path, case)
+    with pytest.raises(BadInput) as e:
+        build_data(DataConfig(name="mnist", path=str(tmp_path)))
+    msg = str(e.value)
+    assert msg.startswith(f"data: {tmp_path / name}") and expected in msg, msg
+
+
+def test_missing_files_in_data_path(tmp_path):
+    write_fake_mnist(tmp_path, 20, 10, seed=0)
+    (tmp_path / TRAIN_LABELS).unlink()
+    with pytest.raises(BadInput, match=f"config key data.path: .*missing {TRAIN_LABELS}"):
+        build_data(DataConfig(name="mnist", path=str(tmp_path)))
+
+
+def test_train_py_bad_idx_exits_2(tmp_path):
+    root, out = tmp_path / "digits", tmp_path / "run"
+    name = malformed(root, "truncated gzip")
+    r = run_train(out, f"data.path={root}", *MNIST, check=False)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith(f"error: data: {root / name}: cannot decompress it")
+    assert "Traceback" not in r.stderr and not out.exists()
+
+
+# ------------------------------------------------------------------------------- training
+def test_mnist_trains_to_accuracy(digits, tmp_path, monkeypatch):
+    """configs/mnist.yaml, shrunk: 100 steps of 32 generated digits reach val_accuracy >= 0.95, and the
+    best checkpoint is the one with the highest val_accuracy (best_mode=max from the preset)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # measured: 1.5 s of training, not 15, on a busy 2-core box
+    out = tmp_path / "run"
+    run_train(out, f"data.path={digits}", "data.batch_size=32",
+              "model.cnn.channels=8", "model.cnn.hidden=32", "model.dropout=0.1", "optim.lr=2e-3",
+              "schedule.warmup_steps=10", "train.max_steps=100", "train.eval_every=25",
+              "train.eval_batches=16", "train.ckpt_every=0", "train.keep_last=1", *MNIST)
+    s = summary(out)
+    evals = {m["step"]: m["val_accuracy"] for m in metrics(out) if "val_accuracy" in m}
+    assert sorted(evals) == [25, 50, 75, 100]
+    assert s["val_accuracy"] == evals[100] >= ACCURACY, evals
+    assert s["sample"] is None and 0 < s["val_loss"] < 0.5
+    best = max(evals, key=evals.get)
+    assert s["best"] == {"metric": "val_accuracy", "value": evals[best], "step": best}
+    assert min(evals.values()) < evals[best]  # best_mode=min would have picked another checkpoint
+    assert (out / "checkpoints" / "best").read_text() == f"step_{best:08d}"
+    assert f"val_accuracy {evals[best]:.4g} at step {best}" in (out / "report.md").read_text()
+
+
+def test_mnist_resume_is_exact(digits, tmp_path, monkeypatch):
+    """The loop's exact-resume claim holds for the second task too (dropout on: its RNG is restored)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    args = [f"data.path={digits}", "data.batch_size=32", "model.cnn.channels=8", "model.cnn.hidden=32",
+            "train.max_steps=30", "train.eval_every=10", "train.eval_batches=4", "train.ckpt_every=5", *MNIST]
+    run_train(tmp_path / "whole", *args)
+    run_and_kill(tmp_path / "cut", 17, *args)
+    run_train(tmp_path / "cut", *args)
+    whole, cut = summary(tmp_path / "whole"), summary(tmp_path / "cut")
+    assert cut["params_sha256"] == whole["params_sha256"]
+    assert (cut["val_accuracy"], cut["best"]) == (whole["val_accuracy"], whole["best"])
