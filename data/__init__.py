@@ -1,36 +1,24 @@
-"""Datasets, one builder per `data.name`, each returning a `Data` bundle the loop consumes.
+"""Datasets, one builder per `data.name`, each returning a `Data` bundle (data/bundle.py) that the
+loop consumes.
 
-To add a task: write a builder that returns `Data` (datasets addressable by index whose items are
-dicts with at least `x`, `y` (targets; -100 = not counted) and `idx`, the item's index), add it to
-BUILDERS, and its options (if any) to data/config.py. The loop never looks inside a sample.
+To add a task: write a builder `build_mine(cfg) -> Data` in a module of its own, add it to
+BUILDERS (`BUILDERS["mine"] = build_mine`), and its options, if any, to data/config.py.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
-from torch.utils.data import Dataset
 
+from data.bundle import Data
 from data.markov import prepare_markov
 from data.mnist import CLASSES, mnist_splits
 from data.prepare import embedded_text, prepare_text, read_text, write_tokens
 from data.shakespeare import prepare_shakespeare
 from data.tokens import TokenWindows
 from loop.errors import BadInput
-
-
-@dataclass
-class Data:
-    train: Dataset
-    val: Dataset
-    vocab_size: int  # classes a target can take: tokens of a vocabulary, or labels
-    seq_len: int  # targets per sample: a text window's length, 1 for a classifier
-    decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text samples
-    meta: dict = field(default_factory=dict)  # e.g. optimal_loss of a synthetic task
 
 
 def _token_data(root: Path, seq_len: int) -> Data:

@@ -21,6 +21,7 @@ from fake_mnist import IMAGES_MAGIC, LABELS_MAGIC, NAMES, idx_gz, images_and_lab
 from loop.errors import BadInput
 from model import build_model
 from model.config import ModelConfig
+from test_verify import rows, verify
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny in-process models: one thread is faster
 
@@ -180,3 +181,16 @@ def test_mnist_resume_is_exact(digits, tmp_path, monkeypatch):
     whole, cut = summary(tmp_path / "whole"), summary(tmp_path / "cut")
     assert cut["params_sha256"] == whole["params_sha256"]
     assert (cut["val_accuracy"], cut["best"]) == (whole["val_accuracy"], whole["best"])
+
+
+def test_mnist_passes_make_verify(digits, tmp_path, monkeypatch):
+    """Every make verify check holds for the classifier too (dropout on, one target per sample: the
+    accumulation check keeps 32 targets in one micro-batch and 1 in the other)."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    proc = verify(tmp_path, "--steps", "12", f"data.path={digits}", "data.batch_size=32",
+                  "model.cnn.channels=8", "model.cnn.hidden=32", "train.eval_batches=4", *MNIST)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    table = rows(proc.stdout)
+    assert {c: r for c, (r, _) in table.items()} == {c: "PASS" for c in (
+        "resume", "determinism", "accumulation", "clipping", "data", "eval")}, proc.stdout
+    assert "targets per micro-batch [32, 1]" in table["accumulation"][1]
