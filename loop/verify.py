@@ -101,10 +101,9 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
 
 
 def table(results: list[Result]) -> str:
-    mark = {True: "PASS", False: "FAIL", None: "skip"}
     lines = [f"{'check':<13} {'result':<6} numbers", "-" * 100]
-    lines += [f"{r.check:<13} {mark[r.ok]:<6} {r.numbers}" for r in results]
-    hints = [f"  {r.check}: usual cause: {r.hint}" for r in results if r.ok is False and r.hint]
+    lines += [f"{r.check:<13} {'PASS' if r.ok else 'FAIL':<6} {r.numbers}" for r in results]
+    hints = [f"  {r.check}: usual cause: {r.hint}" for r in results if not r.ok and r.hint]
     return "\n".join(lines + (["", "failed:", *hints] if hints else []))
 
 
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(results), flush=True)
     (root / "verify.json").write_text(json.dumps(
         {"argv": sys.argv, "results": [vars(r) for r in results]}, indent=1))
-    failed = [r.check for r in results if r.ok is False]
+    failed = [r.check for r in results if not r.ok]
     if failed or a.keep:
         print(f"runs kept in {root}")
     else:
