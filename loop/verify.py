@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from data import build_data
 from loop import audit_runs, determinism
 from loop.audit_grads import TOLERANCE, Result, gradient_audits
 from loop.config import DEFAULT_CONFIG, load_config
@@ -78,26 +79,32 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     plan = audit_runs.Plan(a.config, a.overrides, a.steps, every, kill_at, a.nproc, root, a.timeout)
     tolerance = TOLERANCE[resolve(cfg.train.precision, pick_device(cfg.train.device))]
     results = gradient_audits(a.config, a.overrides, set(checks))
-    if {"resume", "determinism", "data", "eval"} & set(checks):
-        if why := audit_runs.run(plan, "A"):  # the reference every run check compares with
-            return results + [Result(c, False, why, audit_runs.HINTS[c]) for c in checks
-                              if c in audit_runs.HINTS and c != "ddp"]
-    if "resume" in checks or "data" in checks:
-        resumed = audit_runs.resume(plan)
-        results += [resumed] if "resume" in checks else []
-        if "data" in checks:
-            from data import build_data
-
-            results.append(audit_runs.data(plan, len(build_data(cfg.data).train))
-                           if (root / "R" / "summary.json").exists() else  # R ran to its end
-                           Result("data", False, f"no resumed run to compare: {resumed.numbers}"))
-    if "determinism" in checks:
-        results.append(audit_runs.determinism(plan))
-    if "eval" in checks:
-        results.append(audit_runs.evaluation(plan))
-    if "ddp" in checks:
+    results += single_process_runs(plan, cfg, checks)
+    if "ddp" in checks:  # its own runs: it does not need run A
         results.append(audit_runs.ddp(plan, cfg.data.batch_size, tolerance))
     return sorted(results, key=lambda r: CHECKS.index(r.check))
+
+
+def single_process_runs(plan: audit_runs.Plan, cfg, checks: list[str]) -> list[Result]:
+    """resume, determinism, data and eval: each compares its run(s) with the reference run A."""
+    wanted = [c for c in ("resume", "determinism", "data", "eval") if c in checks]
+    if not wanted:
+        return []
+    if why := audit_runs.run(plan, "A"):
+        return [Result(c, False, why, audit_runs.HINTS[c]) for c in wanted]
+    results = []
+    if "resume" in wanted or "data" in wanted:
+        resumed = audit_runs.resume(plan)
+        results += [resumed] if "resume" in wanted else []
+        if "data" in wanted:
+            results.append(audit_runs.data(plan, len(build_data(cfg.data).train))
+                           if (plan.root / "R" / "summary.json").exists() else  # R ran to its end
+                           Result("data", False, f"no resumed run to compare: {resumed.numbers}"))
+    if "determinism" in wanted:
+        results.append(audit_runs.determinism(plan))
+    if "eval" in wanted:
+        results.append(audit_runs.evaluation(plan))
+    return results
 
 
 def table(results: list[Result]) -> str:
