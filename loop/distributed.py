@@ -3,6 +3,10 @@
     python train.py ...                            world size 1, no process group
     torchrun --nproc_per_node=8 train.py ...       RANK / LOCAL_RANK / WORLD_SIZE set by torchrun
 
+Under torchrun the process group and the DDP/FSDP wrapping are set up even for one process, so
+`torchrun --nproc_per_node=1` runs the distributed path (nccl on one GPU) and can resume a
+sharded checkpoint written by any number of processes.
+
 With CUDA each process takes GPU LOCAL_RANK (`set_device` before `init_process_group`) and talks
 nccl; otherwise gloo. Small host-side agreements (target counts, which checkpoint to load) go
 through a gloo group on the CPU, so they never wait on the GPU stream. `close()` runs on every
@@ -86,10 +90,9 @@ class Dist:
 
 
 def init(device_name: str) -> tuple[Dist, torch.device]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world == 1:
+    if "RANK" not in os.environ:  # not launched by torchrun
         return Dist(), pick_device(device_name)
-    rank, local = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
     device = pick_device(device_name)
     if device.type == "cuda":
         device = torch.device("cuda", local)
@@ -121,9 +124,9 @@ def wrap(model: torch.nn.Module, d: Dist, device: torch.device, cfg, param_dtype
     train.strategy=fsdp, FSDP2 sharding in place (loop/fsdp.py)."""
     check_supported(cfg, d.world, device)
     t = cfg.train
-    if d.world == 1:
+    if not dist.is_initialized():  # plain python train.py
         if t.strategy == "fsdp":
-            print("note: train.strategy=fsdp has no effect with one process; training unsharded")
+            print("note: train.strategy=fsdp has no effect without torchrun; training unsharded")
         return model
     if t.strategy == "fsdp":
         from loop import fsdp

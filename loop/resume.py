@@ -46,10 +46,11 @@ def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:
     state = checkpoint.load(path, "state.pt")
     was_sharded = bool(state.get("sharded"))
     if optimizer is not None and was_sharded != fsdp.is_sharded(model):
-        how = {True: "train.strategy=fsdp", False: "one process or train.strategy=ddp"}
+        how = {True: "train.strategy=fsdp under torchrun", False: "plain python or train.strategy=ddp"}
         raise BadInput(f"checkpoint {path} was written with {how[was_sharded]}; resuming it with "
                        f"{how[not was_sharded]} is not supported. Use the strategy it was written "
-                       f"with, or start a new run.out_dir with run.init_from={path} (weights only).")
+                       f"with (any number of processes, `torchrun --nproc_per_node=1` included), or "
+                       f"start a new run.out_dir with run.init_from={path} (weights only).")
     bad = checkpoint.shape_mismatches(model, fsdp.saved_shapes(path) if was_sharded else state["model"])
     if bad:
         raise BadInput(f"checkpoint {path} does not fit the configured model:\n  " + "\n  ".join(bad)

@@ -84,8 +84,9 @@ class Trainer:
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
         self.open_log()
         n_params = sum(p.numel() for p in self.raw.parameters())
+        layout = "fsdp" if self.sharded else "ddp" if self.raw is not self.model else "no process group"
         self.dist.say(f"{n_params:,} parameters | {self.device} | {self.precision.name} | {self.dist.world} "
-                      f"process(es) | global batch {cfg.data.batch_size * tc.grad_accum * self.dist.world} "
+                      f"process(es), {layout} | global batch {cfg.data.batch_size * tc.grad_accum * self.dist.world} "
                       f"samples of {self.data.seq_len} target(s)")
         if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
             save(self, 0)  # something to roll back to before the first periodic checkpoint

@@ -43,7 +43,8 @@ def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> 
 
 # Two processes share two cores: one thread each keeps them from fighting over them.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
-DIST = ["train.max_steps=20", "train.ckpt_every=5", "model.dropout=0"]  # multi-process test runs
+# Multi-process test runs; data.log_ids: each step's global sample ids, to compare process layouts.
+DIST = ["train.max_steps=20", "train.ckpt_every=5", "model.dropout=0", "data.log_ids=true"]
 
 
 @pytest.fixture(scope="session")
@@ -54,10 +55,13 @@ def two_proc(tmp_path_factory, cache) -> Path:
     return out
 
 
-def run_train(out: Path, *overrides: str, check: bool = True, nproc: int = 0,
-              restarts: int = 0) -> subprocess.CompletedProcess:
+def run_train(out: Path, *overrides: str, check: bool = True, nproc: int = 0, restarts: int = 0,
+              one_thread: bool = False) -> subprocess.CompletedProcess:
+    """train.py to the end (under torchrun with `nproc`). Torchrun jobs, and `one_thread` runs, get
+    OMP_NUM_THREADS=1: a CPU kernel's float sums may split differently with another thread count."""
     proc = subprocess.run(train_cmd(out, *overrides, nproc=nproc, restarts=restarts), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, env=ENV if nproc else None)
+                          capture_output=True, text=True, timeout=300,
+                          env=ENV if nproc or one_thread else None)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -85,6 +89,11 @@ def run_and_kill(out: Path, at_step: int, *overrides: str) -> str:
 
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def ids(out: Path) -> list[list[int]]:
+    """The global sample ids of each step, in order (runs with data.log_ids=true)."""
+    return [r["ids"] for r in metrics(out)]
 
 
 def summary(out: Path) -> dict:

@@ -1,36 +1,58 @@
 """Many processes, one code path, through real torchrun subprocesses (gloo on CPU): 2 processes
 equal 1 process with twice the micro-batch, a SIGKILLed 2-process job resumes bit-identically, the
 world size can change at a resume without skipping or repeating a sample, a NaN on one rank is
-skipped by all, and torchrun --max-restarts recovers a killed worker."""
+skipped by all, torchrun --max-restarts recovers a killed worker, and torchrun with one process
+takes the distributed path (DDP or FSDP over one rank) with plain python's results."""
 from __future__ import annotations
 
 import os
 import re
 import signal
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import DIST as STEPS
-from conftest import ENV, ROOT, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
+from conftest import ENV, ROOT, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
 
 
-def test_two_processes_equal_one_with_twice_the_batch(tmp_path, cache, two_proc):
-    one = tmp_path / "one"
-    run_train(one, cache, *STEPS, "data.batch_size=8")
-    a, b = metrics(one), metrics(two_proc)
-    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]  # the same samples per step
-    assert [r["samples"] for r in a] == [r["samples"] for r in b]
+@pytest.fixture(scope="module")
+def one_proc(tmp_path_factory, cache) -> Path:
+    """DIST in plain python with twice the micro-batch: two_proc's global batch in one process;
+    one thread, as each torchrun process has, so a one-process torchrun job can match it bit for bit."""
+    out = tmp_path_factory.mktemp("one") / "run"
+    proc = run_train(out, cache, *STEPS, "data.batch_size=8", one_thread=True)
+    assert "1 process(es), no process group |" in proc.stdout, proc.stdout
+    return out
+
+
+def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
+    a, b = metrics(one_proc), metrics(two_proc)
+    assert ids(one_proc) == ids(two_proc)  # the same samples per step, in the same order
+    assert [r["tokens"] for r in a] == [r["tokens"] for r in b]
     # Same samples and maths; the sums over ranks add in a different order than one process's
     # sums, so agreement is to float32 rounding (seen: 1.1e-7 relative), not bit for bit.
     for x, y in zip(a, b):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
-    assert summary(two_proc)["val_loss"] == pytest.approx(summary(one)["val_loss"], rel=1e-5)
-    wa = torch.load(one / "model.pt", weights_only=True)["model"]
+    assert summary(two_proc)["val_loss"] == pytest.approx(summary(one_proc)["val_loss"], rel=1e-5)
+    wa = torch.load(one_proc / "model.pt", weights_only=True)["model"]
     wb = torch.load(two_proc / "model.pt", weights_only=True)["model"]
     assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
     assert len(list((two_proc / "checkpoints" / "step_00000020").glob("rng_rank*.pt"))) == 2
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_with_one_process_runs_the_distributed_path_bit_for_bit(tmp_path, cache, one_proc,
+                                                                        strategy):
+    # Under torchrun even one process gets a process group and the DDP (or FSDP) wrapper, so one
+    # GPU exercises nccl; the maths stay plain python's to the bit (a sum over one rank).
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "data.batch_size=8", f"train.strategy={strategy}", nproc=1)
+    assert f"1 process(es), {strategy} |" in proc.stdout, proc.stdout
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(one_proc)]
+    assert summary(out)["params_sha256"] == summary(one_proc)["params_sha256"]
 
 
 def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc):
@@ -44,19 +66,27 @@ def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc):
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
 
 
-@pytest.mark.parametrize("first, then", [(2, 1), (1, 2)])
-def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc, first, then):
+@pytest.mark.parametrize("strategy, first, then",
+                         [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)])
+def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc, strategy, first, then):
     # Bit-exactness is not promised across process counts (reduction order differs), but every
-    # global sample position is consumed once: the position advances by one global batch a step.
+    # global sample position is consumed once: the ids of each step are the uninterrupted run's.
+    # FSDP's sharded checkpoint is resharded on load (torch.distributed.checkpoint); its one
+    # process runs under torchrun, where the model is still sharded (over one rank).
     out = tmp_path / "run"
     batch = {1: "data.batch_size=8", 2: "data.batch_size=4"}
-    run_train(out, cache, *STEPS, "train.max_steps=10", batch[first], nproc=first if first > 1 else 0)
-    proc = run_train(out, cache, *STEPS, batch[then], nproc=then if then > 1 else 0)
+    nproc = {1: 1 if strategy == "fsdp" else 0, 2: 2}
+    args = [*STEPS, f"train.strategy={strategy}"]
+    run_train(out, cache, *args, "train.max_steps=10", batch[first], nproc=nproc[first])
+    proc = run_train(out, cache, *args, batch[then], nproc=nproc[then])
     assert "at step 10" in proc.stdout, proc.stdout
     recs = metrics(out)
     assert [r["step"] for r in recs] == list(range(1, 21))
-    assert [r["samples"] for r in recs] == [16 * s for s in range(1, 21)]  # no gap, no repeat
-    assert [r["samples"] for r in recs] == [r["samples"] for r in metrics(two_proc)]
+    assert ids(out) == ids(two_proc)
+    seen = [i for step in ids(out) for i in step]
+    assert len(seen) == 20 * 16 and len(set(seen)) == len(seen)  # each sample once
+    for x, y in zip(metrics(two_proc), recs):  # the same maths, to float32 rounding
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
     if then == 2:
         assert "has no rng_rank1.pt" in proc.stdout + proc.stderr  # new rank: fresh streams
 
