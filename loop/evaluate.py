@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from data.sampler import val_batches
+from data.sampler import split_batch, val_batches
 from loop.errors import BadInput
 
 
@@ -25,13 +25,14 @@ def loss_and_sums(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
 
 @torch.no_grad()
 def val_metrics(model: nn.Module, batches: list[dict], precision, device: torch.device,
-                dist) -> dict[str, float]:
+                dist, split: int = 1) -> dict[str, float]:
     """`val_<name>` for the loss and every other sum the model returns: means over the real
-    targets of every rank's validation batches."""
+    targets of every rank's validation batches, each run in `split` pieces (after an
+    out-of-memory, training's smaller micro-batch; the sums are the same)."""
     was_training = model.training
     model.eval()
     sums, count, names = None, 0, ["loss"]
-    for batch in batches:
+    for batch in (part for b in batches for part in split_batch(b, split)):
         batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with precision.autocast():
             loss, extra = loss_and_sums(model(batch))
@@ -64,7 +65,8 @@ def validate(t) -> dict[str, float]:
         d = t.cfg.data
         batches = val_batches(t.data.val, d.batch_size, t.cfg.train.eval_batches, None, t.dist.rank,
                               t.dist.world)
-    metrics = val_metrics(t.ema.module if t.ema else t.raw, batches, t.precision, t.device, t.dist)
+    metrics = val_metrics(t.ema.module if t.ema else t.raw, batches, t.precision, t.device, t.dist,
+                          t.progress.micro_split)
     t.last_eval = (t.progress.step, metrics)
     return metrics
 

@@ -85,6 +85,8 @@ class Trainer:
         self.open_log()
         n_params = sum(p.numel() for p in self.raw.parameters())
         layout = "fsdp" if self.sharded else "ddp" if self.raw is not self.model else "no process group"
+        if torch.distributed.is_initialized():
+            layout += f" over {torch.distributed.get_backend()}"  # nccl on CUDA, else gloo
         self.dist.say(f"{n_params:,} parameters | {self.device} | {self.precision.name} | {self.dist.world} "
                       f"process(es), {layout} | global batch {cfg.data.batch_size * tc.grad_accum * self.dist.world} "
                       f"samples of {self.data.seq_len} target(s)")

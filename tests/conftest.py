@@ -12,10 +12,13 @@ import pytest
 from loop import jobs
 
 ROOT = Path(__file__).resolve().parents[1]
-# The default config, shrunk so a 40-step run takes about a second after startup.
+# The default config, shrunk so a 40-step run takes about a second after startup. On the CPU even
+# on a GPU machine: what these tests pin (bit-exactness, 2 processes) is proved on the CPU, and
+# tests/test_cuda.py proves the CUDA paths.
 TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.seq_len=32",
         "data.batch_size=4", "train.log_every=1", "train.eval_every=10", "train.eval_batches=2",
-        "train.sample_tokens=16", "report.plots=false"]  # plots: tests/test_report.py
+        "train.sample_tokens=16", "report.plots=false",  # plots: tests/test_report.py
+        "train.device=cpu"]
 
 
 @pytest.fixture(scope="module")

@@ -50,7 +50,7 @@ def test_torchrun_with_one_process_runs_the_distributed_path_bit_for_bit(tmp_pat
     # GPU exercises nccl; the maths stay plain python's to the bit (a sum over one rank).
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "data.batch_size=8", f"train.strategy={strategy}", nproc=1)
-    assert f"1 process(es), {strategy} |" in proc.stdout, proc.stdout
+    assert f"1 process(es), {strategy} over gloo |" in proc.stdout, proc.stdout
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(one_proc)]
     assert summary(out)["params_sha256"] == summary(one_proc)["params_sha256"]
 

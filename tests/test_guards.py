@@ -102,6 +102,30 @@ def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
     assert summary(out)["micro_batch"] == 4
 
 
+def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
+    # A card that ran out of memory in training at micro-batch 8 may run out in validation too:
+    # validation cuts its batches the same way, and its means do not change.
+    from loop.distributed import Dist
+    from loop.evaluate import val_metrics
+    from loop.precision import Precision
+
+    class Sizes(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def forward(self, batch):
+            self.seen.append(len(batch["idx"]))
+            return (batch["y"] != -100).sum().float() * 2  # a loss of 2 per target
+
+    y = torch.zeros(8, 4, dtype=torch.long)
+    y[0] = -100  # a padded sample: targets are recounted per piece
+    batch = {"idx": torch.arange(8), "x": torch.zeros(8, 4, dtype=torch.long), "y": y, "n_targets": 28}
+    cpu, model = torch.device("cpu"), Sizes()
+    got = val_metrics(model, [batch, batch], Precision("fp32", cpu), cpu, Dist(), split=2)
+    assert model.seen == [4, 4, 4, 4] and got == {"val_loss": 2.0}
+
+
 def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "data.batch_size=1", "faults.oom_at_step=3", check=False)

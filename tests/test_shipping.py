@@ -1,6 +1,7 @@
 """Shipping: the `.env` loader (loop/dotenv.py) and what it promises end to end (the variables reach
 train.py, their values reach no file of the run, a malformed line exits 2 with nothing written), and
-static checks of the Dockerfile, .dockerignore, .env.example and the CI workflow.
+static checks of the Dockerfile, .dockerignore, .env.example and the CI workflow; scripts/gpu_checks.sh
+refuses to run without a GPU.
 
     .venv/bin/python -m pytest tests/test_shipping.py -q
 """
@@ -199,3 +200,12 @@ def test_ci_workflow_runs_make_test_with_cpu_torch():
     assert any(s.get("run") == "make test" for s in job["steps"])
     # Why the CPU index wins: the lock's `==2.13.0` matches 2.13.0+cpu, which sorts above 2.13.0.
     assert SpecifierSet("==2.13.0").contains("2.13.0+cpu") and Version("2.13.0+cpu") > Version("2.13.0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_gpu_checks_refuse_without_a_gpu_and_write_nothing(tmp_path):
+    out = tmp_path / "gpu"
+    proc = subprocess.run(["bash", "scripts/gpu_checks.sh", "tests"], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "OUT": str(out), "PYTHON": sys.executable})
+    assert proc.returncode == 2 and "no CUDA GPU visible" in proc.stderr, proc.stderr
+    assert not out.exists()

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The checks that need a CUDA GPU, in one go, each stage's output kept in $OUT/<stage>.log:
+#
+#   bash scripts/gpu_checks.sh                  # every stage (longer than 10 minutes on one H100)
+#   bash scripts/gpu_checks.sh env tests        # some of them
+#   OUT=/tmp/gpu PYTHON=python3 bash scripts/gpu_checks.sh bench
+#
+#   env      GPU, driver, torch and CUDA versions
+#   tests    tests/test_cuda.py: bf16/fp16 + fused AdamW repeat and resume bit-identically, a real
+#            out-of-memory recovered by splitting, one host sync per steady-state step
+#            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python
+#   verify   make verify's audits on the GPU, bf16 and fp16
+#   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
+#            activation checkpointing as a third arm; then the checkpoint stall
+#
+# Uses the interpreter in $PYTHON (default python3: a GPU image with torch already in it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu_checks}
+BENCH_STEPS=${BENCH_STEPS:-50}
+BENCH_REPS=${BENCH_REPS:-3}
+if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
+    echo "no CUDA GPU visible to $PYTHON: nothing here can be checked" >&2; exit 2
+fi
+mkdir -p "$OUT"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(env tests verify bench)
+failed=()
+
+stage() {  # name, command...: run it, keep its output, remember a failure and go on
+    local name=$1; shift
+    echo "=== $name: $*" | tee "$OUT/$name.log"
+    local t0=$SECONDS
+    "$@" 2>&1 | tee -a "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    echo "=== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$OUT/$name.log"
+    [ "$rc" -eq 0 ] || failed+=("$name")
+}
+
+for s in "${stages[@]}"; do
+    case $s in
+    env)
+        stage env bash -c "nvidia-smi; $PYTHON -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())'" ;;
+    tests)
+        stage tests "$PYTHON" -m pytest tests/test_cuda.py -v -s -rs ;;
+    verify)
+        stage verify_bf16 "$PYTHON" -m loop.verify --out "$OUT/verify_bf16" train.device=cuda train.precision=bf16
+        stage verify_fp16 "$PYTHON" -m loop.verify --out "$OUT/verify_fp16" train.device=cuda train.precision=fp16 ;;
+    bench)
+        stage bench "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
+            --reps "$BENCH_REPS" --variant model.activation_checkpointing=true
+        stage ckpt_stall "$PYTHON" -m bench.ckpt_stall --config configs/gpt2_124m.yaml --reps "$BENCH_REPS"
+        cp bench/results/*.jsonl "$OUT/" ;;
+    *)
+        echo "unknown stage $s; expected env, tests, verify or bench" >&2; exit 2 ;;
+    esac
+done
+[ ${#failed[@]} -eq 0 ] && echo "all stages passed" || { echo "failed: ${failed[*]}"; exit 1; }

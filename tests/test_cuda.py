@@ -1,0 +1,114 @@
+"""The CUDA paths on a real GPU; every test here is skipped without one (CI has none).
+
+    make test ARGS=tests/test_cuda.py PYTHON=python3      # on a GPU machine; scripts/gpu_checks.sh
+
+bf16 and fp16 (GradScaler) with fused AdamW train, repeat and resume bit-identically in
+determinism mode; a micro-batch too big for the card runs out of memory for real and is recovered
+by splitting it; steady-state steps make exactly one host sync each (the finite check), proved
+with torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl, bit-identical to
+plain python.
+"""
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import DIST, ROOT, TINY, metrics, run_and_signal, run_train, summary
+from loop import jobs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+CUDA = ["train.device=cuda", "run.deterministic=true"]  # after TINY's train.device=cpu: wins
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_precision_repeats_and_resumes_bit_identically(tmp_path, cache, precision):
+    args = [cache, *DIST, *CUDA, f"train.precision={precision}"]
+    a, b, killed = tmp_path / "a", tmp_path / "b", tmp_path / "killed"
+    run_train(a, *args)
+    run_train(b, *args)
+    code, printed = run_and_signal(killed, 12, *args)
+    assert code == -signal.SIGKILL, printed
+    rerun = run_train(killed, *args)
+    assert "at step 10" in rerun.stdout, rerun.stdout
+    losses = [r["loss"] for r in metrics(a)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    for out in (b, killed):
+        assert [r["loss"] for r in metrics(out)] == losses, out.name
+        assert summary(out)["params_sha256"] == summary(a)["params_sha256"], out.name
+    state = torch.load(a / "checkpoints" / "step_00000020" / "state.pt", weights_only=True)
+    assert state["optimizer"]["param_groups"][0]["fused"] is True
+    assert bool(state["scaler"]) == (precision == "fp16")  # fp16: the GradScaler's scale and tracker
+
+
+def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
+    # GPT-2 124M at 1024 tokens a sample needs very roughly 0.75 GB a sample in training: a
+    # micro-batch of about twice the card's memory in those units cannot fit. Not the TINY model.
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    big = 2 ** math.ceil(math.log2(2 * gib / 0.75))
+    out = tmp_path / "run"
+    cmd = jobs.train_cmd(["--config", str(ROOT / "configs" / "gpt2_124m.yaml"), f"run.out_dir={out}",
+                          cache, "train.compile=false", "train.grad_accum=1", f"data.batch_size={big}",
+                          "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
+                          "train.eval_batches=1", "train.ckpt_every=0", "report.plots=false"])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(proc.stdout, proc.stderr)  # the log scripts/gpu_checks.sh keeps
+    assert proc.returncode == 0, proc.stderr
+    assert f"step 1: out of memory; micro-batch {big} -> {big // 2}" in proc.stderr, proc.stderr
+    assert json.loads((out / "metadata.json").read_text())["faults_injected"] is None  # a real one
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1]["micro_batch"] < big
+    assert summary(out)["micro_batch"] == recs[-1]["micro_batch"]
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_steady_state_steps_sync_with_the_host_once(tmp_path, compile):
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={tmp_path / 'run'}",
+                                       f"data.cache_dir={tmp_path / 'cache'}", "train.device=cuda",
+                                       "train.precision=bf16", "train.max_steps=12", "train.log_every=100",
+                                       "train.eval_every=0", "train.ckpt_every=0", f"train.compile={compile}",
+                                       "data.num_workers=2", "data.pin_memory=true"])
+    trainer = build_trainer(cfg, Dist(), torch.device("cuda"))
+    step, syncs = trainer._step, {}
+
+    def watched() -> bool:  # steps 4..11: after warm-up (and compilation), before the final flush
+        n = trainer.progress.step + 1
+        if not 4 <= n < cfg.train.max_steps:
+            return step()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                ok = step()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        syncs[n] = [(Path(w.filename).name, w.lineno) for w in seen if "synchroniz" in str(w.message)]
+        return ok
+
+    trainer._step = watched
+    trainer.run()
+    source = (ROOT / "loop" / "trainer.py").read_text().splitlines()
+    read = next(i for i, line in enumerate(source, 1) if "# one read" in line)
+    print("host syncs per steady-state step:", syncs)  # the record scripts/gpu_checks.sh keeps
+    assert syncs == {n: [("trainer.py", read)] for n in range(4, 12)}, syncs
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_torchrun_with_one_gpu_trains_over_nccl_like_plain_python(tmp_path, cache, strategy):
+    args = [cache, *DIST, *CUDA, "train.precision=bf16"]
+    plain, one = tmp_path / "plain", tmp_path / "torchrun"
+    run_train(plain, *args, one_thread=True)
+    proc = run_train(one, *args, f"train.strategy={strategy}", nproc=1)
+    assert f"1 process(es), {strategy} over nccl |" in proc.stdout, proc.stdout
+    assert [r["loss"] for r in metrics(one)] == [r["loss"] for r in metrics(plain)]
+    assert summary(one)["params_sha256"] == summary(plain)["params_sha256"]
