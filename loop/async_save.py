@@ -4,11 +4,16 @@ The training thread pays only for the copy; serialising, hashing, fsync and rete
 training goes on. The writing itself is `loop.checkpoint.save`, so an async checkpoint is the same
 atomic, verified checkpoint, byte for byte (on CPU; from CUDA only the device tag in the pickle
 differs, and loading maps to the CPU anyway). Use:
-    saver = AsyncSaver()
+    saver = AsyncSaver(dist.for_thread())  # several processes: the writers' own group (below)
     saver.save(root, step, capture(trainer), keep_last, meta, best, midway, then=on_done)
     saver.wait()     # before anything reads or rolls back to the checkpoints, and before exiting
     saver.close()    # end of run (also on preemption): the last checkpoint is on disk after this
 A failed background write is re-raised in the training thread by the next save/wait/close.
+
+With several processes (DDP) every rank saves at the same steps, and the writers of all ranks meet
+in checkpoint.save's collectives (the manifest over every rank's files, the barrier before
+`latest` moves) on a gloo group of their own, so they never interleave with the training thread's
+collectives on the other groups.
 """
 from __future__ import annotations
 
@@ -68,7 +73,8 @@ def snapshot(obj: T) -> T:
 class AsyncSaver:
     """At most one checkpoint write in flight, in a background thread; errors come back to the caller."""
 
-    def __init__(self) -> None:
+    def __init__(self, dist=None) -> None:
+        self.dist = dist  # loop.distributed.Dist for checkpoint.save's collectives; None: one process
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._closed = False
@@ -82,7 +88,8 @@ class AsyncSaver:
         self.wait()
         if self._closed:
             raise RuntimeError(f"AsyncSaver: save(step={step}) after close()")
-        args = (Path(root), step, snapshot(files), keep_last, snapshot(meta), frozenset(keep), midway)
+        args = (Path(root), step, snapshot(files), keep_last, snapshot(meta), frozenset(keep), midway,
+                self.dist)
         # Not a daemon: if the process exits without close(), the interpreter still finishes the
         # write instead of dropping what may be the last (e.g. the preemption) checkpoint.
         self._thread = threading.Thread(target=self._write, args=(args, then), name=f"checkpoint-save-{step}")

@@ -87,6 +87,13 @@ class Dist:
         if self.world > 1:
             dist.barrier(group=self.cpu_group)
 
+    def for_thread(self) -> Dist:
+        """The same ranks on a gloo group of their own (a collective: every rank calls it), for a
+        background thread's collectives, which must not interleave with the training thread's."""
+        if self.world == 1:
+            return self
+        return Dist(self.rank, self.local_rank, self.world, dist.new_group(backend="gloo"))
+
 
 
 def init(device_name: str) -> tuple[Dist, torch.device]:
@@ -109,8 +116,8 @@ def check_supported(cfg, world: int, device: torch.device) -> None:
     """Refuse, before anything is written, what this process layout cannot do (yet)."""
     t = cfg.train
     for key, bad, why in (
-            ("train.async_save", t.async_save and world > 1, "not supported with several processes "
-             "yet; expected false under torchrun"),
+            ("train.async_save", t.async_save and t.strategy == "fsdp", "not supported with "
+             "train.strategy=fsdp yet; expected false, or train.strategy=ddp"),
             ("ema.enabled", cfg.ema.enabled and t.strategy == "fsdp", "not supported with "
              "train.strategy=fsdp yet; expected false, or train.strategy=ddp"),
             ("train.fsdp_cpu_offload", t.fsdp_cpu_offload and device.type != "cuda", "moves "

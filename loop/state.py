@@ -105,7 +105,7 @@ def save(t, step: int) -> None:
     args = (t.ckpt_root, step, capture(t), t.cfg.train.keep_last, meta, best, midway)
     then = partial(_saved, t, best=next(iter(best), None))
     if t.saver:
-        t.saver.save(*args, then=then)  # returns once the state is copied
+        t.saver.save(*args, then=then if t.dist.main else None)  # returns once the state is copied
     else:
         shards = partial(fsdp.save, t.model, t.optimizer) if t.sharded else None
         path = checkpoint.save(*args, dist=t.dist, shards=shards)

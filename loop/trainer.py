@@ -60,7 +60,7 @@ class Trainer:
         self.telemetry: Telemetry | None = None  # rank 0 only
         self.metadata: dict = {}  # rank 0 only; also goes into every checkpoint
         self.preempted = False
-        self.saver = AsyncSaver() if cfg.train.async_save else None
+        self.saver = AsyncSaver(self.dist.for_thread()) if cfg.train.async_save else None
         self.bad_streak = 0  # non-finite steps in a row
         self.fired: set[str] = set()  # injected faults already fired in this process
         self.lab = cfg.lab.break_  # a lab switch breaking one concern on purpose (loop/lab.py)
