@@ -87,9 +87,10 @@ class Trainer:
         layout = "fsdp" if self.sharded else "ddp" if self.raw is not self.model else "no process group"
         if torch.distributed.is_initialized():
             layout += f" over {torch.distributed.get_backend()}"  # nccl on CUDA, else gloo
+        global_batch = cfg.data.batch_size * tc.grad_accum * self.dist.world
         self.dist.say(f"{n_params:,} parameters | {self.device} | {self.precision.name} | {self.dist.world} "
-                      f"process(es), {layout} | global batch {cfg.data.batch_size * tc.grad_accum * self.dist.world} "
-                      f"samples of {self.data.seq_len} target(s)")
+                      f"process(es), {layout} | global batch {global_batch} samples of "
+                      f"{self.data.seq_len} target(s)")
         if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
             save(self, 0)  # something to roll back to before the first periodic checkpoint
         self.batches, preemption = self._batches(), Preemption()
