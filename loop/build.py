@@ -1,6 +1,7 @@
-"""The parts of a run, wired in the order train.py needs them: seed, data, model, wrapping,
-optimizer, schedule, precision -> a `Trainer`. Shared by train.py, make verify's in-process audits
-(loop/audit_grads.py) and the benchmarks, so each builds exactly what a real run trains.
+"""The parts of a run, wired in the order train.py needs them: seed, data, model, EMA copy,
+wrapping, optimizer, schedule, precision -> a `Trainer`. Shared by train.py, make verify's
+in-process audits (loop/audit_grads.py) and the benchmarks, so each builds exactly what a real
+run trains.
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from data import build_data
 from loop import distributed
 from loop.device import use_tf32
 from loop.distributed import Dist
+from loop.ema import build_ema
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
@@ -27,7 +29,8 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     if cfg.train.compile:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
-    model = distributed.wrap(model, dist, device, cfg, precision.dtype)
+    ema = build_ema(model, cfg.ema)  # before wrapping: an FSDP module cannot be deep-copied
+    model = distributed.wrap(model, dist, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
-    return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist)
+    return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -118,17 +119,18 @@ def check_supported(cfg, world: int, device: torch.device) -> None:
     for key, bad, why in (
             ("train.async_save", t.async_save and t.strategy == "fsdp", "not supported with "
              "train.strategy=fsdp yet; expected false, or train.strategy=ddp"),
-            ("ema.enabled", cfg.ema.enabled and t.strategy == "fsdp", "not supported with "
-             "train.strategy=fsdp yet; expected false, or train.strategy=ddp"),
             ("train.fsdp_cpu_offload", t.fsdp_cpu_offload and device.type != "cuda", "moves "
              f"parameters from the GPU to host memory, but this run is on {device}; expected false")):
         if bad:
             raise BadInput(f"config key {key}: {why}.")
 
 
-def wrap(model: torch.nn.Module, d: Dist, device: torch.device, cfg, param_dtype=None) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, d: Dist, device: torch.device, cfg, param_dtype=None,
+         ema=None) -> torch.nn.Module:
     """DDP with one process per device (the unwrapped model stays reachable as `.module`), or, with
-    train.strategy=fsdp, FSDP2 sharding in place (loop/fsdp.py)."""
+    train.strategy=fsdp, FSDP2 sharding in place (loop/fsdp.py). `ema`, the AveragedModel copied
+    from the model before wrapping, gets rank 0's weights (ranks are seeded apart) and, with FSDP,
+    the same sharding."""
     check_supported(cfg, d.world, device)
     t = cfg.train
     if not dist.is_initialized():  # plain python train.py
@@ -138,10 +140,17 @@ def wrap(model: torch.nn.Module, d: Dist, device: torch.device, cfg, param_dtype
     if t.strategy == "fsdp":
         from loop import fsdp
 
-        return fsdp.shard(model, param_dtype if t.fsdp_mixed_precision else None, t.fsdp_cpu_offload)
+        shard = partial(fsdp.shard, param_dtype=param_dtype if t.fsdp_mixed_precision else None,
+                        cpu_offload=t.fsdp_cpu_offload)
+        if ema is not None:
+            shard(ema.module)  # shard broadcasts rank 0's weights first
+        return shard(model)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if ema is not None:  # DDP broadcast rank 0's weights at construction
+        ema.module.load_state_dict(model.module.state_dict())
+    return model
 
 
 @contextmanager

@@ -9,7 +9,8 @@ plain model. Checkpoints are written with `torch.distributed.checkpoint` (DCP): 
 its own shard (`__<rank>_0.distcp`) and rank 0 the `.metadata`, next to the usual `state.pt` and
 RNG files, and DCP reshards on load, so a resume may use a different number of processes.
 `full_state` gathers the whole model onto rank 0's CPU: the consolidated export (`model.pt`),
-which loads into the plain model in one process.
+which loads into the plain model in one process. The EMA copy (loop/ema.py) is sharded the same
+way and saved with the model's shards under the key "ema".
 """
 from __future__ import annotations
 
@@ -65,11 +66,15 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, path: Path) -> list[str]:
-    """Every rank writes its shards of the model and optimizer into `path` (a collective, which
-    returns once all are written); returns the names of the files this rank wrote."""
+def save(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None, path: Path) -> list[str]:
+    """Every rank writes its shards of the model, optimizer and EMA weights (if any) into `path`
+    (a collective, which returns once all are written); returns the names of the files this rank
+    wrote."""
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=path)
+    state = {"model": msd, "optimizer": osd}
+    if ema is not None:
+        state["ema"] = get_model_state_dict(ema)
+    dcp.save(state, checkpoint_id=path)
     rank = dist.get_rank()
     return sorted(p.name for p in path.glob(f"__{rank}_*.distcp")) + [".metadata"] * (rank == 0)
 
@@ -84,13 +89,18 @@ def saved_shapes(path: Path) -> dict[str, torch.Tensor]:
 def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) -> None:
     """Load the shards this rank needs from `path` (any world size wrote it); optimizer optional."""
     if optimizer is None:
-        msd = get_model_state_dict(model)
-        dcp.load({"model": msd}, checkpoint_id=path)
-        set_model_state_dict(model, msd)
+        load_weights(model, path, "model")
         return
     msd, osd = get_state_dict(model, optimizer)
     dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+
+
+def load_weights(module: nn.Module, path: Path, key: str) -> None:
+    """Weights saved under `key` ("model" or "ema") in checkpoint `path` into `module`."""
+    sd = get_model_state_dict(module)
+    dcp.load({key: sd}, checkpoint_id=path)
+    set_model_state_dict(module, sd)
 
 
 def load_full(model: nn.Module, state: dict[str, torch.Tensor]) -> None:

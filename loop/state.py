@@ -3,9 +3,10 @@
 `save` writes a checkpoint of the trainer (rank 0 the shared state, every rank its RNG), and
 `capture` returns the checkpoint's files: `state.pt` (model with unwrapped keys, optimizer,
 scheduler, GradScaler, EMA, best/early-stop tracking, progress, config) and `rng_rank<r>.pt`
-(this rank's RNG streams). With FSDP the model and optimizer are not in `state.pt`: every rank
-writes its shards of them with torch.distributed.checkpoint (loop/fsdp.py). `restore` loads them in an order that matters: RNG streams last,
-since building and loading the other parts may draw from them.
+(this rank's RNG streams). With FSDP the model, optimizer and EMA weights are not in `state.pt`:
+every rank writes its shards of them with torch.distributed.checkpoint (loop/fsdp.py). `restore`
+loads them in an order that matters: RNG streams last, since building and loading the other parts
+may draw from them.
 """
 from __future__ import annotations
 
@@ -47,7 +48,7 @@ def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
             "model": None if t.sharded else t.raw.state_dict(),
             "optimizer": None if t.sharded else t.optimizer.state_dict(), "sharded": t.sharded,
             "scheduler": t.scheduler.state_dict(), "scaler": t.scaler.state_dict(),
-            "ema": ema_state(t.ema) if t.ema else None,
+            "ema": ema_state(t.ema, t.sharded) if t.ema else None,
             "monitor": t.monitor.state_dict(), "progress": asdict(t.progress),
             "config": to_dict(t.cfg), "config_sha256": config_hash(t.cfg), "world_size": t.dist.world,
             "metadata": t.metadata,
@@ -66,7 +67,7 @@ def restore(t, path: Path) -> None:
     if state["scaler"] and t.lab != "no_scaler_state":  # empty when fp16 is off; lab: dropped
         t.scaler.load_state_dict(state["scaler"])
     if t.ema and state["ema"]:
-        load_ema_state(t.ema, state["ema"])
+        load_ema_state(t.ema, state["ema"], path)
     t.monitor.load_state_dict(state["monitor"])
     t.progress = Progress(**state["progress"])
     mine = f"rng_rank{t.dist.rank}.pt"
@@ -107,7 +108,7 @@ def save(t, step: int) -> None:
     if t.saver:
         t.saver.save(*args, then=then if t.dist.main else None)  # returns once the state is copied
     else:
-        shards = partial(fsdp.save, t.model, t.optimizer) if t.sharded else None
+        shards = partial(fsdp.save, t.model, t.optimizer, t.ema and t.ema.module) if t.sharded else None
         path = checkpoint.save(*args, dist=t.dist, shards=shards)
         if t.dist.main:
             then(path)

@@ -21,6 +21,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         evaluate.validate(t)  # every rank takes part: validation all-reduces over ranks
     # Collectives with FSDP (gather the whole model, sample through it): every rank takes part.
     weights, sample = ({}, None) if t.preempted else (fsdp.full_state(t.raw), evaluate.sample(t))
+    ema = fsdp.full_state(t.ema.module) if t.ema and not t.preempted else None
     if not t.dist.main:
         return {"steps": p.step, "preempted": t.preempted}
     if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
@@ -43,8 +44,8 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         "optimal_loss": t.data.meta.get("optimal_loss"),
         "sample": sample, "lab_break": t.lab or None,
     }
-    if t.ema:
-        summary["ema_params_sha256"] = checkpoint.params_sha256(t.ema.module.state_dict())
+    if ema is not None:
+        summary["ema_params_sha256"] = checkpoint.params_sha256(ema)
     summary.update({k: v for k, v in t.telemetry.read().items()  # this session's energy and peak memory
                     if k in ("energy_j", "cuda_max_alloc_gb")})
     t.telemetry.close()
@@ -53,8 +54,8 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     if t.mirror:
         t.mirror.close()
     export = {"model": weights, "config": to_dict(t.cfg)}  # FSDP: the consolidated model
-    if t.ema:
-        export["ema"] = t.ema.module.state_dict()
+    if ema is not None:
+        export["ema"] = ema
     atomic_write(t.out / "model.pt", checkpoint.to_bytes(export))
     atomic_write(t.out / "summary.json", json.dumps(summary, indent=1).encode())
     try:  # the run itself is done and saved: a report that cannot be drawn must not fail it

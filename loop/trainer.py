@@ -23,7 +23,6 @@ from loop import checkpoint, evaluate, fsdp, resume
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
-from loop.ema import build_ema
 from loop.evaluate import loss_and_sums
 from loop.distributed import Dist, grad_sync
 from loop.lab import banner
@@ -39,7 +38,8 @@ from loop.telemetry import Telemetry
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model, data, optimizer, scheduler, precision, device, dist=None):
+    def __init__(self, cfg: Config, model, data, optimizer, scheduler, precision, device, dist=None,
+                 ema=None):
         self.cfg, self.model, self.data, self.device = cfg, model, data, device
         self.dist = dist or Dist()
         self.raw = getattr(model, "module", model)  # unwrapped (DDP keeps it as .module)
@@ -51,7 +51,9 @@ class Trainer:
         self.progress = Progress()
         tc = cfg.train
         self.monitor = Monitor(tc.best_metric, tc.best_mode, tc.early_stop_patience, tc.early_stop_min_delta)
-        self.ema = build_ema(self.raw, cfg.ema)
+        if cfg.ema.enabled != (ema is not None):
+            raise ValueError("pass the AveragedModel (loop.ema.build_ema) exactly when ema.enabled")
+        self.ema = ema  # built before wrapping (loop/build.py)
         self.val = val_batches(data.val, cfg.data.batch_size, tc.eval_batches, cfg.run.seed,
                                self.dist.rank, self.dist.world)
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, val_loss, val_...)

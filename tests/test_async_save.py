@@ -35,7 +35,7 @@ def trained_state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer
     base = torch.arange(12.0)
     files = {
         "state.pt": {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "scheduler": sched.state_dict(), "scaler": {}, "ema": ema_state(ema),
+                     "scheduler": sched.state_dict(), "scaler": {}, "ema": ema_state(ema, False),
                      "views": {"whole": base, "part": base[3:7]},  # one storage, two tensors
                      "progress": {"step": 2, "skip_windows": [5, 9]}, "config": {"a": {"b": (1, "x")}}},
         "rng_rank0.pt": rng.capture(),

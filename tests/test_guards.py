@@ -147,6 +147,7 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     from data import build_data
     from data.sampler import train_loader
     from loop.config import load_config
+    from loop.ema import build_ema
     from loop.optim import build_optimizer
     from loop.precision import Precision
     from loop.schedule import build_scheduler
@@ -162,7 +163,7 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     model = build_model(cfg.model, data)
     opt = build_optimizer(model, cfg.optim, cpu)
     trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10),
-                      Precision("fp32", cpu), cpu)
+                      Precision("fp32", cpu), cpu, ema=build_ema(model, cfg.ema))
     trainer.log = SimpleNamespace(record=lambda *a: None)
     loader = train_loader(data.train, 2, 0, 0, 0, 2, False)
     trainer.batches = iter([b for b, _ in zip(loader, range(12))])  # loaded before counting
