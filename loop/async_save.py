@@ -10,10 +10,10 @@ differs, and loading maps to the CPU anyway). Use:
     saver.close()    # end of run (also on preemption): the last checkpoint is on disk after this
 A failed background write is re-raised in the training thread by the next save/wait/close.
 
-With several processes (DDP) every rank saves at the same steps, and the writers of all ranks meet
-in checkpoint.save's collectives (the manifest over every rank's files, the barrier before
-`latest` moves) on a gloo group of their own, so they never interleave with the training thread's
-collectives on the other groups.
+With several processes every rank saves at the same steps, and the writers of all ranks meet in
+checkpoint.save's collectives (the manifest over every rank's files, the barrier before `latest`
+moves; with FSDP also DCP's write of the shards) on a gloo group of their own, so they never
+interleave with the training thread's collectives on the other groups.
 """
 from __future__ import annotations
 
@@ -81,15 +81,18 @@ class AsyncSaver:
 
     def save(self, root: Path, step: int, files: dict[str, object], keep_last: int, meta: dict,
              keep: set[str] | frozenset[str] = frozenset(), midway: Callable[[], None] | None = None,
-             then: Callable[[Path], None] | None = None) -> None:
+             then: Callable[[Path], None] | None = None,
+             shards: Callable[[], Callable[[Path], list[str]]] | None = None) -> None:
         """Wait for the previous save to finish (at most one in flight, so checkpoints land in order and
         memory stays bounded), snapshot `files`, then call loop.checkpoint.save(root, step, snap, keep_last,
-        meta, keep, midway) in a background thread, then `then(path)` (e.g. mirror submit / best pointer)."""
+        meta, keep, midway) in a background thread, then `then(path)` (e.g. mirror submit / best pointer).
+        `shards` (FSDP), called here after the wait, copies this rank's shards and returns the
+        function checkpoint.save calls in the thread to write them (loop/fsdp.py::staged_writer)."""
         self.wait()
         if self._closed:
             raise RuntimeError(f"AsyncSaver: save(step={step}) after close()")
         args = (Path(root), step, snapshot(files), keep_last, snapshot(meta), frozenset(keep), midway,
-                self.dist)
+                self.dist, shards() if shards else None)
         # Not a daemon: if the process exits without close(), the interpreter still finishes the
         # write instead of dropping what may be the last (e.g. the preemption) checkpoint.
         self._thread = threading.Thread(target=self._write, args=(args, then), name=f"checkpoint-save-{step}")

@@ -30,7 +30,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     ema = build_ema(model, cfg.ema)  # before wrapping: an FSDP module cannot be deep-copied
-    model = distributed.wrap(model, dist, device, cfg, precision.dtype, ema)
+    model = distributed.wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
     return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)

@@ -4,7 +4,7 @@ Layout under `<out_dir>/checkpoints/`:
     step_00000100/state.pt        model, optimizer, scheduler, scaler, progress, config (rank 0)
     step_00000100/rng_rank0.pt    every RNG stream of rank 0 (one file per rank)
     step_00000100/manifest.json   step, sizes and sha256 of the files above; written last
-    (train.strategy=fsdp: also __<rank>_0.distcp and .metadata, the sharded model and optimizer)
+    (train.strategy=fsdp: also __<rank>_0.distcp and .metadata, the sharded model, optimizer and EMA)
     latest                        name of the newest complete checkpoint (for people and tools)
 A checkpoint is written into a temp dir, fsynced, then renamed into place, so a kill at any
 moment leaves either the complete checkpoint or none. It counts only if its manifest verifies.

@@ -113,25 +113,19 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
     return Dist(rank, local, world, cpu_group), device
 
 
-def check_supported(cfg, world: int, device: torch.device) -> None:
-    """Refuse, before anything is written, what this process layout cannot do (yet)."""
-    t = cfg.train
-    for key, bad, why in (
-            ("train.async_save", t.async_save and t.strategy == "fsdp", "not supported with "
-             "train.strategy=fsdp yet; expected false, or train.strategy=ddp"),
-            ("train.fsdp_cpu_offload", t.fsdp_cpu_offload and device.type != "cuda", "moves "
-             f"parameters from the GPU to host memory, but this run is on {device}; expected false")):
-        if bad:
-            raise BadInput(f"config key {key}: {why}.")
+def check_supported(cfg, device: torch.device) -> None:
+    """Refuse, before anything is written, what this device cannot do."""
+    if cfg.train.fsdp_cpu_offload and device.type != "cuda":
+        raise BadInput(f"config key train.fsdp_cpu_offload: moves parameters from the GPU to host "
+                       f"memory, but this run is on {device}; expected false.")
 
 
-def wrap(model: torch.nn.Module, d: Dist, device: torch.device, cfg, param_dtype=None,
-         ema=None) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None, ema=None) -> torch.nn.Module:
     """DDP with one process per device (the unwrapped model stays reachable as `.module`), or, with
     train.strategy=fsdp, FSDP2 sharding in place (loop/fsdp.py). `ema`, the AveragedModel copied
     from the model before wrapping, gets rank 0's weights (ranks are seeded apart) and, with FSDP,
     the same sharding."""
-    check_supported(cfg, d.world, device)
+    check_supported(cfg, device)
     t = cfg.train
     if not dist.is_initialized():  # plain python train.py
         if t.strategy == "fsdp":

@@ -14,12 +14,15 @@ way and saved with the model's shards under the key "ema".
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_state_dict, set_model_state_dict,
                                                      set_state_dict)
@@ -66,17 +69,33 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def save(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None, path: Path) -> list[str]:
-    """Every rank writes its shards of the model, optimizer and EMA weights (if any) into `path`
-    (a collective, which returns once all are written); returns the names of the files this rank
-    wrote."""
+def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
+    """What DCP writes: this rank's shards of the model, optimizer and EMA weights (if any)."""
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optimizer": osd}
     if ema is not None:
         state["ema"] = get_model_state_dict(ema)
-    dcp.save(state, checkpoint_id=path)
+    return state
+
+
+def write(state: dict, path: Path, group: dist.ProcessGroup | None = None) -> list[str]:
+    """Every rank writes its part of `state` into `path` (a collective over `group`, which returns
+    once all are written); returns the names of the files this rank wrote."""
+    dcp.save(state, checkpoint_id=path, process_group=group)
     rank = dist.get_rank()
     return sorted(p.name for p in path.glob(f"__{rank}_*.distcp")) + [".metadata"] * (rank == 0)
+
+
+def staged_writer(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None,
+                  group: dist.ProcessGroup | None) -> Callable[[Path], list[str]]:
+    """For asynchronous checkpoints: copy this rank's shards to CPU memory now (DCP's stager keeps
+    each DTensor's place in the whole); the returned function writes that copy, later, in the
+    writer thread, meeting the other ranks' writers on `group` (gloo, not the training's group)."""
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                          use_async_staging=False, use_non_blocking_copy=False))
+    staged = stager.stage(state_dict(model, optimizer, ema))
+    stager.close()  # drops its cache of storages; the copy lives on in `staged`
+    return partial(write, staged, group=group)
 
 
 def saved_shapes(path: Path) -> dict[str, torch.Tensor]:

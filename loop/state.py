@@ -105,10 +105,12 @@ def save(t, step: int) -> None:
     meta = {"config_sha256": config_hash(t.cfg), "world_size": t.dist.world}
     args = (t.ckpt_root, step, capture(t), t.cfg.train.keep_last, meta, best, midway)
     then = partial(_saved, t, best=next(iter(best), None))
-    if t.saver:
-        t.saver.save(*args, then=then if t.dist.main else None)  # returns once the state is copied
+    ema = t.ema.module if t.ema else None
+    if t.saver:  # returns once the state (FSDP: and this rank's shards) is copied
+        shards = partial(fsdp.staged_writer, t.model, t.optimizer, ema, t.saver.dist.cpu_group)
+        t.saver.save(*args, then=then if t.dist.main else None, shards=shards if t.sharded else None)
     else:
-        shards = partial(fsdp.save, t.model, t.optimizer, t.ema and t.ema.module) if t.sharded else None
+        shards = partial(fsdp.write, fsdp.state_dict(t.model, t.optimizer, ema)) if t.sharded else None
         path = checkpoint.save(*args, dist=t.dist, shards=shards)
         if t.dist.main:
             then(path)
