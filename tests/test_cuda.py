@@ -5,8 +5,8 @@
 bf16 and fp16 (GradScaler) with fused AdamW train, repeat and resume bit-identically in
 determinism mode; a micro-batch too big for the card runs out of memory for real and is recovered
 by splitting it; steady-state steps make exactly one host sync each (the finite check), proved
-with torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl, bit-identical to
-plain python.
+with torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and
+async checkpoints), bit-identical to plain python, also after a SIGKILL and rerun.
 """
 from __future__ import annotations
 
@@ -105,10 +105,17 @@ def test_steady_state_steps_sync_with_the_host_once(tmp_path, compile):
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_torchrun_with_one_gpu_trains_over_nccl_like_plain_python(tmp_path, cache, strategy):
-    args = [cache, *DIST, *CUDA, "train.precision=bf16"]
-    plain, one = tmp_path / "plain", tmp_path / "torchrun"
+    # With EMA and async checkpoints: FSDP stages its shards from the GPU to CPU memory and the
+    # writer thread writes them over gloo while training goes on over nccl.
+    args = [cache, *DIST, *CUDA, "train.precision=bf16", "ema.enabled=true", "train.async_save=true"]
+    plain, one, killed = tmp_path / "plain", tmp_path / "torchrun", tmp_path / "killed"
     run_train(plain, *args, one_thread=True)
     proc = run_train(one, *args, f"train.strategy={strategy}", nproc=1)
     assert f"1 process(es), {strategy} over nccl |" in proc.stdout, proc.stdout
-    assert [r["loss"] for r in metrics(one)] == [r["loss"] for r in metrics(plain)]
-    assert summary(one)["params_sha256"] == summary(plain)["params_sha256"]
+    code, printed = run_and_signal(killed, 12, *args, f"train.strategy={strategy}", nproc=1, group=True)
+    assert code == -signal.SIGKILL, printed
+    run_train(killed, *args, f"train.strategy={strategy}", nproc=1)
+    for out in (one, killed):
+        assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(plain)], out.name
+        for key in ("params_sha256", "ema_params_sha256"):
+            assert summary(out)[key] == summary(plain)[key], (out.name, key)
