@@ -97,10 +97,25 @@ class Dist:
 
 
 
+LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets them
+
+
 def init(device_name: str) -> tuple[Dist, torch.device]:
     if "RANK" not in os.environ:  # not launched by torchrun
         return Dist(), pick_device(device_name)
-    rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    missing = [k for k in LAUNCH_VARS if not os.environ.get(k)]
+    if missing:
+        raise BadInput(f"environment variable RANK is set, so this is a multi-process launch, but "
+                       f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not; expected all of "
+                       f"{', '.join(LAUNCH_VARS)}, as torchrun sets them. Launch with `torchrun "
+                       f"--nproc_per_node=N train.py ...` (scripts/slurm.sbatch under SLURM), or unset "
+                       f"RANK to train in one process.")
+    try:
+        rank, local, world = (int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+    except ValueError:
+        got = ", ".join(f"{k}={os.environ[k]!r}" for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
+        raise BadInput(f"environment variables RANK, LOCAL_RANK and WORLD_SIZE: expected integers; "
+                       f"got {got}.") from None
     device = pick_device(device_name)
     if device.type == "cuda":
         device = torch.device("cuda", local)

@@ -161,3 +161,21 @@ def test_oom_recovery_is_agreed_by_every_rank(tmp_path, cache, two_proc):
     assert [r["micro_batch"] for r in recs] == [4] * 5 + [2] * 15
     for x, y in zip(metrics(two_proc), recs):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), x["step"]
+
+
+LAUNCH = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+          "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"RANK": "0"}, "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
+    ({**LAUNCH, "MASTER_ADDR": ""}, "MASTER_ADDR is not"),
+    ({**LAUNCH, "RANK": "zero"}, "expected integers; got RANK='zero'")])
+def test_a_half_set_launch_environment_exits_2_naming_the_variables(tmp_path, env, named):
+    # A stray RANK (another tool's, or a hand-made launch) must not end in torch's rendezvous error.
+    out = tmp_path / "run"
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH}
+    proc = subprocess.run(train_cmd(out), cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**clean, **env})
+    assert proc.returncode == 2 and named in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
