@@ -77,8 +77,8 @@ def recover_from_oom(t) -> None:
                      f"(train.oom_policy={t.cfg.train.oom_policy}); use a smaller "
                      f"data.batch_size or model, or activation checkpointing.")
     p.micro_split *= 2
-    print(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
-          f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
+    t.dist.say(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
+               f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------- non-finite values
@@ -104,7 +104,8 @@ def on_non_finite(t, what: str) -> bool:
             f"{t.bad_streak} bad steps in a row (train.max_bad_steps={tc.max_bad_steps})"
         raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
                      f"or check the data at sample position {p.samples}.")
-    print(f"warning: {what}; {tc.nan_policy}", file=sys.stderr)
+    who = f"rank {t.dist.rank}: " if t.dist.world > 1 else ""  # each rank saw its own values
+    print(f"warning: {who}{what}; {tc.nan_policy}", file=sys.stderr)
     if tc.nan_policy == "skip":
         p.skipped += 1
         return True
@@ -127,5 +128,5 @@ def rollback(t) -> None:
     t.log.close()
     t.open_log()  # drops the records after the checkpoint, as a resume does
     t.batches = t._batches()
-    print(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
-          file=sys.stderr)
+    t.dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
+               file=sys.stderr)

@@ -110,10 +110,13 @@ def test_ddp_run_whose_last_step_is_not_an_eval_step_finishes(tmp_path, cache):
 
 def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, cache):
     out = tmp_path / "run"
-    run_train(out, cache, *STEPS, "faults.nan_at_step=7", "faults.nan_rank=1", nproc=2)
+    proc = run_train(out, cache, *STEPS, "faults.nan_at_step=7", "faults.nan_rank=1", nproc=2)
     recs = metrics(out)
     assert [r["step"] for r in recs if r["skipped"]] == [7]
     assert summary(out)["skipped_steps"] == 1 and summary(out)["steps"] == 20
+    # Each rank says what it saw: rank 1 its own loss, rank 0 the gradients summed with rank 1's.
+    assert "warning: rank 1: step 7: non-finite loss of micro-batch 0" in proc.stderr, proc.stderr
+    assert "warning: rank 0: step 7: non-finite grad norm" in proc.stderr, proc.stderr
 
 
 def children(pid: int) -> list[int]:
@@ -156,7 +159,7 @@ def test_oom_recovery_is_agreed_by_every_rank(tmp_path, cache, two_proc):
     # the maths (float32 rounding only: two partial sums instead of one).
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "faults.oom_at_step=6", nproc=2)
-    assert "step 6: out of memory; micro-batch 4 -> 2" in proc.stderr
+    assert proc.stderr.count("step 6: out of memory; micro-batch 4 -> 2") == 1, proc.stderr  # rank 0
     recs = metrics(out)
     assert [r["micro_batch"] for r in recs] == [4] * 5 + [2] * 15
     for x, y in zip(metrics(two_proc), recs):
