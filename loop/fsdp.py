@@ -91,8 +91,9 @@ def staged_writer(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Mo
     """For asynchronous checkpoints: copy this rank's shards to CPU memory now (DCP's stager keeps
     each DTensor's place in the whole); the returned function writes that copy, later, in the
     writer thread, meeting the other ranks' writers on `group` (gloo, not the training's group)."""
-    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                          use_async_staging=False, use_non_blocking_copy=False))
+    # No pinned or shared memory, staged right here, blocking copies. Positional, as dcp.async_save
+    # passes them: the last field was use_cuda_non_blocking_copy in earlier torch releases.
+    stager = DefaultStager(StagingOptions(False, False, False, False))
     staged = stager.stage(state_dict(model, optimizer, ema))
     stager.close()  # drops its cache of storages; the copy lives on in `staged`
     return partial(write, staged, group=group)
