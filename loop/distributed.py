@@ -154,12 +154,23 @@ def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None, em
         if ema is not None:
             shard(ema.module)  # shard broadcasts rank 0's weights first
         return shard(model)
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+    model = ddp(model, device)
     if ema is not None:  # DDP broadcast rank 0's weights at construction
         ema.module.load_state_dict(model.module.state_dict())
     return model
+
+
+def ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`module` in DDP, one process per device. A collective: every rank calls it together."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def is_ddp(model: torch.nn.Module) -> bool:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return isinstance(model, DDP)
 
 
 @contextmanager

@@ -8,13 +8,16 @@ process shuts them down itself instead of finding them dead in the middle of the
 """
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import sys
+from contextlib import contextmanager
 
 import torch
 
 from loop import checkpoint
+from loop.distributed import ddp, is_ddp
 from loop.errors import GaveUp
 from loop.fsdp import local
 from loop.state import restore
@@ -65,6 +68,35 @@ def configure_allocator() -> str:
     return os.environ["PYTORCH_ALLOC_CONF"]
 
 
+def injected_oom(*_) -> None:
+    """faults.oom_at_step, raised from a hook: as a forward ends (its activations allocated, where
+    a real out-of-memory error would find them) or as a backward starts."""
+    raise torch.OutOfMemoryError("injected by faults.oom_at_step")
+
+
+@contextmanager
+def forward_oom(module: torch.nn.Module, due: bool):
+    """Around a forward: if `due`, `module`'s forward raises `injected_oom` as it ends."""
+    handle = module.register_forward_hook(injected_oom) if due else None
+    try:
+        yield
+    finally:
+        if handle:
+            handle.remove()
+
+
+def oom_in_collectives(t, where: str) -> None:
+    """Out of memory while collectives over the ranks were under way: the other ranks are waiting
+    in (or have gone past) a collective this one will never join, and DDP's reducer cannot resume
+    a reduction left halfway. No retry can put that right, so this rank gives up (exit 3) and
+    torchrun stops the others; rerunning resumes from the newest checkpoint."""
+    p, b = t.progress, t.cfg.data.batch_size
+    raise GaveUp(f"rank {t.dist.rank}: step {p.step + 1}: out of memory {where} (micro-batch "
+                 f"{-(-b // p.micro_split)}). Collectives over the ranks were under way, so it cannot "
+                 f"be retried in place. Rerun with a smaller data.batch_size and a larger "
+                 f"train.grad_accum (the same global batch), or model.activation_checkpointing=true.")
+
+
 def recover_from_oom(t) -> None:
     """train.oom_policy: halve the micro-batch (the same batches are retried), or give up."""
     p, b = t.progress, t.cfg.data.batch_size
@@ -77,6 +109,13 @@ def recover_from_oom(t) -> None:
                      f"(train.oom_policy={t.cfg.train.oom_policy}); use a smaller "
                      f"data.batch_size or model, or activation checkpointing.")
     p.micro_split *= 2
+    if is_ddp(t.model):
+        # A rank that finished the last micro-batch's forward has set DDP's reducer to reduce in
+        # the next backward, which would now be a retried micro-batch's: a fresh DDP starts clean
+        # (every rank is here; the weights are unchanged, the optimizer holds the same tensors).
+        t.model = None
+        gc.collect()  # the old reducer and its hooks on the parameters go first, even in a cycle
+        t.model = ddp(t.raw, t.device)
     t.dist.say(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
                f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
 

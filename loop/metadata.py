@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from loop import dotenv
-from loop.config import config_hash
+from loop.config import FaultsConfig, config_hash
 from loop.determinism import in_effect
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +93,8 @@ def hardware() -> dict:
 
 
 def collect(cfg, device: torch.device, precision: str, world_size: int, resumed_from=None) -> dict:
-    faults = {k: v for k, v in asdict(cfg.faults).items() if v != -1}
+    off = asdict(FaultsConfig())
+    faults = {k: v for k, v in asdict(cfg.faults).items() if v != off[k]}
     return {
         "git": git_info(), "config_sha256": config_hash(cfg), "argv": safe_argv(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,

@@ -154,16 +154,36 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
 
 
 
-def test_oom_recovery_is_agreed_by_every_rank(tmp_path, cache, two_proc):
-    # The injected OOM fires on both ranks; they halve the micro-batch together and the run keeps
-    # the maths (float32 rounding only: two partial sums instead of one).
+def test_oom_on_one_rank_is_agreed_by_every_rank(tmp_path, cache, two_proc):
+    # Rank 1 runs out of memory in the forward of micro-batch 0 of 2; rank 0 goes on through
+    # micro-batch 1's forward, which sets DDP to reduce in the next backward. They agree before
+    # that backward, and both retry in halves with a fresh DDP, keeping the maths (float32
+    # rounding only: two partial sums instead of one). Without the fresh DDP, rank 0's first
+    # retried backward all-reduces on its own and the ranks' collectives no longer match.
     out = tmp_path / "run"
-    proc = run_train(out, cache, *STEPS, "faults.oom_at_step=6", nproc=2)
+    proc = run_train(out, cache, *STEPS, "faults.oom_at_step=6", "faults.oom_rank=1", nproc=2)
     assert proc.stderr.count("step 6: out of memory; micro-batch 4 -> 2") == 1, proc.stderr  # rank 0
     recs = metrics(out)
     assert [r["micro_batch"] for r in recs] == [4] * 5 + [2] * 15
     for x, y in zip(metrics(two_proc), recs):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), x["step"]
+
+
+@pytest.mark.parametrize("where, said", [
+    (["train.grad_accum=1", "faults.oom_in=backward"], "in the last micro-batch's backward"),
+    (["train.strategy=fsdp"], "in forward or backward under FSDP")])
+def test_oom_inside_collectives_ends_the_job_with_what_to_do(tmp_path, cache, where, said):
+    # Rank 1 runs out of memory where rank 0 is already in a collective it will never join: no
+    # retry can put that right. Rank 1 says why and exits 3; rank 0 does not hang; the checkpoints
+    # are those written before.
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "faults.oom_at_step=6", "faults.oom_rank=1", *where,
+                     nproc=2, check=False)
+    assert proc.returncode != 0
+    assert f"error: rank 1: step 6: out of memory {said}" in proc.stderr, proc.stderr
+    assert "smaller data.batch_size and a larger train.grad_accum" in proc.stderr
+    assert "exitcode  : 3" in proc.stderr  # torchrun's report for rank 1
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000005"]
 
 
 LAUNCH = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",

@@ -87,19 +87,22 @@ def test_too_many_bad_steps_in_a_row_gives_up(tmp_path, cache):
 
 def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
     args = [cache, *STEPS, "data.batch_size=8", "train.grad_accum=1", "model.dropout=0"]
-    ref, out = tmp_path / "ref", tmp_path / "run"
+    ref = tmp_path / "ref"
     run_train(ref, *args)
-    proc = run_train(out, *args, "faults.oom_at_step=6")
-    assert "step 6: out of memory; micro-batch 8 -> 4, accumulation x2" in proc.stderr
-    recs, plain = metrics(out), metrics(ref)
-    assert [r["micro_batch"] for r in recs] == [8] * 5 + [4] * 15
-    assert [r["tokens"] for r in recs] == [r["tokens"] for r in plain]  # same global batch
-    # Same samples, same maths; only the order of float additions differs (two partial sums
-    # instead of one), so losses agree to float32 rounding, not bit for bit.
-    for a, b in zip(recs, plain):
-        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), a["step"]
-    assert state(out, 20)["progress"]["micro_split"] == 2  # a resume keeps the smaller size
-    assert summary(out)["micro_batch"] == 4
+    plain = metrics(ref)
+    for where in ("forward", "backward"):  # as the forward ends; as the backward starts
+        out = tmp_path / where
+        proc = run_train(out, *args, "faults.oom_at_step=6", f"faults.oom_in={where}")
+        assert "step 6: out of memory; micro-batch 8 -> 4, accumulation x2" in proc.stderr
+        recs = metrics(out)
+        assert [r["micro_batch"] for r in recs] == [8] * 5 + [4] * 15
+        assert [r["tokens"] for r in recs] == [r["tokens"] for r in plain]  # same global batch
+        # Same samples, same maths; only the order of float additions differs (two partial sums
+        # instead of one), so losses agree to float32 rounding, not bit for bit.
+        for a, b in zip(recs, plain):
+            assert a["loss"] == pytest.approx(b["loss"], rel=1e-4), (where, a["step"])
+        assert state(out, 20)["progress"]["micro_split"] == 2  # a resume keeps the smaller size
+        assert summary(out)["micro_batch"] == 4
 
 
 def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
