@@ -148,10 +148,12 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
         timer.cancel()
     printed = "".join(seen)
     assert proc.returncode == 0 and killed, printed
-    assert re.search(r"resumed from \S+ at step 10", printed), printed
+    # Killed once step 12 was printed: the worker may have got past step 15 (and its checkpoint)
+    # by then on a loaded machine, so the restart resumes from 10 or 15.
+    resumed = re.search(r"resumed from \S+ at step (\d+)", printed)
+    assert resumed and resumed[1] in ("10", "15"), printed
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
-
 
 
 def test_oom_on_one_rank_is_agreed_by_every_rank(tmp_path, cache, two_proc):
