@@ -176,15 +176,15 @@ def test_oom_on_one_rank_is_agreed_by_every_rank(tmp_path, cache, two_proc):
     (["train.strategy=fsdp"], "in forward or backward under FSDP")])
 def test_oom_inside_collectives_ends_the_job_with_what_to_do(tmp_path, cache, where, said):
     # Rank 1 runs out of memory where rank 0 is already in a collective it will never join: no
-    # retry can put that right. Rank 1 says why and exits 3; rank 0 does not hang; the checkpoints
-    # are those written before.
+    # retry can put that right. Rank 1 says why and exits 3 (torchrun's report may show it killed
+    # instead: rank 0's failure, as rank 1's connection closes, can be seen first); rank 0 does
+    # not hang; the checkpoints are those written before.
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "faults.oom_at_step=6", "faults.oom_rank=1", *where,
                      nproc=2, check=False)
     assert proc.returncode != 0
     assert f"error: rank 1: step 6: out of memory {said}" in proc.stderr, proc.stderr
     assert "smaller data.batch_size and a larger train.grad_accum" in proc.stderr
-    assert "exitcode  : 3" in proc.stderr  # torchrun's report for rank 1
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_00000005"]
 
 
