@@ -25,12 +25,12 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     data = build_data(cfg.data)
     use_tf32(device, cfg.train.tf32)
     precision = Precision(cfg.train.precision, device)
-    model = build_model(cfg.model, data).to(device)
+    model = build_model(cfg.model, data)  # in host memory: `wrap` moves it to the device
     if cfg.train.compile:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     ema = build_ema(model, cfg.ema)  # before wrapping: an FSDP module cannot be deep-copied
-    model = distributed.wrap(model, device, cfg, precision.dtype, ema)
+    model = distributed.wrap(model, device, cfg, precision.dtype, ema, dist.cpu_group)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
     return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)

@@ -135,25 +135,31 @@ def check_supported(cfg, device: torch.device) -> None:
                        f"memory, but this run is on {device}; expected false.")
 
 
-def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None, ema=None) -> torch.nn.Module:
-    """DDP with one process per device (the unwrapped model stays reachable as `.module`), or, with
-    train.strategy=fsdp, FSDP2 sharding in place (loop/fsdp.py). `ema`, the AveragedModel copied
-    from the model before wrapping, gets rank 0's weights (ranks are seeded apart) and, with FSDP,
-    the same sharding."""
+def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None, ema=None,
+         host_group=None) -> torch.nn.Module:
+    """Move `model`, built in host memory, to `device` and wrap it: DDP with one process per device
+    (the unwrapped model stays reachable as `.module`), or, with train.strategy=fsdp, FSDP2
+    sharding in place (loop/fsdp.py), one block at a time as it moves, so no device ever holds the
+    whole model. `ema`, the AveragedModel copied from the model before wrapping, gets rank 0's
+    weights (ranks are seeded apart) and the same placement; `host_group` is the gloo group FSDP
+    broadcasts those host-memory weights over."""
     check_supported(cfg, device)
     t = cfg.train
+    if t.strategy == "fsdp" and dist.is_initialized():
+        from loop import fsdp
+
+        shard = partial(fsdp.shard, param_dtype=param_dtype if t.fsdp_mixed_precision else None,
+                        cpu_offload=t.fsdp_cpu_offload, group=host_group)
+        if ema is not None:
+            shard(ema.module)  # shard broadcasts rank 0's weights first
+        return shard(model)
+    model.to(device)
+    if ema is not None:
+        ema.module.to(device)  # its update counter stays in host memory (loop/ema.py)
     if not dist.is_initialized():  # plain python train.py
         if t.strategy == "fsdp":
             print("note: train.strategy=fsdp has no effect without torchrun; training unsharded")
         return model
-    if t.strategy == "fsdp":
-        from loop import fsdp
-
-        shard = partial(fsdp.shard, param_dtype=param_dtype if t.fsdp_mixed_precision else None,
-                        cpu_offload=t.fsdp_cpu_offload)
-        if ema is not None:
-            shard(ema.module)  # shard broadcasts rank 0's weights first
-        return shard(model)
     model = ddp(model, device)
     if ema is not None:  # DDP broadcast rank 0's weights at construction
         ema.module.load_state_dict(model.module.state_dict())

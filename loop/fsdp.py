@@ -33,10 +33,14 @@ from torch.distributed.tensor import DTensor
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
 
-def shard(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool) -> nn.Module:
-    """Shard `model` in place: per block, then the root. Every rank starts from rank 0's weights."""
+def shard(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool,
+          group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Shard `model`, still in host memory, in place: per block, then the root. `fully_shard` moves
+    each block's weights to this rank's device and keeps only this rank's shard there, so the
+    device holds one whole block at most. Every rank starts from rank 0's weights, broadcast over
+    `group` (gloo: they are in host memory) before anything moves."""
     for t in model.state_dict().values():  # as DDP does at construction: ranks were seeded apart
-        dist.broadcast(t, src=0)
+        dist.broadcast(t, src=0, group=group)
     kw = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if param_dtype is not None:  # compute in param_dtype, reduce gradients in float32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
