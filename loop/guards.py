@@ -111,8 +111,9 @@ def recover_from_oom(t) -> None:
     p.micro_split *= 2
     if is_ddp(t.model):
         # A rank that finished the last micro-batch's forward has set DDP's reducer to reduce in
-        # the next backward, which would now be a retried micro-batch's: a fresh DDP starts clean
-        # (every rank is here; the weights are unchanged, the optimizer holds the same tensors).
+        # the next backward, which would now be a retried micro-batch's (and a lone process may
+        # have run out of memory halfway through that reduction): a fresh DDP starts clean (every
+        # rank is here; the weights are unchanged, the optimizer holds the same tensors).
         t.model = None
         gc.collect()  # the old reducer and its hooks on the parameters go first, even in a cycle
         t.model = ddp(t.raw, t.device)

@@ -218,9 +218,9 @@ class Trainer:
 
         Up to the last micro-batch's backward, DDP ranks run no collective: each gets that far and
         all agree there whether anyone ran out of memory, before any rank starts syncing gradients.
-        Out of memory inside a collective phase (that backward, where DDP all-reduces gradients;
-        any forward or backward under FSDP, which gathers each block's weights) cannot be undone
-        (`oom_in_collectives`)."""
+        With other ranks, out of memory inside a collective phase (that backward, where DDP
+        all-reduces gradients; any forward or backward under FSDP, which gathers each block's
+        weights) cannot be undone (`oom_in_collectives`)."""
         parts = [b for m in micro for b in split_batch(m, self.progress.micro_split)]
         losses, oom, scaled = [], False, None
         try:
@@ -244,7 +244,7 @@ class Trainer:
                 scaled.backward()
         except torch.OutOfMemoryError:
             oom = True
-        if oom and self.raw is not self.model:  # DDP, or FSDP
+        if oom and (self.sharded or self.dist.world > 1):  # alone, a fresh DDP starts clean
             oom_in_collectives(self, "in the last micro-batch's backward, where gradients are "
                                      "reduced over the ranks")
         return None if oom else torch.stack(losses)

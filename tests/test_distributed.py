@@ -55,6 +55,20 @@ def test_torchrun_with_one_process_runs_the_distributed_path_bit_for_bit(tmp_pat
     assert summary(out)["params_sha256"] == summary(one_proc)["params_sha256"]
 
 
+def test_one_process_under_torchrun_recovers_an_oom_in_backward_like_plain_python(tmp_path, cache):
+    # Alone, no rank can be left in a collective: an OOM in the backward that reduces gradients is
+    # retried with a fresh DDP (its reducer cannot resume a reduction left halfway), and the run
+    # stays plain python's, with the same fault, to the bit.
+    args = [cache, *STEPS, "train.grad_accum=1", "faults.oom_at_step=6", "faults.oom_in=backward"]
+    plain, one = tmp_path / "plain", tmp_path / "torchrun"
+    run_train(plain, *args, one_thread=True)
+    proc = run_train(one, *args, nproc=1)
+    assert "step 6: out of memory; micro-batch 4 -> 2" in proc.stderr, proc.stderr
+    assert [r["micro_batch"] for r in metrics(one)] == [4] * 5 + [2] * 15
+    assert [r["loss"] for r in metrics(one)] == [r["loss"] for r in metrics(plain)]
+    assert summary(one)["params_sha256"] == summary(plain)["params_sha256"]
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc, async_save):
     # With a mirror too: every rank takes part in deciding it, only rank 0 copies. Async: each
