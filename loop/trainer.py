@@ -18,16 +18,15 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from data.sampler import split_batch, train_loader, val_batches
+from data.sampler import train_loader, val_batches
 from loop import checkpoint, evaluate, fsdp, resume
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
-from loop.evaluate import loss_and_sums
-from loop.distributed import Dist, grad_sync
+from loop.distributed import Dist
+from loop.forward_backward import forward_backward
 from loop.lab import banner
-from loop.guards import (Preemption, describe_non_finite, fire_once, forward_oom, injected_oom,
-                         on_non_finite, oom_in_collectives, recover_from_oom,
+from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
                          worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog, NullLog
@@ -170,7 +169,7 @@ class Trainer:
         # Targets in the whole step, all ranks: counted on the CPU by the collate, summed over ranks
         # by a CPU collective, so the GPU stream is never waited on.
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
-        while (losses := self._forward_backward(micro, n_targets)) is None:
+        while (losses := forward_backward(self, micro, n_targets)) is None:
             recover_from_oom(self)  # every rank retries the same batches in smaller pieces
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             lab_clip_first = self.lab == "clip_before_unscale"  # lab: the wrong order, on purpose
@@ -211,62 +210,3 @@ class Trainer:
             fields["ids"] = ranks and [i for m in range(len(micro)) for r in ranks for i in r[m]]
         self.log.record(fields, step_loss, grad_norm)
         return True
-
-    def _forward_backward(self, micro: list[dict], n_targets: int) -> torch.Tensor | None:
-        """Summed loss of each micro-batch, (n,) on the device; None if a rank ran out of memory
-        before gradients crossed ranks (every rank then retries the same batches in smaller pieces).
-
-        Up to the last micro-batch's backward, DDP ranks run no collective: each gets that far and
-        all agree there whether anyone ran out of memory, before any rank starts syncing gradients.
-        With other ranks, out of memory inside a collective phase (that backward, where DDP
-        all-reduces gradients; any forward or backward under FSDP, which gathers each block's
-        weights) cannot be undone (`oom_in_collectives`)."""
-        parts = [b for m in micro for b in split_batch(m, self.progress.micro_split)]
-        losses, oom, scaled = [], False, None
-        try:
-            for i, batch in enumerate(parts):
-                last = i == len(parts) - 1
-                with grad_sync(self.model, last):
-                    loss, scaled = self._forward(batch, i, n_targets, len(parts))
-                    losses.append(loss.detach().float())
-                    if not last:
-                        with record_function("backward"):
-                            scaled.backward()
-        except torch.OutOfMemoryError:
-            oom = True  # recover outside the except block: its traceback pins the tensors
-        if oom and self.sharded:
-            oom_in_collectives(self, "in forward or backward under FSDP, which gathers each "
-                                     "block's weights from all ranks")
-        if self.dist.sum_host([float(oom)])[0]:  # anyone: all retry, before gradients cross ranks
-            return None
-        try:
-            with grad_sync(self.model, True), record_function("backward"):
-                scaled.backward()
-        except torch.OutOfMemoryError:
-            oom = True
-        if oom and (self.sharded or self.dist.world > 1):  # alone, a fresh DDP starts clean
-            oom_in_collectives(self, "in the last micro-batch's backward, where gradients are "
-                                     "reduced over the ranks")
-        return None if oom else torch.stack(losses)
-
-    def _forward(self, batch: dict, i: int, n_targets: int, n_parts: int):
-        """Micro-batch i of n_parts: its loss summed over its targets, and that loss scaled for
-        backward."""
-        p, faults = self.progress, self.cfg.faults
-        batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v
-                 for k, v in batch.items()}
-        oom = i == 0 and fire_once(self.fired, "oom", p.step + 1 == faults.oom_at_step
-                                   and faults.oom_rank in (-1, self.dist.rank))
-        with self.precision.autocast(), record_function("forward"), \
-                forward_oom(self.raw, oom and faults.oom_in == "forward"):
-            loss = loss_and_sums(self.model(batch))[0]
-        if i == 0 and fire_once(self.fired, "nan", p.step + 1 == faults.nan_at_step
-                                and faults.nan_rank in (-1, self.dist.rank)):
-            loss = loss * float("nan")
-        # Divide by the step's target count over all ranks (times world: DDP averages gradients
-        # over ranks): the gradients then equal one big batch's. Lab: each micro-batch's own mean / k.
-        per = batch["n_targets"] * n_parts if self.lab == "mean_loss_per_microbatch" else n_targets
-        scaled = self.scaler.scale(loss * (self.dist.world / per))
-        if oom and faults.oom_in == "backward":
-            scaled.register_hook(injected_oom)  # fires as backward starts
-        return loss, scaled
