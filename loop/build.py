@@ -5,10 +5,12 @@ run trains.
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from data import build_data
-from loop import distributed
+from loop import distributed, fsdp
 from loop.device import use_tf32
 from loop.distributed import Dist
 from loop.ema import build_ema
@@ -25,12 +27,15 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     data = build_data(cfg.data)
     use_tf32(device, cfg.train.tf32)
     precision = Precision(cfg.train.precision, device)
-    model = build_model(cfg.model, data)  # in host memory: `wrap` moves it to the device
+    # In host memory: `wrap` moves it to the device. Under FSDP only rank 0 makes weights, the
+    # others shapes (meta device) that `wrap` fills with their shards of rank 0's weights.
+    with torch.device("meta") if fsdp.on_meta(cfg, dist.rank, dist.world) else nullcontext():
+        model = build_model(cfg.model, data)
     if cfg.train.compile:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     ema = build_ema(model, cfg.ema)  # before wrapping: an FSDP module cannot be deep-copied
-    model = distributed.wrap(model, device, cfg, precision.dtype, ema, dist.cpu_group)
+    model = distributed.wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
     return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)

@@ -135,23 +135,22 @@ def check_supported(cfg, device: torch.device) -> None:
                        f"memory, but this run is on {device}; expected false.")
 
 
-def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None, ema=None,
-         host_group=None) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None,
+         ema=None) -> torch.nn.Module:
     """Move `model`, built in host memory, to `device` and wrap it: DDP with one process per device
     (the unwrapped model stays reachable as `.module`), or, with train.strategy=fsdp, FSDP2
-    sharding in place (loop/fsdp.py), one block at a time as it moves, so no device ever holds the
-    whole model. `ema`, the AveragedModel copied from the model before wrapping, gets rank 0's
-    weights (ranks are seeded apart) and the same placement; `host_group` is the gloo group FSDP
-    broadcasts those host-memory weights over."""
+    sharding in place (loop/fsdp.py): no device ever holds the whole model, and the ranks other
+    than 0 built it on the meta device. `ema`, the AveragedModel copied from the model before
+    wrapping, gets rank 0's weights (ranks are seeded apart) and the same placement."""
     check_supported(cfg, device)
     t = cfg.train
     if t.strategy == "fsdp" and dist.is_initialized():
         from loop import fsdp
 
         shard = partial(fsdp.shard, param_dtype=param_dtype if t.fsdp_mixed_precision else None,
-                        cpu_offload=t.fsdp_cpu_offload, group=host_group)
+                        cpu_offload=t.fsdp_cpu_offload, device=device)
         if ema is not None:
-            shard(ema.module)  # shard broadcasts rank 0's weights first
+            shard(ema.module)  # shard hands out rank 0's weights
         return shard(model)
     model.to(device)
     if ema is not None:

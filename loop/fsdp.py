@@ -34,22 +34,35 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors
 
 
 def shard(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool,
-          group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Shard `model`, still in host memory, in place: per block, then the root. `fully_shard` moves
-    each block's weights to this rank's device and keeps only this rank's shard there, so the
-    device holds one whole block at most. Every rank starts from rank 0's weights, broadcast over
-    `group` (gloo: they are in host memory) before anything moves."""
-    for t in model.state_dict().values():  # as DDP does at construction: ranks were seeded apart
-        dist.broadcast(t, src=0, group=group)
+          device: torch.device) -> nn.Module:
+    """Shard `model` in place: per block, then the root. Rank 0 built it with real weights in host
+    memory; the other ranks built it on the meta device (shapes only, `on_meta`). `fully_shard`
+    keeps this rank's shard of each parameter (on rank 0 it moves it to `device`; meta ones get
+    memory here), then every rank's shards are filled from rank 0's weights, streamed one tensor
+    at a time (DCP's `broadcast_from_rank0`). So host memory holds one whole model, on rank 0, and a
+    device never more than its shards plus one whole tensor."""
+    whole_weights = model.state_dict() if dist.get_rank() == 0 else {}
     kw = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if param_dtype is not None:  # compute in param_dtype, reduce gradients in float32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
+    if any(p.is_meta for p in model.parameters()):
+        # Uninitialised shards, filled just below; offloaded ones live in host memory (as in
+        # torchtitan; not run here: offload needs CUDA and several GPUs to reach this line).
+        model.to_empty(device="cpu" if cpu_offload else device)
+    set_model_state_dict(model, whole_weights, options=StateDictOptions(
+        full_state_dict=True, broadcast_from_rank0=True))
     if hasattr(model, "generate"):  # called directly, not through forward: gather the root's weights
         register_fsdp_forward_method(model, "generate")
     return model
+
+
+def on_meta(cfg, rank: int, world: int) -> bool:
+    """Whether this rank builds the model on the meta device: under FSDP with several processes,
+    every rank but 0, whose weights `shard` hands out."""
+    return cfg.train.strategy == "fsdp" and world > 1 and rank != 0
 
 
 def is_sharded(model: nn.Module) -> bool:

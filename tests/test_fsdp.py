@@ -2,19 +2,21 @@
 processes train like 2 DDP processes, a SIGKILLed FSDP job resumes bit-identically from its
 sharded (torch.distributed.checkpoint) checkpoints, the consolidated export loads into the
 plain model in one process with the same weights and outputs, a compiled FSDP model trains
-like an uncompiled one, and EMA weights sharded like the model average and resume as with DDP,
-from synchronous or asynchronous checkpoints."""
+like an uncompiled one, EMA weights sharded like the model average and resume as with DDP,
+from synchronous or asynchronous checkpoints, and only rank 0 holds whole weights in host memory."""
 from __future__ import annotations
 
 import json
 import re
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import DIST, metrics, run_and_signal, run_train, summary
+from conftest import DIST, ENV, ROOT, TINY, metrics, run_and_signal, run_train, summary
 from data import build_data
 from data.sampler import val_batches
 from loop.config import DEFAULT_CONFIG, load_config
@@ -49,6 +51,21 @@ def test_fsdp_trains_like_ddp(fsdp_run, two_proc):
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng_rank0.pt", "rng_rank1.pt"} <= set(files)
     state = torch.load(ckpt / "state.pt", weights_only=True)
     assert state["sharded"] and state["model"] is None and state["optimizer"] is None
+
+
+def test_only_rank_0_builds_whole_weights_in_host_memory(cache):
+    # A 25M-parameter GPT (101 MB of float32 weights) with EMA: rank 1 built it on the meta device,
+    # so its peak host memory after setup is below rank 0's, which built the model and the EMA copy
+    # whole, by most of their size (measured: 140 MB; README). When every rank built them, the two
+    # peaks were within 1 MB. Half the model's size leaves room for allocator noise.
+    big = ["model.n_layer=8", "model.n_head=8", "model.n_embd=512", "train.strategy=fsdp", *EMA]
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", "tests/fsdp_host_memory.py", *TINY, cache, *big],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    ranks = {r["rank"]: r for r in map(json.loads, re.findall(r"^\{.*\}$", proc.stdout, re.M))}
+    assert ranks[0]["model_bytes"] == ranks[1]["model_bytes"] > 10**8
+    assert ranks[0]["peak_kib"] - ranks[1]["peak_kib"] > ranks[0]["model_bytes"] / 2 / 1024, ranks
 
 
 def test_fsdp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_run):
