@@ -35,6 +35,9 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     ema = build_ema(model, cfg.ema)  # before wrapping: an FSDP module cannot be deep-copied
+    if cfg.train.fsdp_mixed_precision and (precision.dtype is None or cfg.train.strategy != "fsdp"):
+        dist.say(f"note: train.fsdp_mixed_precision=true has no effect with train.strategy="
+                 f"{cfg.train.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
     model = distributed.wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
