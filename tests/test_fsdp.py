@@ -133,6 +133,16 @@ def test_compiled_fsdp_trains_like_uncompiled(tmp_path, cache, fsdp_run):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
 
 
+def test_activation_checkpointing_under_fsdp_changes_nothing_but_memory(tmp_path, cache, fsdp_run):
+    # Each block's forward is recomputed in backward, its weights gathered again by FSDP's hooks:
+    # the same operations on the same values, so the same bits (seen on CPU/gloo; dropout is off in
+    # DIST, and torch.utils.checkpoint would replay its RNG anyway).
+    out = tmp_path / "run"
+    run_train(out, cache, *FSDP, "model.activation_checkpointing=true", nproc=2)
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(fsdp_run)]
+    assert summary(out)["params_sha256"] == summary(fsdp_run)["params_sha256"]
+
+
 @pytest.fixture(scope="module")
 def fsdp_ema(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("fsdp_ema") / "run"
