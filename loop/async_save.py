@@ -98,6 +98,11 @@ class AsyncSaver:
         self._thread = threading.Thread(target=self._write, args=(args, then), name=f"checkpoint-save-{step}")
         self._thread.start()
 
+    @property
+    def busy(self) -> bool:
+        """Whether a write is still in flight (bench/ckpt_stall.py times the steps that overlap it)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def wait(self) -> None:
         """Block until the in-flight save is done; re-raise its exception if it failed."""
         if self._thread is not None:

@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from bench import loop_vs_bare
-from conftest import TINY
+from bench import ckpt_stall, loop_vs_bare
+from conftest import ROOT, TINY
+from loop.config import DEFAULT_CONFIG
 
 
 def test_loop_vs_bare_runs_and_records(tmp_path, cache):
@@ -31,3 +32,16 @@ def test_scaffold_figures_use_only_the_timed_window():
     fig = loop_vs_bare.scaffold_figures(recs, warmup=2, steps=4, every=2)
     assert fig["tokens_per_s"] == pytest.approx(400 / 0.080)  # 4 steps x 20 ms
     assert fig["data_wait_pct"] == pytest.approx(100 * 4.0 / 80.0)
+
+
+def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # its saves go under ./runs
+    results = tmp_path / "r.jsonl"
+    config = str(ROOT / DEFAULT_CONFIG)
+    assert ckpt_stall.main(["--reps", "2", "--config", config, "--results", str(results), *TINY, cache]) == 0
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    med = record["median_ms"]
+    assert set(med) == {"sync", "async", "async_done", "beside_write", "without_write"}
+    assert all(v > 0 for v in med.values()) and record["steps_beside_write"] >= 1
+    assert record["async_total_ms"] == pytest.approx(med["async"] + record["slowdown_ms"], abs=0.02)
+    assert not list((tmp_path / "runs").iterdir())  # the checkpoints it wrote are gone
