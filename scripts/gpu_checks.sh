@@ -8,7 +8,8 @@
 #   env      GPU, driver, torch and CUDA versions
 #   tests    tests/test_cuda.py: bf16/fp16 + fused AdamW repeat and resume bit-identically, a real
 #            out-of-memory recovered by splitting, one host sync per steady-state step
-#            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python
+#            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python, FSDP with
+#            CPU offload and mixed precision
 #   verify   make verify's audits on the GPU, bf16 and fp16
 #   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
 #            activation checkpointing as a third arm; then the checkpoint stall
