@@ -21,10 +21,10 @@ import torch
 from conftest import DIST, ENV, ROOT, TINY, metrics, run_and_signal, run_train, summary
 from data import build_data
 from data.sampler import val_batches
+from loop.build import build_trainer
 from loop.config import DEFAULT_CONFIG, load_config
 from loop.distributed import Dist, check_supported
 from loop.errors import BadInput
-from loop.build import build_trainer
 from loop.checkpoint import params_sha256
 from loop.evaluate import val_metrics
 from loop.precision import Precision
