@@ -27,14 +27,17 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     data = build_data(cfg.data)
     use_tf32(device, cfg.train.tf32)
     precision = Precision(cfg.train.precision, device)
-    # In host memory: `wrap` moves it to the device. Under FSDP only rank 0 makes weights, the
-    # others shapes (meta device) that `wrap` fills with their shards of rank 0's weights.
-    with torch.device("meta") if fsdp.on_meta(cfg, dist.rank, dist.world) else nullcontext():
+    # In host memory: `wrap` moves it to the device. Under FSDP with several processes only rank 0
+    # makes weights, the others shapes (meta device) that `wrap` fills with their shards of rank 0's
+    # weights; the EMA copy is shapes only on every rank, filled the same way.
+    deferred = fsdp.deferred(cfg, dist.world)
+    with torch.device("meta") if deferred and not dist.main else nullcontext():
         model = build_model(cfg.model, data)
     if cfg.train.compile:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
-    ema = build_ema(model, cfg.ema)  # before wrapping: an FSDP module cannot be deep-copied
+    # Before wrapping: an FSDP module cannot be deep-copied.
+    ema = build_ema(model, cfg.ema, shapes_only=deferred)
     if cfg.train.fsdp_mixed_precision and (precision.dtype is None or cfg.train.strategy != "fsdp"):
         dist.say(f"note: train.fsdp_mixed_precision=true has no effect with train.strategy="
                  f"{cfg.train.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")

@@ -139,18 +139,19 @@ def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None,
          ema=None) -> torch.nn.Module:
     """Move `model`, built in host memory, to `device` and wrap it: DDP with one process per device
     (the unwrapped model stays reachable as `.module`), or, with train.strategy=fsdp, FSDP2
-    sharding in place (loop/fsdp.py): no device ever holds the whole model, and the ranks other
-    than 0 built it on the meta device. `ema`, the AveragedModel copied from the model before
-    wrapping, gets rank 0's weights (ranks are seeded apart) and the same placement."""
+    sharding in place (loop/fsdp.py): no device ever holds the whole model, and only rank 0 built
+    it with weights. `ema`, the AveragedModel copied from the model before wrapping (under FSDP
+    its shapes only), gets rank 0's weights (ranks are seeded apart) and the same placement."""
     check_supported(cfg, device)
     t = cfg.train
     if t.strategy == "fsdp" and dist.is_initialized():
         from loop import fsdp
 
-        shard = partial(fsdp.shard, param_dtype=param_dtype if t.fsdp_mixed_precision else None,
-                        cpu_offload=t.fsdp_cpu_offload, device=device)
+        weights = fsdp.host_weights(model) if dist.get_rank() == 0 else {}  # handed out by shard
+        shard = partial(fsdp.shard, whole_weights=weights, cpu_offload=t.fsdp_cpu_offload,
+                        param_dtype=param_dtype if t.fsdp_mixed_precision else None, device=device)
         if ema is not None:
-            shard(ema.module)  # shard hands out rank 0's weights
+            shard(ema.module)  # starts as the model: rank 0's weights
         return shard(model)
     model.to(device)
     if ema is not None:

@@ -10,6 +10,7 @@ with FSDP the weights are sharded like the model's and saved with its shards (lo
 """
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -19,9 +20,13 @@ from torch.optim.swa_utils import AveragedModel
 from loop import fsdp
 
 
-def build_ema(model: nn.Module, cfg) -> AveragedModel | None:
+def build_ema(model: nn.Module, cfg, shapes_only: bool = False) -> AveragedModel | None:
+    """The average, a copy of `model`; with `shapes_only` a copy on the meta device (no memory),
+    which FSDP sharding fills with rank 0's weights (loop/fsdp.py::shard)."""
     if not cfg.enabled:
         return None
+    if shapes_only:
+        model = meta_copy(model)
 
     def update(ema_params: list[torch.Tensor], params: list[torch.Tensor], n: torch.Tensor) -> None:
         # One foreach update for all tensors (FSDP: this rank's shards); the decay stays a device
@@ -34,6 +39,16 @@ def build_ema(model: nn.Module, cfg) -> AveragedModel | None:
     # AveragedModel keeps its update counter n_averaged on the CPU (no device given), so its own
     # `if n_averaged == 0` checks read host memory, not the GPU.
     return AveragedModel(model, multi_avg_fn=update, use_buffers=True)
+
+
+def meta_copy(model: nn.Module) -> nn.Module:
+    """`model` deep-copied with every parameter and buffer replaced by a meta tensor of its shape:
+    the structure, tied weights (one tensor, one copy) and compilation are kept, no memory taken."""
+    memo = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        empty = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
 
 
 def ema_state(ema: AveragedModel, sharded: bool) -> dict:

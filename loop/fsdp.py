@@ -33,36 +33,48 @@ from torch.distributed.tensor import DTensor
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
 
 
-def shard(model: nn.Module, param_dtype: torch.dtype | None, cpu_offload: bool,
-          device: torch.device) -> nn.Module:
-    """Shard `model` in place: per block, then the root. Rank 0 built it with real weights in host
-    memory; the other ranks built it on the meta device (shapes only, `on_meta`). `fully_shard`
-    keeps this rank's shard of each parameter (on rank 0 it moves it to `device`; meta ones get
-    memory here), then every rank's shards are filled from rank 0's weights, streamed one tensor
-    at a time (DCP's `broadcast_from_rank0`). So host memory holds one whole model, on rank 0, and a
-    device never more than its shards plus one whole tensor."""
-    whole_weights = model.state_dict() if dist.get_rank() == 0 else {}
+def shard(model: nn.Module, whole_weights: dict[str, torch.Tensor], param_dtype: torch.dtype | None,
+          cpu_offload: bool, device: torch.device) -> nn.Module:
+    """Shard `model` in place: per block, then the root. On rank 0 `whole_weights` is the model's
+    state_dict plus its non-persistent buffers (`host_weights`), in host memory ({} on the other
+    ranks); `model` may be on the meta device (shapes only: on every rank but 0 under `deferred`,
+    and the EMA copy). `fully_shard` keeps this rank's shard of each parameter (moving real ones
+    to `device`), meta ones get memory here, then every rank's shards are filled from rank 0's
+    weights, streamed one tensor at a time (DCP's `broadcast_from_rank0`). So host memory holds
+    one whole model, on rank 0, and a device never more than its shards plus one whole tensor."""
+    persistent = set(model.state_dict())  # names only; the rest of the buffers are in no state_dict
     kw = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if param_dtype is not None:  # compute in param_dtype, reduce gradients in float32
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in [m for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst]:
         fully_shard(block, **kw)
     fully_shard(model, **kw)
-    if any(p.is_meta for p in model.parameters()):
-        # Uninitialised shards, filled just below; offloaded ones live in host memory (as in
-        # torchtitan; not run here: offload needs CUDA and several GPUs to reach this line).
-        model.to_empty(device="cpu" if cpu_offload else device)
-    set_model_state_dict(model, whole_weights, options=StateDictOptions(
-        full_state_dict=True, broadcast_from_rank0=True))
+    if any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        # Uninitialised, filled just below. Onto the device even with CPU offload: FSDP moves the
+        # parameter shards to host memory itself and keeps buffers on the device.
+        model.to_empty(device=device)
+    # A new dict: set_model_state_dict puts this rank's shards into the one it is given.
+    set_model_state_dict(model, {k: v for k, v in whole_weights.items() if k in persistent},
+                         options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, buf in model.named_buffers():
+        if name not in persistent:  # e.g. a cache registered with persistent=False
+            if whole_weights:
+                buf.copy_(whole_weights[name])
+            dist.broadcast(buf, src=0)
     if hasattr(model, "generate"):  # called directly, not through forward: gather the root's weights
         register_fsdp_forward_method(model, "generate")
     return model
 
 
-def on_meta(cfg, rank: int, world: int) -> bool:
-    """Whether this rank builds the model on the meta device: under FSDP with several processes,
-    every rank but 0, whose weights `shard` hands out."""
-    return cfg.train.strategy == "fsdp" and world > 1 and rank != 0
+def host_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What `shard` hands out from rank 0: the state_dict and the buffers that are in none."""
+    return {**dict(model.named_buffers()), **model.state_dict()}
+
+
+def deferred(cfg, world: int) -> bool:
+    """Whether weights come from rank 0 at sharding: under FSDP with several processes, every rank
+    but 0 builds the model on the meta device, and every rank its EMA copy (loop/build.py)."""
+    return cfg.train.strategy == "fsdp" and world > 1
 
 
 def is_sharded(model: nn.Module) -> bool:

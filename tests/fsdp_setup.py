@@ -1,0 +1,44 @@
+"""Run under torchrun: build what train.py would (loop/build.py) with the given overrides, the GPT
+given a non-persistent buffer (in no state_dict), and print one JSON line per rank: this process's
+peak host memory (ru_maxrss), the bytes of the model's weights, and that buffer's values in the
+model and in the EMA copy, for tests/test_fsdp.py.
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_setup.py k=v ...
+"""
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import model  # noqa: E402
+from loop import distributed  # noqa: E402
+from loop.build import build_trainer  # noqa: E402
+from loop.config import DEFAULT_CONFIG, load_config  # noqa: E402
+
+gpt = model.BUILDERS["gpt"]
+
+
+def gpt_with_buffer(cfg, data):
+    m = gpt(cfg, data)
+    m.register_buffer("probe", torch.arange(1.0, 5.0), persistent=False)  # meta on meta ranks
+    return m
+
+
+model.BUILDERS["gpt"] = gpt_with_buffer
+cfg = load_config(DEFAULT_CONFIG, sys.argv[1:])
+dist, device = distributed.init(cfg.train.device)
+try:
+    t = build_trainer(cfg, dist, device)
+    n_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())  # whole, not shards
+    print(json.dumps({"rank": dist.rank, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                      "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
+                      "ema_probe": t.ema.module.probe.tolist() if t.ema else None}), flush=True)
+    dist.barrier()
+finally:
+    distributed.close()
