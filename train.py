@@ -7,8 +7,8 @@ This file only wires parts together; the loop lives in loop/trainer.py. Exit cod
 2 bad input (config, data, checkpoint) with a message naming the key or file (nothing in
 run.out_dir is written or changed on that path), 3 gave up (non-finite values under
 train.nan_policy=abort or too many in a row, out of memory at micro-batch 1 or inside collectives
-over the ranks), 143 preempted by SIGTERM/SIGUSR1 after writing a checkpoint (rerun the same
-command to continue).
+over the ranks), 130 interrupted by Ctrl-C, 143 preempted by SIGTERM/SIGUSR1 after writing a
+checkpoint (after either, rerun the same command to continue).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from loop import determinism, distributed, dotenv
 from loop.build import build_trainer
 from loop.config import load_config, parse_args
 from loop.device import pick_device
-from loop.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, BadInput, GaveUp
+from loop.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_INTERRUPTED, BadInput, GaveUp
 from loop.guards import EXIT_PREEMPTED, configure_allocator
 
 
@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_GAVE_UP
+    except KeyboardInterrupt:  # Ctrl-C: the user knows where it stopped; a traceback adds nothing
+        print("interrupted: the steps since the newest checkpoint are lost, the checkpoints are "
+              "whole; rerun the same command to continue from the newest", file=sys.stderr)
+        return EXIT_INTERRUPTED
     finally:
         distributed.close()
     return EXIT_PREEMPTED if summary["preempted"] else 0

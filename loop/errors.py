@@ -1,12 +1,15 @@
-"""The two ways a run ends with an error message instead of a traceback.
+"""The ways a run ends with a message instead of a traceback.
 
 `BadInput` (config, data, checkpoint): `train.py` prints the message and exits 2, before anything
 in `run.out_dir` is written or changed. Raise it with a message that names the key or file and
-says what was expected. `GaveUp`: training started but cannot continue; exit 3.
+says what was expected. `GaveUp`: training started but cannot continue; exit 3. Ctrl-C
+(KeyboardInterrupt): exit 130, as a shell reports it; the checkpoints on disk are whole (atomic
+writes), so the same command continues from the newest.
 """
 
 EXIT_BAD_INPUT = 2
 EXIT_GAVE_UP = 3
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 
 class BadInput(Exception):

@@ -37,8 +37,11 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
     """Start a job; once it reports `at_step`, send `sig` (`repeat` times; to the whole process
     group, as SLURM does, if `group`; to every process of a torchrun job if `tree`). Return its
     exit code and everything it printed. A job that hangs is killed after `timeout` seconds."""
+    # A shell without job control starts background jobs with SIGINT ignored, and children inherit
+    # that: a job sent SIGINT (Ctrl-C) must get Python's default handler back to notice it.
+    reset = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sig == signal.SIGINT else None
     proc = subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=group, env=env)
+                            start_new_session=group, env=env, preexec_fn=reset)
     timer = watchdog(proc, timeout)
     seen = []
     for line in proc.stdout:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import random
 import re
+import signal
 
 import pytest
 
-from conftest import metrics, run_and_kill, run_train, summary
+from conftest import metrics, run_and_kill, run_and_signal, run_train, summary
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 RNG = random.Random()  # a fresh draw each session; every assertion message carries the steps
@@ -55,6 +56,20 @@ def test_async_save_kill_then_rerun(tmp_path, cache, reference):
     run_and_kill(out, kill, cache, *STEPS, "train.async_save=true")
     run_train(out, cache, *STEPS, "train.async_save=true")
     assert_identical(reference, out, f"async_save, killed at step {kill}")
+
+
+def test_ctrl_c_exits_130_without_a_traceback_then_rerun(tmp_path, cache, reference):
+    # Ctrl-C signals the whole foreground process group: DataLoader workers too. An async write in
+    # flight is finished first (its thread is not a daemon), so the checkpoints stay whole.
+    stop = RNG.randint(12, 38)
+    out = tmp_path / "run"
+    args = [cache, *STEPS, "data.num_workers=2", "train.async_save=true"]
+    code, printed = run_and_signal(out, stop, *args, sig=signal.SIGINT, group=True)
+    assert code == 130, printed
+    assert "interrupted: " in printed and "Traceback" not in printed, printed
+    rerun = run_train(out, *args)
+    assert 10 <= resumed_at(rerun.stdout) <= stop
+    assert_identical(reference, out, f"Ctrl-C at step {stop}")
 
 
 def test_two_kills_in_one_run(tmp_path, cache, reference):
