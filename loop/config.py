@@ -20,7 +20,7 @@ import yaml
 
 from data.config import DataConfig, MarkovConfig  # noqa: F401 (MarkovConfig: importable from here too)
 from loop.atomic import atomic_write
-from loop.config_check import check, from_dict, opt, override, to_dict
+from loop.config_check import check, from_dict, opt, override, to_dict, writable_dir
 from loop.errors import BadInput
 from loop.lab import SWITCHES
 from model.config import ModelConfig
@@ -42,7 +42,7 @@ class RunConfig:
 class OptimConfig:
     lr: float = opt(1e-3, min=0.0)
     weight_decay: float = opt(0.1, min=0.0)
-    betas: list[float] = opt([0.9, 0.95])
+    betas: list[float] = opt([0.9, 0.95], min=0.0, below=1.0)
     eps: float = opt(1e-8, min=0.0)
 
 
@@ -50,7 +50,7 @@ class OptimConfig:
 class ScheduleConfig:
     name: str = "warmup_cosine"  # a key of loop.schedule.SCHEDULES
     warmup_steps: int = opt(20, min=0)
-    min_lr_ratio: float = opt(0.1, min=0.0)  # cosine floor, as a fraction of optim.lr
+    min_lr_ratio: float = opt(0.1, min=0.0, max=1.0)  # cosine floor, as a fraction of optim.lr
     restart_period: int = opt(100, min=1)  # cosine_restarts: steps in the first cycle
     restart_mult: int = opt(1, min=1)  # cosine_restarts: each cycle is this many times longer
     step_size: int = opt(100, min=1)  # step: decay every this many steps
@@ -90,7 +90,7 @@ class TrainConfig:
 class EmaConfig:
     """Exponential moving average of the weights, used for validation and exported at the end."""
     enabled: bool = False
-    decay: float = opt(0.999, min=0.0)
+    decay: float = opt(0.999, min=0.0, max=1.0)
     warmup: int = opt(10, min=1)  # effective decay min(decay, (1+n)/(warmup+n)) after n updates
 
 
@@ -160,6 +160,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
             raise BadInput(f"override '{item}': expected the form section.key=value.")
         override(cfg, key.split("."), value, key)
     check(cfg)
+    writable_dir("run.out_dir", cfg.run.out_dir)
+    writable_dir("data.cache_dir", cfg.data.cache_dir)
     return cfg
 
 

@@ -11,16 +11,20 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import keyword
+import os
 import typing
+from pathlib import Path
 
 import yaml
 
 from loop.errors import BadInput
 
 
-def opt(default, *, min=None, choices=None):
-    """A field with an optional lower bound or set of allowed values, checked at load time."""
-    meta = {"min": min, "choices": choices}
+def opt(default, *, min=None, max=None, below=None, choices=None):
+    """A field with optional bounds (`min` and `max` inclusive, `below` exclusive) or a set of
+    allowed values, checked at load time. A list keeps its default's length, and the bounds apply
+    to each element."""
+    meta = {"min": min, "max": max, "below": below, "choices": choices}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -122,13 +126,42 @@ def check(obj, prefix: str = "") -> None:
         if dataclasses.is_dataclass(value):
             check(value, key + ".")
             continue
-        lo, choices = f.metadata.get("min"), f.metadata.get("choices")
-        if lo is not None and value < lo:
-            raise BadInput(f"config key {key}: expected a value >= {lo}, got {value!r}.")
+        if isinstance(value, list):
+            if len(value) != len(f.default_factory()):
+                raise _wrong(key, f"a list of {len(f.default_factory())} values", value)
+            for i, v in enumerate(value):
+                _bounds(v, f.metadata, f"{key}.{i}")
+        else:
+            _bounds(value, f.metadata, key)
+        choices = f.metadata.get("choices")
         if choices and value not in choices:
             shown = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
             raise BadInput(f"config key {key}: expected one of {shown}; "
                            f"got {value!r}.")
+
+
+def writable_dir(key: str, path: str) -> None:
+    """`path` is a directory, or one can be made there: checked before anything is written, so a
+    file in the way is a clear error (exit 2), not a traceback after half a setup."""
+    if not path:
+        raise BadInput(f"config key {key}: expected a directory path, got ''.")
+    there = Path(path).absolute()
+    while not there.exists():  # the nearest part of the path that exists
+        there = there.parent
+    if not there.is_dir():
+        raise BadInput(f"config key {key}={path}: {there} is a file; expected a directory, or a path "
+                       f"where one can be made.")
+    if not os.access(there, os.W_OK | os.X_OK):
+        raise BadInput(f"config key {key}={path}: cannot write in {there}; expected a directory "
+                       f"this user can write to.")
+
+
+def _bounds(value, meta, key: str) -> None:
+    for name, fails, says in (("min", lambda v, b: v < b, ">="), ("max", lambda v, b: v > b, "<="),
+                              ("below", lambda v, b: v >= b, "<")):
+        bound = meta.get(name)
+        if bound is not None and fails(value, bound):
+            raise BadInput(f"config key {key}: expected a value {says} {bound}, got {value!r}.")
 
 
 def all_keys(cls, prefix: str = "") -> list[str]:

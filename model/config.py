@@ -25,7 +25,7 @@ class ModelConfig:
     n_layer: int = opt(4, min=1)
     n_head: int = opt(4, min=1)
     n_embd: int = opt(128, min=1)
-    dropout: float = opt(0.1, min=0.0)
+    dropout: float = opt(0.1, min=0.0, max=1.0)
     bias: bool = False
     activation_checkpointing: bool = False  # recompute each block's activations in backward
     cnn: CnnConfig = field(default_factory=CnnConfig)

@@ -89,6 +89,34 @@ def test_out_of_range_and_bad_choice():
         "config key train.precision: expected one of auto, bf16, fp16, fp32; got 'fp8'."
 
 
+def test_upper_bounds_and_list_elements():
+    # Each would otherwise reach PyTorch (a ValueError from nn.Dropout or AdamW, an IndexError)
+    # or train on silently (an EMA decay above 1 diverges, a cosine floor above the peak).
+    assert bad(["model.dropout=1.5"]) == "config key model.dropout: expected a value <= 1.0, got 1.5."
+    assert bad(["ema.decay=1.01"]) == "config key ema.decay: expected a value <= 1.0, got 1.01."
+    assert bad(["schedule.min_lr_ratio=2"]) == \
+        "config key schedule.min_lr_ratio: expected a value <= 1.0, got 2.0."
+    assert bad(["optim.betas.1=1"]) == "config key optim.betas.1: expected a value < 1.0, got 1.0."
+    assert bad(["optim.betas=[0.9, -0.1]"]) == \
+        "config key optim.betas.1: expected a value >= 0.0, got -0.1."
+    assert bad(["optim.betas=[0.9]"]) == \
+        "config key optim.betas: expected a list of 2 values, got [0.9] (list)."
+    cfg = load_config(DEFAULT, ["model.dropout=1", "ema.decay=1", "optim.betas=[0, 0.999]"])
+    assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas) == (1.0, 1.0, [0.0, 0.999])
+
+
+def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
+    f = tmp_path / "a_file"
+    f.write_text("kept")
+    for key in ("run.out_dir", "data.cache_dir"):
+        assert bad([f"{key}={f}"]) == (f"config key {key}={f}: {f} is a file; expected a directory, "
+                                       f"or a path where one can be made.")
+        assert bad([f"{key}={f}/sub/dir"]).startswith(f"config key {key}={f}/sub/dir: {f} is a file;")
+        assert bad([f"{key}="]) == f"config key {key}: expected a directory path, got ''."
+    cfg = load_config(DEFAULT, [f"run.out_dir={tmp_path}/new/run", f"data.cache_dir={tmp_path}"])
+    assert cfg.run.out_dir == f"{tmp_path}/new/run" and f.read_text() == "kept"
+
+
 def test_list_index_out_of_range():
     assert bad(["optim.betas.2=0.9"]) == "config key optim.betas.2: index 2 is not in a list of 2."
     assert bad(["optim.betas.x=0.9"]) == "config key optim.betas.x: index x is not in a list of 2."
@@ -128,8 +156,8 @@ def test_nested_list_and_float_overrides():
 
     cfg = load_config(DEFAULT, ["optim.betas.1=0.99"])
     assert cfg.optim.betas == [0.9, 0.99]
-    cfg = load_config(DEFAULT, ["optim.betas=[1, 0]"])  # ints in a list of float become floats
-    assert cfg.optim.betas == [1.0, 0.0] and all(type(b) is float for b in cfg.optim.betas)
+    cfg = load_config(DEFAULT, ["optim.betas=[0, 0]"])  # ints in a list of float become floats
+    assert cfg.optim.betas == [0.0, 0.0] and all(type(b) is float for b in cfg.optim.betas)
     cfg = load_config(DEFAULT, ["optim.lr=1"])
     assert cfg.optim.lr == 1.0 and type(cfg.optim.lr) is float
 
