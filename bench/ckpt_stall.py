@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, device_label, sync_device
+from bench.common import RESULTS, append_result, at_least, device_label, sync_device
 from loop import build, checkpoint, determinism
 from loop.async_save import AsyncSaver
 from loop.config import DEFAULT_CONFIG, config_hash, load_config
@@ -62,7 +62,7 @@ def timed_steps(t: Trainer, n: int = 0, while_busy: AsyncSaver | None = None) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=5, help="timed saves of each kind (default: %(default)s)")
+    p.add_argument("--reps", type=at_least(1), default=5, help="timed saves of each kind (default: %(default)s)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (default: %(default)s)")
     p.add_argument("--results", type=Path, default=RESULTS / "ckpt_stall.jsonl")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layer=8")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, device_label, sync_device
+from bench.common import RESULTS, append_result, at_least, device_label, sync_device
 from data import build_data
 from data.sampler import collate
 from loop.config import DEFAULT_CONFIG, load_config
@@ -142,9 +142,9 @@ def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=50, help="timed steps per run (default: %(default)s)")
-    p.add_argument("--warmup", type=int, default=10, help="untimed steps first (default: %(default)s)")
-    p.add_argument("--reps", type=int, default=3, help="runs of each arm (default: %(default)s)")
+    p.add_argument("--steps", type=at_least(1), default=50, help="timed steps per run (default: %(default)s)")
+    p.add_argument("--warmup", type=at_least(0), default=10, help="untimed steps first (default: %(default)s)")
+    p.add_argument("--reps", type=at_least(1), default=3, help="runs of each arm (default: %(default)s)")
     p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
                    help="also run the scaffold with this override (repeatable)")
     p.add_argument("--results", type=Path, default=RESULTS / "loop_vs_bare.jsonl")

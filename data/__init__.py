@@ -15,7 +15,7 @@ import numpy as np
 from data.bundle import Data
 from data.markov import prepare_markov
 from data.mnist import CLASSES, mnist_splits
-from data.prepare import embedded_text, prepare_text, read_text, write_tokens
+from data.corpus import embedded_text, prepare_text, read_text, write_tokens
 from data.shakespeare import prepare_shakespeare
 from data.tokens import TokenWindows
 from loop.errors import BadInput

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.prepare import write_tokens
+from data.corpus import write_tokens
 
 
 def transition_matrix(vocab: int, branching: int, seed: int) -> np.ndarray:

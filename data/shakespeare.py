@@ -3,7 +3,7 @@
     python train.py --config configs/shakespeare_char.yaml
 
 The file is downloaded once into `data.cache_dir/shakespeare/input.txt` (sha256 pinned, data/download.py)
-and prepared like any text file (data/prepare.py): 65 distinct characters, the last
+and prepared like any text file (data/corpus.py): 65 distinct characters, the last
 `data.val_fraction` of it held out. `data.url=<base>` fetches `<base>/input.txt` from a mirror instead;
 the checksum stays pinned. Offline, place the file there by hand (the error message says where).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from data.download import fetch
-from data.prepare import prepare_text, read_text
+from data.corpus import prepare_text, read_text
 
 URLS = ["https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
         "https://cdn.jsdelivr.net/gh/karpathy/char-rnn@master/data/tinyshakespeare/input.txt"]

@@ -65,7 +65,14 @@ def chosen(a: argparse.Namespace) -> list[str]:
         raise BadInput("--checks ddp: needs --nproc 2 (or more) processes to compare with one.")
     if a.steps < 8:
         raise BadInput(f"--steps: expected at least 8 (a checkpoint, then a kill after it); got {a.steps}.")
+    if a.kill_at and not ckpt_every(a.steps) < a.kill_at < a.steps:  # else no kill, or no resume
+        raise BadInput(f"--kill-at: expected a step after the first checkpoint (step "
+                       f"{ckpt_every(a.steps)}) and before the last ({a.steps}); got {a.kill_at}.")
     return names
+
+
+def ckpt_every(steps: int) -> int:
+    return max(steps // 4, 2)  # a few checkpoints in a run
 
 
 def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
@@ -74,7 +81,7 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
         print(banner(cfg.lab.break_), flush=True)
     if cfg.run.deterministic:
         determinism.enable()
-    every = max(a.steps // 4, 2)
+    every = ckpt_every(a.steps)
     kill_at = a.kill_at or random.Random().randint(every + 1, a.steps - 1)
     plan = audit_runs.Plan(a.config, a.overrides, a.steps, every, kill_at, a.nproc, root, a.timeout)
     tolerance = TOLERANCE[resolve(cfg.train.precision, pick_device(cfg.train.device))]

@@ -45,3 +45,17 @@ def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
     assert all(v > 0 for v in med.values()) and record["steps_beside_write"] >= 1
     assert record["async_total_ms"] == pytest.approx(med["async"] + record["slowdown_ms"], abs=0.02)
     assert not list((tmp_path / "runs").iterdir())  # the checkpoints it wrote are gone
+
+
+@pytest.mark.parametrize("main, args, named", [
+    (loop_vs_bare.main, ["--steps", "0"], "--steps: expected an integer >= 1, got 0"),
+    (loop_vs_bare.main, ["--warmup", "-1"], "--warmup: expected an integer >= 0, got -1"),
+    (loop_vs_bare.main, ["--reps", "0"], "--reps: expected an integer >= 1, got 0"),
+    (ckpt_stall.main, ["--reps", "0"], "--reps: expected an integer >= 1, got 0"),
+])
+def test_counts_below_their_minimum_are_usage_errors(tmp_path, capsys, main, args, named):
+    # Found as a ZeroDivisionError or StatisticsError after the runs; now refused before any.
+    with pytest.raises(SystemExit) as e:
+        main([*args, "--results", str(tmp_path / "r.jsonl")])
+    assert e.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "r.jsonl").exists()

@@ -3,15 +3,18 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from itertools import islice
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from data import build_data
+from data.corpus import prepare_text
 from data.markov import entropy_rate, prepare_markov, transition_matrix
-from data.prepare import prepare_text
 from data.sampler import StreamSampler, epoch_order, train_loader, val_batches
 from data.tokens import TokenWindows
 from loop.config import DEFAULT_CONFIG, DataConfig, MarkovConfig, load_config
@@ -141,6 +144,27 @@ def test_prepare_text_round_trip_and_idempotent(tmp_path, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == mtimes
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [root.name]  # no temp left
     assert prepare_text(TEXT + "x", "t", str(tmp_path / "cache"), 0.1) != root  # content-named
+
+
+def test_prepare_command_prints_the_corpus_dir_and_exits_2_on_bad_input(tmp_path):
+    # The README's `python -m data.prepare`: no runpy warning (the package does not import the
+    # module it runs), and bad input is a message and exit 2, as with train.py.
+    f, cache = tmp_path / "corpus.txt", tmp_path / "cache"
+    f.write_text(TEXT, encoding="utf-8")
+
+    def prepare(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "data.prepare", "--out", str(cache), *args],
+                              cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True,
+                              timeout=120)
+
+    ok = prepare("--path", str(f))
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    assert ok.stdout.splitlines()[-1] == str(prepare_text(TEXT, "t", str(cache), 0.1))
+    for args, named in [(["--path", str(tmp_path / "missing.txt")], "missing.txt"),
+                        (["--path", str(f), "--val-fraction", "0"], "data.val_fraction=0.0")]:
+        bad = prepare(*args)
+        assert bad.returncode == 2 and bad.stderr.startswith("error: ") and named in bad.stderr, bad.stderr
+    assert [p.name for p in cache.iterdir()] == [ok.stdout.splitlines()[-1].rsplit("/", 1)[1]]
 
 
 def test_build_text_decode(tmp_path):

@@ -54,7 +54,10 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path):
     for args, said in [(["model.n_layr=2"], "Did you mean 'model.n_layer'"),
                        (["--checks", "resume,speed"], "unknown check speed"),
                        (["--checks", "ddp"], "needs --nproc 2"),
-                       (["--steps", "3"], "at least 8")]:
+                       (["--steps", "3"], "at least 8"),
+                       (["--kill-at", "20"], "--kill-at: expected a step after the first checkpoint "
+                                             "(step 5) and before the last (20); got 20."),
+                       (["--kill-at", "5"], "got 5.")]:
         proc = verify(tmp_path, *args)
         assert proc.returncode == 2 and said in proc.stderr, (args, proc.stderr)
     assert not list((tmp_path / "verify").glob("*")), "nothing is left behind"

@@ -1,0 +1,75 @@
+"""Turn text (or a synthetic token stream) into `train.bin` / `val.bin` (uint16 ids) + `meta.json`.
+
+`train.py` does this on first use of a corpus; `python -m data.prepare` (data/prepare.py) does it
+ahead of time. The output directory is named after the content's sha256, so preparing twice is
+free and two corpora never collide. Files are written into a temp directory and renamed into
+place, so a kill mid-prepare leaves nothing half-written. Readers use `np.memmap`, so a corpus far
+larger than RAM works the same way.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from loop.atomic import fsync_dir, write_synced
+from loop.errors import BadInput
+
+
+def embedded_text() -> str:
+    """The CPython reference docs (`pydoc_data.topics`): ~460k characters, present everywhere."""
+    from pydoc_data.topics import topics
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def read_text(path: str) -> str:
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise BadInput(f"data.path {path}: cannot read it as UTF-8 text ({e}).")
+
+
+def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict) -> Path:
+    """Split `ids` (last `val_fraction` is validation) and write the three files atomically."""
+    if (out_dir / "meta.json").exists():
+        return out_dir
+    n_val = int(len(ids) * val_fraction)
+    if n_val < 2 or len(ids) - n_val < 2:
+        raise BadInput(f"data: {len(ids)} tokens cannot be split with data.val_fraction="
+                       f"{val_fraction}; expected at least 2 tokens on each side.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    write_synced(tmp / "train.bin", ids[:-n_val].astype(np.uint16).tobytes())
+    write_synced(tmp / "val.bin", ids[-n_val:].astype(np.uint16).tobytes())
+    meta = {**meta, "train_tokens": len(ids) - n_val, "val_tokens": n_val}
+    write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:  # another process prepared the same corpus first: theirs is identical
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(out_dir.parent)
+    return out_dir
+
+
+def prepare_text(text: str, source: str, cache_dir: str, val_fraction: float) -> Path:
+    """Character-level tokens: the vocabulary is the sorted set of characters in the text."""
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    out = Path(cache_dir) / f"text-{sha[:16]}-val{val_fraction:g}"
+    if (out / "meta.json").exists():
+        return out
+    chars = sorted(set(text))
+    if len(chars) > 65535:
+        raise BadInput(f"data: {source} has {len(chars)} distinct characters; uint16 holds 65535.")
+    print(f"preparing {source}: {len(text):,} characters, vocabulary {len(chars)} -> {out}")
+    lut = {c: i for i, c in enumerate(chars)}
+    ids = np.fromiter((lut[c] for c in text), dtype=np.uint16, count=len(text))
+    meta = {"kind": "chars", "source": source, "sha256": sha, "vocab_size": len(chars),
+            "chars": "".join(chars)}
+    return write_tokens(out, ids, val_fraction, meta)
+
