@@ -19,7 +19,7 @@ import torch
 from torch.profiler import record_function
 
 from data.sampler import train_loader, val_batches
-from loop import checkpoint, evaluate, fsdp, resume
+from loop import checkpoint, evaluate, fsdp, resume, runlock
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
@@ -72,15 +72,15 @@ class Trainer:
         if self.lab:
             self.dist.say(banner(self.lab))
         evaluate.check_best_metric(self)
-        path = self.dist.on_main(lambda: resume.choose(cfg.run.resume, self.ckpt_root, cfg.run.mirror))
+        path = self.dist.on_main(self._lock_then_choose)
         if path:
             restore(self, path)
         elif cfg.run.init_from:
             warm_start(self, Path(cfg.run.init_from))
         if cfg.run.mirror:  # built before any write: a bad URL is bad input (on every rank)
             self.dist.on_main(self._open_mirror)
+        self.dist.on_main(self._make_out_dir)
         if self.dist.main:  # from here on, files are written
-            self.out.mkdir(parents=True, exist_ok=True)
             save_config(cfg, self.out / "config.yaml")
             self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world, path)
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
@@ -127,6 +127,16 @@ class Trainer:
             if self.saver:
                 self.saver.close()  # the last checkpoint is on disk before anything else
         return finish(self)
+
+    def _lock_then_choose(self) -> Path | None:
+        """The checkpoint to resume from. First the out_dir's lock (loop/runlock.py): a second run
+        on the same out_dir stops before it reads a checkpoint the first one may be writing."""
+        runlock.hold(self.out)
+        return resume.choose(self.cfg.run.resume, self.ckpt_root, self.cfg.run.mirror)
+
+    def _make_out_dir(self) -> None:
+        self.out.mkdir(parents=True, exist_ok=True)
+        runlock.hold(self.out, sign=True)  # a fresh out_dir is locked as soon as it exists
 
     def _open_mirror(self) -> None:
         from loop.mirror import Mirror

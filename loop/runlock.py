@@ -1,0 +1,57 @@
+"""One run per run directory: rank 0 holds a lock on `<run.out_dir>/.lock` while it trains.
+
+A second `train.py` on the same `run.out_dir` (launched twice by mistake, or requeued while the
+first job still runs) would interleave its checkpoints and metrics with the first one's. It exits 2
+instead, naming the process that holds the directory, and writes nothing.
+
+The lock is a POSIX record lock (`fcntl.lockf`): the kernel drops it when the process that holds it
+ends, however it ends (SIGKILL too), so there is never a stale lock to delete by hand; processes
+forked from the holder (DataLoader workers) do not hold it; and it works on NFS. It lasts as long
+as the process: the descriptor is never closed, because closing any descriptor of the file would
+drop the process's lock. Where the filesystem has no locks, the run says so and goes on unguarded.
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import socket
+from pathlib import Path
+
+from loop.errors import BadInput
+
+
+_held: dict[Path, int | None] = {}  # run dirs this process holds -> the lock's fd (None: no locks)
+
+
+def hold(out: Path, sign: bool = False) -> None:
+    """Lock `out/.lock` for the rest of this process, or raise BadInput naming the process that
+    holds it. Once per directory; one that does not exist yet is locked when called again after it
+    is made. `sign`: write this process's name into the file, for the message a second run prints;
+    only once the run writes files, so bad input found after locking changes nothing there."""
+    out = out.resolve()
+    if out not in _held:
+        if not out.is_dir():
+            return
+        _held[out] = _lock(out / ".lock")
+    fd = _held[out]
+    if sign and fd is not None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+
+def _lock(path: Path) -> int | None:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError as e:
+        holder = os.read(fd, 200).decode(errors="replace").strip()
+        os.close(fd)
+        if e.errno in (errno.EAGAIN, errno.EACCES):  # held by another process
+            holder = holder or "a process that has not written its name yet"
+            raise BadInput(f"run.out_dir {path.parent}: another run is using it ({holder}); wait for "
+                           f"it to end, or give this run another run.out_dir.")
+        print(f"note: cannot lock {path} ({e.strerror}): a second run on this run.out_dir would not "
+              f"be noticed")
+        return None

@@ -1,0 +1,43 @@
+"""One run per run directory (loop/runlock.py): a second train.py on an out_dir in use exits 2
+naming the holder and changes nothing; the lock goes with its process, even a SIGKILLed one."""
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_train, summary
+
+HOLD = "import sys; from pathlib import Path; from loop import runlock; " \
+       "runlock.hold(Path(sys.argv[1]), sign=True); print('held', flush=True); sys.stdin.read()"
+
+
+def snapshot(out) -> dict:
+    return {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("nproc", [0, 2])
+def test_a_second_run_on_an_out_dir_in_use_exits_2_and_changes_nothing(tmp_path, cache, nproc):
+    out = tmp_path / "run"
+    run_train(out, cache, "train.max_steps=4", "train.ckpt_every=2")
+    # Another process holds the directory, as a first run still training would.
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(out)], cwd=ROOT, text=True,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert holder.stdout.readline() == "held\n"
+    before = snapshot(out)
+    second = run_train(out, cache, "train.max_steps=8", "train.ckpt_every=2", check=False, nproc=nproc)
+    said = f"error: run.out_dir {out}: another run is using it (pid {holder.pid} on "
+    assert said in second.stderr, second.stderr
+    if nproc:  # torchrun ends with 1 when a worker fails, names its exit code, and stops the rest
+        assert second.returncode == 1 and "exitcode  : 2 " in second.stderr, second.stderr
+    else:
+        assert second.returncode == 2 and "Traceback" not in second.stderr, second.stderr
+    assert "resumed from" not in second.stdout
+    assert snapshot(out) == before
+    # Killed, the holder leaves no stale lock: the same command now resumes and finishes.
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(timeout=30)
+    third = run_train(out, cache, "train.max_steps=8", "train.ckpt_every=2", nproc=nproc)
+    assert "resumed from" in third.stdout and summary(out)["steps"] == 8
