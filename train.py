@@ -7,7 +7,7 @@ This file only wires parts together; the loop lives in loop/trainer.py. Exit cod
 2 bad input (config, data, checkpoint) with a message naming the key or file (nothing in
 run.out_dir is written or changed on that path), 3 gave up (non-finite values under
 train.nan_policy=abort or too many in a row, out of memory at micro-batch 1 or inside collectives
-over the ranks), 130 interrupted by Ctrl-C, 143 preempted by SIGTERM/SIGUSR1 after writing a
+over the ranks, a checkpoint the disk refuses), 130 interrupted by Ctrl-C, 143 preempted by SIGTERM/SIGUSR1 after writing a
 checkpoint (after either, rerun the same command to continue).
 """
 from __future__ import annotations

@@ -8,6 +8,8 @@ Layout under `<out_dir>/checkpoints/`:
     latest                        name of the newest complete checkpoint (for people and tools)
 A checkpoint is written into a temp dir, fsynced, then renamed into place, so a kill at any
 moment leaves either the complete checkpoint or none. It counts only if its manifest verifies.
+A write the system refuses (a full disk, a quota) removes its temp dir and ends the run (GaveUp,
+exit 3) with the checkpoints before it whole.
 Files hold only tensors and primitives: they load with `torch.load(weights_only=True)`, and a
 pickle that would run code is refused.
 """
@@ -29,7 +31,7 @@ import torch.nn as nn
 
 from loop.atomic import atomic_write, fsync_dir, write_synced
 from loop.distributed import Dist
-from loop.errors import BadInput
+from loop.errors import BadInput, GaveUp
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -124,6 +126,27 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
             shutil.rmtree(stale, ignore_errors=True)
         tmp.mkdir()
     dist.barrier()
+    try:
+        _write(tmp, final, step, files, meta, midway, dist, shards)
+    except OSError as e:  # a full disk, a quota: the part written goes, the checkpoints before stay
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise GaveUp(f"checkpoint step {step}: cannot write it in {root} ({e.strerror}). Nothing of "
+                     f"it is kept, and the checkpoints before it are whole. Free space there (a save "
+                     f"needs room for one checkpoint more than train.keep_last) and rerun the same "
+                     f"command to continue from the newest.") from e
+    if dist.main:
+        fsync_dir(root)
+        atomic_write(root / "latest", final.name.encode())
+        for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
+            if old.name not in keep:
+                shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def _write(tmp: Path, final: Path, step: int, files: dict[str, object], meta: dict,
+           midway: Callable[[], None] | None, dist: Dist, shards: Callable[[Path], list[str]] | None) -> None:
+    """Every rank's files into `tmp`, then (rank 0) the manifest over them all, and `tmp` -> `final`."""
     entries = {}
     for name in shards(tmp) if shards else []:
         with open(tmp / name, "rb") as f:
@@ -143,13 +166,6 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
         if final.exists():  # an invalid leftover at this step: replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
-        fsync_dir(root)
-        atomic_write(root / "latest", final.name.encode())
-        for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
-            if old.name not in keep:
-                shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
 
 
 def shape_mismatches(model: nn.Module, saved: dict) -> list[str]:

@@ -18,5 +18,5 @@ class BadInput(Exception):
 
 class GaveUp(Exception):
     """Training cannot go on (non-finite values under nan_policy=abort, too many bad steps in a row,
-    out of memory at micro-batch 1 or inside collectives over the ranks): the message is a
-    diagnostic, and the process exits with 3."""
+    out of memory at micro-batch 1 or inside collectives over the ranks, a checkpoint the disk
+    refuses): the message is a diagnostic, and the process exits with 3."""

@@ -1,7 +1,8 @@
 """Checkpoint integrity, end to end: a corrupt newest checkpoint is skipped with a warning and the run
 still ends bit-identical to an uninterrupted one; when nothing usable is there (all invalid, a
 code-running pickle, a model of another shape, resume=never, a missing path) train.py exits 2 and
-leaves run.out_dir byte-for-byte as it was; keep_last retains exactly the newest checkpoints."""
+leaves run.out_dir byte-for-byte as it was; a checkpoint the system refuses to write ends the run
+with exit 3 and the earlier ones whole; keep_last retains exactly the newest checkpoints."""
 from __future__ import annotations
 
 import hashlib
@@ -9,13 +10,15 @@ import json
 import os
 import pickle
 import re
+import resource
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import metrics, run_and_kill, run_train, summary
+from conftest import ROOT, metrics, run_and_kill, run_train, summary, train_cmd
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 BASE = ["train.max_steps=10", "train.ckpt_every=5"]  # leaves step_00000005 and step_00000010
@@ -274,7 +277,31 @@ def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
     assert not out.exists(), "nothing is written on the bad-input path"
 
 
-# ---------------------------------------------------------------------------- 6. retention
+# ---------------------------------------------------------------------------- 6. a full disk
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_checkpoint_that_cannot_be_written_exits_3_and_keeps_the_earlier_ones(
+        tmp_path, cache, killed, reference, async_save):
+    # A real write failure, no mock: a file-size limit (RLIMIT_FSIZE) well below state.pt's size
+    # makes the kernel refuse the write (EFBIG, "File too large"; Python ignores SIGXFSZ), as a
+    # full disk (ENOSPC) or a quota would. The logs and small files still fit.
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    args = train_cmd(out, cache, *STEPS, f"train.async_save={async_save}")
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
+    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert (f"\nerror: checkpoint step 40: cannot write it in {out / 'checkpoints'} (File too large). "
+            f"Nothing of it is kept") in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert ckpt_names(out) == ["step_00000010", "step_00000020", "step_00000030"]
+    assert not list((out / "checkpoints").glob(".tmp-*")), "the part written is removed at once"
+    rerun = run_train(out, cache, *STEPS)
+    assert resumed_at(rerun.stdout)[1] == 30
+    assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
+
+
+# ---------------------------------------------------------------------------- 7. retention
 def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
     out = tmp_path / "run"
     # eval_every=0: no evaluations, so no best checkpoint joins the retained set.
