@@ -6,7 +6,8 @@ instead, naming the process that holds the directory, and writes nothing.
 
 The lock is a POSIX record lock (`fcntl.lockf`): the kernel drops it when the process that holds it
 ends, however it ends (SIGKILL too), so there is never a stale lock to delete by hand; processes
-forked from the holder (DataLoader workers) do not hold it; and it works on NFS. It lasts as long
+forked from the holder (DataLoader workers) do not hold it; and NFS implements this kind of lock
+(untested here: the project's machines have local disks only). It lasts as long
 as the process: the descriptor is never closed, because closing any descriptor of the file would
 drop the process's lock. Where the filesystem has no locks, the run says so and goes on unguarded.
 """
