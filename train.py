@@ -7,7 +7,7 @@ This file only wires parts together; the loop lives in loop/trainer.py. Exit cod
 2 bad input (config, data, checkpoint) with a message naming the key or file (nothing in
 run.out_dir is written or changed on that path), 3 gave up (non-finite values under
 train.nan_policy=abort or too many in a row, out of memory at micro-batch 1 or inside collectives
-over the ranks, a checkpoint the disk refuses), 130 interrupted by Ctrl-C, 143 preempted by SIGTERM/SIGUSR1 after writing a
+over the ranks, a write the disk refuses), 130 interrupted by Ctrl-C, 143 preempted by SIGTERM/SIGUSR1 after writing a
 checkpoint (after either, rerun the same command to continue).
 """
 from __future__ import annotations
@@ -18,11 +18,13 @@ from loop import determinism, distributed, dotenv
 from loop.build import build_trainer
 from loop.config import load_config, parse_args
 from loop.device import pick_device
-from loop.errors import EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_INTERRUPTED, BadInput, GaveUp
+from loop.errors import (EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_INTERRUPTED, NO_ROOM, BadInput, GaveUp,
+                         no_room)
 from loop.guards import EXIT_PREEMPTED, configure_allocator
 
 
 def main(argv: list[str] | None = None) -> int:
+    cfg = None
     try:
         dotenv.load()  # ./.env first (loop/dotenv.py): the config and the loop see its variables
         cfg = load_config(*parse_args(argv))
@@ -38,6 +40,12 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except GaveUp as e:
         print(f"error: {e}", file=sys.stderr)
+        return EXIT_GAVE_UP
+    except OSError as e:
+        if e.errno not in NO_ROOM or cfg is None:  # anything else is a bug to see in full
+            raise
+        print(f"error: {no_room(e, {'run.out_dir': cfg.run.out_dir, 'data.cache_dir': cfg.data.cache_dir})}",
+              file=sys.stderr)
         return EXIT_GAVE_UP
     except KeyboardInterrupt:  # Ctrl-C: the user knows where it stopped; a traceback adds nothing
         print("interrupted: the steps since the newest checkpoint are lost, the checkpoints are "

@@ -45,10 +45,14 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    write_synced(tmp / "train.bin", ids[:-n_val].astype(np.uint16).tobytes())
-    write_synced(tmp / "val.bin", ids[-n_val:].astype(np.uint16).tobytes())
     meta = {**meta, "train_tokens": len(ids) - n_val, "val_tokens": n_val}
-    write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    try:
+        write_synced(tmp / "train.bin", ids[:-n_val].astype(np.uint16).tobytes())
+        write_synced(tmp / "val.bin", ids[-n_val:].astype(np.uint16).tobytes())
+        write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
+    except OSError:  # a full disk: no half-written corpus is left in the cache
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         os.replace(tmp, out_dir)
     except OSError:  # another process prepared the same corpus first: theirs is identical

@@ -6,6 +6,7 @@ makes a SIGKILL or power cut at any moment harmless. Checkpoints use the directo
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -17,8 +18,19 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextmanager
+def naming(path: Path):
+    """An OSError inside names `path` if it names no file: a write() the disk refuses names none,
+    and the user needs to know where to free space."""
+    try:
+        yield
+    except OSError as e:
+        e.filename = e.filename or str(path)
+        raise
+
+
 def write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with naming(path), open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
@@ -27,6 +39,11 @@ def write_synced(path: Path, data: bytes) -> None:
 def atomic_write(path: Path, data: bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    write_synced(tmp, data)
+    try:
+        write_synced(tmp, data)
+    except OSError as e:  # a full disk: the part written goes; the old file is untouched
+        tmp.unlink(missing_ok=True)
+        e.filename = str(path)  # the file the user knows, not the temp one
+        raise
     os.replace(tmp, path)
     fsync_dir(path.parent)

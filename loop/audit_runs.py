@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from loop import checkpoint, jobs
+from loop.jsonl import read_records
 from loop.audit_grads import Result
 
 HINTS = {
@@ -75,7 +76,7 @@ def run(plan: Plan, name: str, *extra: str, nproc: int = 0) -> str | None:
 
 
 def _records(plan: Plan, name: str) -> list[dict]:
-    return [json.loads(line) for line in (plan.root / name / "metrics.jsonl").read_text().splitlines()]
+    return read_records(plan.root / name / "metrics.jsonl")
 
 
 def _summary(plan: Plan, name: str) -> dict:

@@ -21,16 +21,8 @@ from pathlib import Path
 
 import torch
 
-from loop.atomic import atomic_write
-
-
-def truncate_jsonl(path: Path, last_step: int) -> list[dict]:
-    """Keep records with step <= last_step (atomic rewrite); return them."""
-    if not path.exists():
-        return []
-    keep = [r for r in map(json.loads, path.read_text().splitlines()) if r["step"] <= last_step]
-    atomic_write(path, "".join(json.dumps(r) + "\n" for r in keep).encode())
-    return keep
+from loop import jsonl
+from loop.atomic import naming
 
 
 class MetricsLog:
@@ -40,7 +32,7 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.path, self.max_steps = out_dir / "metrics.jsonl", max_steps
-        kept = truncate_jsonl(self.path, start_step)
+        kept = jsonl.truncate(self.path, start_step)
         self.last_loss = kept[-1]["loss"] if kept else None
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
@@ -75,23 +67,26 @@ class MetricsLog:
     def flush(self) -> None:
         if not self.pending:
             return
-        values = torch.stack([v for _, v in self.pending]).tolist()  # the one host read
-        recs = [{**f, "loss": loss, "grad_norm": g} for (f, _), (loss, g) in zip(self.pending, values)]
+        # Taken off first: if a write below fails (a full disk), the flush on the way out must not
+        # write them again after the part already written.
+        pending, self.pending = self.pending, []
+        values = torch.stack([v for _, v in pending]).tolist()  # the one host read
+        recs = [{**f, "loss": loss, "grad_norm": g} for (f, _), (loss, g) in zip(pending, values)]
         for rec in recs:  # GPU time per step, between step-end events (complete after the read above)
             event = rec.pop("_event", None)
             if event is not None and self.last_event is not None:
                 rec["gpu_ms"] = self.last_event.elapsed_time(event)
             self.last_event = event or self.last_event
         recs[-1].update(self._interval(recs))  # rates over the interval, on its last step
-        for rec in recs:
-            self.file.write(json.dumps(rec) + "\n")
-            if self.tb:
-                for k, v in rec.items():
-                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                        self.tb.add_scalar(f"train/{k}", v, rec["step"])
-        self.file.flush()
+        with naming(self.path):
+            self.file.write("".join(json.dumps(rec) + "\n" for rec in recs))
+            self.file.flush()
+        for rec in recs if self.tb else []:
+            for k, v in rec.items():
+                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
         self._console(recs[-1])
-        self.last_loss, self.pending = recs[-1]["loss"], []
+        self.last_loss = recs[-1]["loss"]
 
     def _interval(self, recs: list[dict]) -> dict:
         now, (t0, s0, tok0, smp0) = time.perf_counter(), self.mark

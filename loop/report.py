@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from loop.atomic import atomic_write
+from loop.jsonl import read_records
 
 
 def _json(path: Path) -> dict:
@@ -32,12 +33,7 @@ def _numbers(recs: list[dict], key: str) -> list[float]:
 
 def load_run(run_dir: Path) -> dict:
     """Everything the report needs from one run directory, finished or not."""
-    recs = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            recs.append(json.loads(line))
-        except ValueError:  # a line cut short by a kill mid-write: the rest of the log still counts
-            pass
+    recs = read_records(run_dir / "metrics.jsonl")
     summ, meta = _json(run_dir / "summary.json"), _json(run_dir / "metadata.json")
     try:  # only for the device, when metadata.json is missing
         cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}

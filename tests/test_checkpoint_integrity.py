@@ -13,6 +13,7 @@ import re
 import resource
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -278,17 +279,46 @@ def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
 
 
 # ---------------------------------------------------------------------------- 6. a full disk
+def run_with_file_limit(nbytes: int, out: Path, *overrides: str, cmd: list[str] | None = None
+                        ) -> subprocess.CompletedProcess:
+    """train.py (or `cmd`) under a file-size limit (RLIMIT_FSIZE): a real write failure, no mock.
+    The kernel refuses a write past `nbytes` (EFBIG, "File too large"; Python ignores SIGXFSZ), as
+    a full disk (ENOSPC) or a quota would, after writing the part that fits."""
+    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))  # noqa: E731
+    return subprocess.run(cmd or train_cmd(out, *overrides), cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, preexec_fn=limit)
+
+
+WRITE = {  # what train.py writes outside checkpoints, by hand: a 5000-byte file, a 5000-token corpus;
+    # and the file the error names
+    "model.pt": ("from loop.atomic import atomic_write; atomic_write(d / 'model.pt', bytes(5000))",
+                 "model.pt'"),
+    "corpus": ("from data.corpus import write_tokens; "
+               "write_tokens(d / 'corpus', np.zeros(5000, np.uint16), 0.1, {})", ".corpus.tmp-"),
+}
+
+
+@pytest.mark.parametrize("kind", list(WRITE))
+def test_a_refused_file_write_keeps_the_old_file_and_leaves_no_part(tmp_path, kind):
+    # atomic_write (model.pt, summary.json, metadata.json) and write_tokens (data.cache_dir).
+    (tmp_path / "model.pt").write_bytes(b"old")
+    write, named = WRITE[kind]
+    code = f"import sys, numpy as np; from pathlib import Path; d = Path(sys.argv[1]); {write}"
+    proc = run_with_file_limit(4000, tmp_path, cmd=[sys.executable, "-c", code, str(tmp_path)])
+    assert proc.returncode == 1, proc.stderr
+    # The error names the file the write was for: a failed write() alone names none.
+    assert f"OSError: [Errno 27] File too large: '{tmp_path / named}" in proc.stderr, proc.stderr
+    assert (tmp_path / "model.pt").read_bytes() == b"old"
+    assert sorted(os.listdir(tmp_path)) == ["model.pt"], "no temp file or dir is left"
+
+
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_checkpoint_that_cannot_be_written_exits_3_and_keeps_the_earlier_ones(
         tmp_path, cache, killed, reference, async_save):
-    # A real write failure, no mock: a file-size limit (RLIMIT_FSIZE) well below state.pt's size
-    # makes the kernel refuse the write (EFBIG, "File too large"; Python ignores SIGXFSZ), as a
-    # full disk (ENOSPC) or a quota would. The logs and small files still fit.
+    # The limit is well below state.pt's size; the logs and small files still fit.
     out = tmp_path / "run"
     shutil.copytree(killed, out)
-    args = train_cmd(out, cache, *STEPS, f"train.async_save={async_save}")
-    limit = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))  # noqa: E731
-    proc = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300, preexec_fn=limit)
+    proc = run_with_file_limit(100_000, out, cache, *STEPS, f"train.async_save={async_save}")
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert (f"\nerror: checkpoint step 40: cannot write it in {out / 'checkpoints'} (File too large). "
             f"Nothing of it is kept") in proc.stderr, proc.stderr
@@ -298,6 +328,30 @@ def test_a_checkpoint_that_cannot_be_written_exits_3_and_keeps_the_earlier_ones(
     rerun = run_train(out, cache, *STEPS)
     assert resumed_at(rerun.stdout)[1] == 30
     assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
+
+
+def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identical(
+        tmp_path, cache, killed, reference):
+    # The resumed run rewrites metrics.jsonl up to step 30, then its step-31 record meets a limit
+    # just past that size: the kernel writes the part that fits and refuses the rest, before any
+    # checkpoint is due. The rerun must read past that half line (it was a JSONDecodeError).
+    out = tmp_path / "run"
+    shutil.copytree(killed, out)
+    kept = sum(len(json.dumps(r)) + 1 for r in metrics(out) if r["step"] <= 30)
+    proc = run_with_file_limit(kept + 100, out, cache, *STEPS)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert (f"\nerror: a write to {out / 'metrics.jsonl'} was refused: File too large. The disk is full, or a quota or file-size "
+            f"limit was reached. The steps since the newest checkpoint are lost; the checkpoints are "
+            f"whole. Free space in run.out_dir ({out}) and data.cache_dir") in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    log = (out / "metrics.jsonl").read_bytes()
+    assert len(log) == kept + 100 and not log.endswith(b"\n"), "the step-31 line is cut short"
+    assert ckpt_names(out) == ["step_00000010", "step_00000020", "step_00000030"]
+    rerun = run_train(out, cache, *STEPS)
+    assert resumed_at(rerun.stdout)[1] == 30
+    assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
+    assert (out / "metrics.jsonl").read_bytes().endswith(b"\n")
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
 
 
