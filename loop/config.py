@@ -25,7 +25,9 @@ from loop.errors import BadInput
 from loop.lab import SWITCHES
 from model.config import ModelConfig
 
-DEFAULT_CONFIG = "configs/default.yaml"
+# Found from anywhere: `python ~/proj/train.py` run in another directory trains the default too
+# (relative paths in a config, such as run.out_dir, stay relative to the working directory).
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "default.yaml")
 
 
 @dataclass
@@ -148,7 +150,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     try:
         raw = yaml.safe_load(path.read_text()) or {}
     except OSError as e:
-        raise BadInput(f"config file {path}: cannot read it ({e.strerror}); expected a YAML file.")
+        where = "" if path.is_absolute() else f", looked for in {Path.cwd()}"
+        raise BadInput(f"config file {path}: cannot read it ({e.strerror}{where}); expected a YAML file.")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""

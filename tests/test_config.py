@@ -134,10 +134,23 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
     assert str(f) in msg and " line " in msg and "malformed YAML" in msg
 
 
-def test_missing_config_file(tmp_path):
+def test_missing_config_file(tmp_path, monkeypatch):
     missing = tmp_path / "nope.yaml"
     msg = bad(path=missing)
-    assert msg.startswith(f"config file {missing}: cannot read it")
+    assert msg == f"config file {missing}: cannot read it (No such file or directory); expected a YAML file."
+    monkeypatch.chdir(tmp_path)  # a relative path: the message says where it was looked for
+    assert bad(path="configs/mine.yaml") == (
+        f"config file configs/mine.yaml: cannot read it (No such file or directory, looked for in "
+        f"{tmp_path}); expected a YAML file.")
+
+
+def test_the_default_config_is_found_from_any_directory(tmp_path, monkeypatch):
+    # python ~/proj/train.py from another directory: the default is the project's, the run's
+    # relative paths stay relative to where it was started.
+    monkeypatch.chdir(tmp_path)
+    path, _ = parse_args([])
+    assert load_config(path) == load_config(DEFAULT)
+    assert not Path(load_config(path).run.out_dir).is_absolute()
 
 
 @pytest.mark.parametrize("item", ["optim.lr", "=3", ""])
