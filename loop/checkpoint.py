@@ -117,8 +117,6 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
     manifest. Afterwards only the newest `keep_last` checkpoints and those in `keep` remain."""
     dist = dist or Dist()
     final = root / f"step_{step:08d}"
-    if dist.from_main(final.exists() and verify(final) is None):
-        return final  # same step already saved complete (e.g. a finished run started again)
     tmp = root / f".tmp-{final.name}"
     if dist.main:
         root.mkdir(parents=True, exist_ok=True)
@@ -163,8 +161,8 @@ def _write(tmp: Path, final: Path, step: int, files: dict[str, object], meta: di
         manifest = {"step": step, **meta, "files": {k: v for e in gathered for k, v in e.items()}}
         write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
         fsync_dir(tmp)
-        if final.exists():  # an invalid leftover at this step: replace it
-            shutil.rmtree(final)
+        if final.exists():  # an invalid leftover, or a step saved before a resume from an older
+            shutil.rmtree(final)  # checkpoint (run.resume=path): this run's state replaces it
         os.replace(tmp, final)
 
 

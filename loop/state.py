@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from loop import checkpoint, fsdp, resume, rng
+from loop import checkpoint, fsdp, optim, resume, rng
 from loop.atomic import atomic_write
 from loop.config import changed_keys, config_hash, to_dict
 from loop.ema import ema_state, load_ema_state
@@ -59,11 +59,14 @@ def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
 
 def restore(t, path: Path) -> None:
     t.dist.say(f"loading checkpoint {path} ...")
+    hyper = optim.config_hyperparameters(t.optimizer)
     state = resume.load_model_state(path, t.raw, t.optimizer)
     changed = changed_keys(state["config"], t.cfg)
     if changed:
-        t.dist.say(f"note: config differs from the checkpoint's in: {', '.join(changed)}")
+        t.dist.say(f"note: config differs from the checkpoint's in: {', '.join(changed)}; this "
+                   f"run's values apply from here on")
     t.scheduler.load_state_dict(state["scheduler"])
+    optim.reapply(t.optimizer, t.scheduler, hyper)
     if state["scaler"] and t.lab != "no_scaler_state":  # empty when fp16 is off; lab: dropped
         t.scaler.load_state_dict(state["scaler"])
     if t.ema and state["ema"]:
@@ -80,6 +83,20 @@ def restore(t, path: Path) -> None:
         print(f"note: rank {t.dist.rank}: {path} has no {mine} (saved with world size "
               f"{state['world_size']}); its random streams start from a new seed")
     t.dist.say(f"resumed from {path} at step {t.progress.step}")
+    _note_later_checkpoints(t, path)
+
+
+def _note_later_checkpoints(t, path: Path) -> None:
+    """run.resume=PATH back in time in the same out_dir: the newer checkpoints there are from the
+    run before; this one replaces each as it saves that step (loop/checkpoint.py::save)."""
+    if t.cfg.run.resume == "auto" or not t.dist.main or path.resolve().parent != t.ckpt_root.resolve():
+        return
+    later = [d.name for d in checkpoint.step_dirs(t.ckpt_root) if d.name > f"step_{t.progress.step:08d}"]
+    if later:
+        print(f"note: {', '.join(later)} in {t.ckpt_root} are from before this resume; each is "
+              f"replaced when this run saves its step, but until then run.resume=auto would "
+              f"continue from them. To branch off an older checkpoint, give the run its own "
+              f"run.out_dir (run.resume may point into another one).")
 
 
 def warm_start(t, path: Path) -> None:

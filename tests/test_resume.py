@@ -140,3 +140,33 @@ def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
     assert resumed_at(rerun.stdout) == 40
     assert summary(out)["params_sha256"] == before["params_sha256"] == summary(reference)["params_sha256"]
     assert len(metrics(out)) == 40
+
+
+def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cache, reference):
+    # Going back to step 30 with another optim.lr or weight_decay: they used to stay the
+    # checkpoint's (load_state_dict restores each group's settings) while a changed schedule
+    # applied; now the config wins for both, and only the moments and step counts come from the
+    # checkpoint. And the step-40 checkpoint of the run before used to stay, so a later
+    # run.resume=auto would have continued the old run: it is replaced, after a note.
+    import shutil
+
+    import torch
+
+    from loop import checkpoint
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    start = out / "checkpoints" / "step_00000030"
+    rerun = run_train(out, cache, *STEPS, f"run.resume={start}", "optim.lr=4e-3", "optim.weight_decay=0.25")
+    assert "note: config differs from the checkpoint's in: optim.lr, optim.weight_decay" in rerun.stdout
+    assert f"note: step_00000040 in {out / 'checkpoints'} are from before this resume" in rerun.stdout
+    a, b = metrics(reference), metrics(out)
+    assert [r["lr"] for r in b[:30]] == [r["lr"] for r in a[:30]]
+    # 4e-3 is twice the default optim.lr: the same schedule factor times it, exactly twice the lr.
+    assert [r["lr"] for r in b[30:]] == [2 * r["lr"] for r in a[30:]]
+    assert b[30]["loss"] == a[30]["loss"] and b[31]["loss"] != a[31]["loss"], "step 31 is taken with it"
+    saved = torch.load(out / "checkpoints" / "step_00000040" / "state.pt", weights_only=True)
+    assert [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.25, 0.0]
+    assert saved["scheduler"]["base_lrs"] == [4e-3, 4e-3]
+    assert checkpoint.params_sha256(saved["model"]) == summary(out)["params_sha256"] != \
+        summary(reference)["params_sha256"], "step 40 holds this run's weights"
