@@ -83,6 +83,10 @@ def restore(t, path: Path) -> None:
         print(f"note: rank {t.dist.rank}: {path} has no {mine} (saved with world size "
               f"{state['world_size']}); its random streams start from a new seed")
     t.dist.say(f"resumed from {path} at step {t.progress.step}")
+    if t.progress.step > t.cfg.train.max_steps:
+        t.dist.say(f"note: the checkpoint is past train.max_steps={t.cfg.train.max_steps}, so nothing "
+                   f"is trained; to stop at step {t.cfg.train.max_steps}, resume from an older "
+                   f"checkpoint (run.resume=PATH) or start a new run.out_dir")
     _note_later_checkpoints(t, path)
 
 

@@ -140,6 +140,9 @@ def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
     assert resumed_at(rerun.stdout) == 40
     assert summary(out)["params_sha256"] == before["params_sha256"] == summary(reference)["params_sha256"]
     assert len(metrics(out)) == 40
+    fewer = run_train(out, cache, "train.max_steps=30", "train.ckpt_every=10")  # not silently 40
+    assert ("note: the checkpoint is past train.max_steps=30, so nothing is trained; to stop at "
+            "step 30, resume from an older checkpoint") in fewer.stdout
 
 
 def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cache, reference):
