@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import keyword
+import math
 import os
 import typing
 from pathlib import Path
@@ -101,17 +102,22 @@ def _coerce(value, hint, key: str):
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
-    if hint is float and not isinstance(value, bool):
-        if isinstance(value, (int, float)):
-            return float(value)
-        if isinstance(value, str):  # PyYAML reads 3e-4 (no dot) as a string
-            try:
-                return float(value)
-            except ValueError:
-                pass
+    if hint is float and not isinstance(value, bool) and (number := _float(value)) is not None:
+        if not math.isfinite(number):  # nan slips past every bound (nan < 0 is False)
+            raise BadInput(f"config key {key}: expected a finite number, got {value!r}.")
+        return number
     if hint is str and isinstance(value, str):
         return value
     raise _wrong(key, hint.__name__, value)
+
+
+def _float(value) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:  # PyYAML reads 3e-4 (no dot) as a string
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
 
 
 def _wrong(key: str, expected: str, value) -> BadInput:

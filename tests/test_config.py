@@ -89,6 +89,18 @@ def test_out_of_range_and_bad_choice():
         "config key train.precision: expected one of auto, bf16, fp16, fp32; got 'fp8'."
 
 
+def test_a_float_key_refuses_nan_and_infinity(tmp_path):
+    # nan passes every bound (nan < 0 is False): optim.lr=nan reached AdamW's ValueError, and
+    # train.clip_grad=nan, ema.decay=nan or schedule.min_lr_ratio=nan trained on without a word.
+    for text in ("nan", "inf", "-inf"):
+        assert bad([f"train.clip_grad={text}"]) == \
+            f"config key train.clip_grad: expected a finite number, got '{text}'."
+    assert bad(["optim.betas.1=nan"]) == "config key optim.betas.1: expected a finite number, got 'nan'."
+    f = tmp_path / "c.yaml"
+    f.write_text("ema:\n  decay: .nan\noptim:\n  lr: .inf\n")  # YAML's own spellings
+    assert bad(path=f) == "config key ema.decay: expected a finite number, got nan."
+
+
 def test_upper_bounds_and_list_elements():
     # Each would otherwise reach PyTorch (a ValueError from nn.Dropout or AdamW, an IndexError)
     # or train on silently (an EMA decay above 1 diverges, a cosine floor above the peak).
