@@ -8,7 +8,8 @@ URL is tried in order, streamed into a temp file next to the destination while i
 checked, and only then renamed into place, so a kill, a dropped connection or a wrong file never
 leaves anything half-written under the final name (the temp file is removed on every failure). When
 every URL fails, `BadInput` (exit 2) lists each URL with its reason and says where to put the file by
-hand, for machines that cannot reach the internet.
+hand, for machines that cannot reach the internet. A full disk is not the URL's fault: its OSError
+goes up at once (train.py: exit 3, free space in data.cache_dir).
 """
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from loop.atomic import fsync_dir
-from loop.errors import BadInput
+from loop.atomic import fsync_dir, naming
+from loop.errors import NO_ROOM, BadInput
 
 TIMEOUT_S = 30.0  # per socket operation (connect, each read): a stalled server fails, a slow one not
 CHUNK = 1 << 20
@@ -71,7 +72,7 @@ def _download(url: str, dest: Path, sha256: str, timeout: float) -> None:
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")  # same directory: os.replace is atomic
     try:
         digest = hashlib.sha256()
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
+        with naming(dest), urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
             while chunk := response.read(CHUNK):
                 digest.update(chunk)
                 f.write(chunk)
@@ -85,6 +86,8 @@ def _download(url: str, dest: Path, sha256: str, timeout: float) -> None:
         raise _Failed(f"HTTP {e.code} {e.reason}")
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
         # HTTPException: the server hung up mid-file; ValueError: a malformed URL
+        if isinstance(e, OSError) and e.errno in NO_ROOM:
+            raise  # the disk is full, not the URL: the next one would fail too (train.py: exit 3)
         raise _Failed(_reason(e))
     finally:
         tmp.unlink(missing_ok=True)

@@ -122,6 +122,27 @@ def test_falls_back_to_the_next_url(server, dead_url, tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["blob.bin"]
 
 
+def test_a_full_disk_is_not_blamed_on_the_url(server, tmp_path):
+    # A real refused write, in this process: a file-size limit (soft, put back after) below the
+    # file's size makes the kernel refuse the write (EFBIG; Python ignores SIGXFSZ), as ENOSPC would.
+    # It was reported as the URL failing, the next mirror tried, and exit 2 blaming the network.
+    import errno
+    import resource
+
+    server.files["/a.bin"] = server.files["/b.bin"] = BLOB
+    urls = [f"{server.url}/a.bin", f"{server.url}/b.bin"]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (len(BLOB) // 2, hard))
+    try:
+        with pytest.raises(OSError) as e:
+            fetch("blob.bin", urls, BLOB_SHA, tmp_path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert e.value.errno == errno.EFBIG and e.value.filename == str(tmp_path / "blob.bin")
+    assert server.requests == ["/a.bin"], "no other URL is tried"
+    assert list(tmp_path.iterdir()) == [], "the part written is removed"
+
+
 def test_a_corrupt_cached_file_is_replaced(server, tmp_path):
     (tmp_path / "blob.bin").write_bytes(BLOB[:1000])  # e.g. a partial copy placed by hand
     server.files["/blob.bin"] = BLOB
