@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from loop import checkpoint, jobs
-from loop.jsonl import read_records
 from loop.audit_grads import Result
+from loop.jsonl import read_records
 
 HINTS = {
     "resume": "a piece of state is not saved or not restored: RNG streams, the data position, the "

@@ -3,8 +3,9 @@
 `BadInput` (config, data, checkpoint): `train.py` prints the message and exits 2, before anything
 in `run.out_dir` is written or changed. Raise it with a message that names the key or file and
 says what was expected. `GaveUp`: training started but cannot continue; exit 3, as for any write
-the system refuses for want of room (`NO_ROOM`). Ctrl-C (KeyboardInterrupt): exit 130, as a shell reports it; the checkpoints on disk are whole (atomic
-writes), so the same command continues from the newest.
+the system refuses for want of room (`NO_ROOM`). Ctrl-C (KeyboardInterrupt): exit 130, as a shell
+reports it; the checkpoints on disk are whole (atomic writes), so the same command continues from
+the newest.
 """
 
 import errno

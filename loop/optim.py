@@ -18,7 +18,6 @@ def build_optimizer(model: nn.Module, cfg, device: torch.device) -> torch.optim.
                              fused=device.type in ("cuda", "cpu"))
 
 
-
 def config_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
     """Each group's settings as built from the config (all but its params): taken before a
     checkpoint's optimizer state is loaded over them, for `reapply`."""
