@@ -128,7 +128,12 @@ def fetch_latest(target: str, local_root: Path) -> Path | None:
     mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them."""
     fs, root = _open(target)
     local_root = Path(local_root)
-    for _, src in reversed(_mirrored(fs, root)):
+    try:
+        mirrored = _mirrored(fs, root)
+    except OSError as e:  # e.g. a file where the directory should be: before anything is written
+        raise BadInput(f"run.mirror={target}: cannot list it ({e.strerror or e}). Expected a "
+                       f"directory path or an fsspec URL this machine can read.") from e
+    for _, src in reversed(mirrored):
         name = _name(src)
         final, tmp = local_root / name, local_root / f".tmp-{name}-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)

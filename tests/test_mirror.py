@@ -181,6 +181,16 @@ def test_unknown_protocol_is_bad_input():
         Mirror("nope://x")
 
 
+def test_a_mirror_that_cannot_be_listed_is_bad_input(tmp_path):
+    # A file where the mirror directory should be: NotADirectoryError was a traceback at startup.
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(BadInput) as e:
+        fetch_latest(str(tmp_path / "afile" / "run"), tmp_path / "ckpt")
+    assert str(e.value) == (f"run.mirror={tmp_path / 'afile' / 'run'}: cannot list it (Not a "
+                            f"directory). Expected a directory path or an fsspec URL this machine can read.")
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_copy_cut_short_is_never_fetched(tmp_path, monkeypatch, capsys):
     target, root = mem_target(), tmp_path / "ckpt"
     run_with_mirror(Mirror(target), root, [1])
