@@ -21,7 +21,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from loop.atomic import fsync_dir, naming
+from loop.atomic import fsync_dir
 from loop.errors import NO_ROOM, BadInput
 
 TIMEOUT_S = 30.0  # per socket operation (connect, each read): a stalled server fails, a slow one not
@@ -72,7 +72,7 @@ def _download(url: str, dest: Path, sha256: str, timeout: float) -> None:
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")  # same directory: os.replace is atomic
     try:
         digest = hashlib.sha256()
-        with naming(dest), urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
             while chunk := response.read(CHUNK):
                 digest.update(chunk)
                 f.write(chunk)
@@ -86,8 +86,9 @@ def _download(url: str, dest: Path, sha256: str, timeout: float) -> None:
         raise _Failed(f"HTTP {e.code} {e.reason}")
     except (urllib.error.URLError, OSError, http.client.HTTPException, ValueError) as e:
         # HTTPException: the server hung up mid-file; ValueError: a malformed URL
-        if isinstance(e, OSError) and e.errno in NO_ROOM:
-            raise  # the disk is full, not the URL: the next one would fail too (train.py: exit 3)
+        if isinstance(e, OSError) and e.errno in NO_ROOM:  # the disk, not the URL: the next URL
+            e.filename = str(dest)  # would fail too (train.py: exit 3); a failed write names no file
+            raise
         raise _Failed(_reason(e))
     finally:
         tmp.unlink(missing_ok=True)
