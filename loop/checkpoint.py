@@ -38,10 +38,11 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def params_sha256(state: dict[str, torch.Tensor]) -> str:
-    """sha256 over the bytes of every parameter and buffer of a model's state_dict, in its order."""
+    """sha256 over the bytes of every parameter and buffer of a model's state_dict, in its order.
+    Flattened first: a 0-dim buffer (BatchNorm's num_batches_tracked) cannot be viewed as bytes."""
     h = hashlib.sha256()
     for t in state.values():
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
 
 

@@ -10,7 +10,8 @@ import sys
 
 from conftest import ROOT
 
-MODEL = '''"""An MLP classifier: forward(batch) returns sums over the real targets (loop/evaluate.py)."""
+MODEL = '''"""An MLP classifier: forward(batch) returns sums over the real targets (loop/evaluate.py).
+Batch norm, as many users' models have: buffers beside the weights, one an integer scalar."""
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -20,7 +21,8 @@ class MLP(nn.Module):
         super().__init__()
         layers = []
         for i in range(depth):
-            layers += [nn.Linear(d_in if i == 0 else width, width), nn.ReLU(), nn.Dropout(dropout)]
+            layers += [nn.Linear(d_in if i == 0 else width, width), nn.BatchNorm1d(width), nn.ReLU(),
+                       nn.Dropout(dropout)]
         self.net = nn.Sequential(*layers, nn.Linear(width, classes))
 
     def forward(self, batch):
@@ -62,6 +64,7 @@ def build_blobs(cfg):
 CONFIG = """run: {out_dir: runs/blobs}
 data: {name: blobs, batch_size: 32}
 model: {name: mlp, n_layer: 2, n_embd: 32, dropout: 0.1}
+ema: {enabled: true}
 optim: {lr: 0.01}
 train: {max_steps: 150, grad_accum: 2, eval_every: 50, eval_batches: 8, ckpt_every: 50,
         best_metric: val_accuracy, best_mode: max, sample_tokens: 0, log_every: 50}
@@ -93,6 +96,9 @@ def test_a_copied_project_with_its_own_model_and_data_passes_make_verify(tmp_pat
     summary = json.loads((project / "runs" / "blobs" / "summary.json").read_text())
     assert summary["val_accuracy"] >= 0.9, summary  # four well-separated blobs: ~0.97 possible
     assert summary["best"]["metric"] == "val_accuracy"
+    # Weights and buffers are hashed, the EMA averages them: BatchNorm's 0-dim integer
+    # num_batches_tracked broke the hash at the end of every such run.
+    assert len(summary["params_sha256"]) == len(summary["ema_params_sha256"]) == 64
 
     verify = subprocess.run(["make", "verify", f"PYTHON={sys.executable}",
                              "ARGS=--config configs/blobs.yaml --steps 12"], cwd=project,
