@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.bundle import Data
+from data.bundle import Data, check_samples
 from data.markov import prepare_markov
 from data.mnist import CLASSES, mnist_splits
 from data.corpus import embedded_text, prepare_text, read_text, write_tokens
@@ -93,4 +93,6 @@ BUILDERS = {"text": build_text, "markov": build_markov, "random": build_random, 
 def build_data(cfg) -> Data:
     if cfg.name not in BUILDERS:
         raise BadInput(f"config key data.name: expected one of {', '.join(BUILDERS)}; got {cfg.name!r}.")
-    return BUILDERS[cfg.name](cfg)
+    data = BUILDERS[cfg.name](cfg)
+    check_samples(data, cfg.name)
+    return data

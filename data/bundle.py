@@ -7,13 +7,20 @@
 The datasets are addressable by index (`len`, `[i]`); item i is a dict with at least `x` (the
 model's input), `y` (targets; -100 = not counted) and `idx` (= i, so audits can see which samples
 a step trained on). The loop never looks inside a sample beyond counting the targets of `y`.
+A model with more inputs takes each in a key of its own: the loop moves tensors to the device and
+splits them (out-of-memory recovery) at the top level of a batch only.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from numbers import Number
 from typing import Callable
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset
+
+from loop.errors import BadInput
 
 
 @dataclass
@@ -24,3 +31,29 @@ class Data:
     seq_len: int  # targets per sample: a text window's length, 1 for a classifier
     decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text samples
     meta: dict = field(default_factory=dict)  # e.g. optimal_loss of a synthetic task
+
+
+def check_samples(data: Data, name: str) -> None:
+    """Both splits hold samples, and their first and last keep the contract above: a slip is exit 2
+    naming it at startup, not a KeyError deep in the loop (or, for a nested input, an error on a GPU
+    only, where it is not moved to the device)."""
+    for split, ds in (("train", data.train), ("val", data.val)):
+        where = f"data.name={name}: the {split} split"
+        if len(ds) == 0:
+            raise BadInput(f"{where} is empty; expected samples in it.")
+        for i in sorted({0, len(ds) - 1}):
+            item = ds[i]
+            if not isinstance(item, dict) or not {"x", "y", "idx"} <= item.keys():
+                got = f"a dict with keys {', '.join(map(str, item))}" if isinstance(item, dict) \
+                    else f"a {type(item).__name__}"
+                raise BadInput(f"{where}'s sample {i} is {got}; expected a dict with x (the model's "
+                               f"input), y (its targets, -100 = not counted) and idx (= {i}) "
+                               f"(data/bundle.py).")
+            for key, value in item.items():
+                if not isinstance(value, (torch.Tensor, np.ndarray, Number)):
+                    raise BadInput(f"{where}'s sample {i} holds a {type(value).__name__} under {key!r}; "
+                                   f"expected a tensor, array or number under each key (a model with "
+                                   f"more inputs takes each in a key of its own; data/bundle.py).")
+            if np.ndim(item["idx"]) != 0 or int(item["idx"]) != i:
+                raise BadInput(f"{where}'s sample {i} has idx {item['idx']!r}; expected its index, {i} "
+                               f"(audits and data.log_ids name the samples a step trained on by it).")

@@ -16,7 +16,7 @@ class MarkovConfig:
     vocab_size: int = opt(32, min=2)
     branching: int = opt(4, min=1)  # next-token support per state
     tokens: int = opt(200_000, min=1000)
-    seed: int = 0
+    seed: int = opt(0, min=0)
 
 
 @dataclass
@@ -25,7 +25,7 @@ class SyntheticConfig:
     nothing downloaded; the best possible loss is ln(vocab_size)."""
     vocab_size: int = opt(50304, min=2)
     tokens: int = opt(2_000_000, min=1000)
-    seed: int = 0
+    seed: int = opt(0, min=0)
 
 
 @dataclass

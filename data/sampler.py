@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from data.tokens import IGNORE_INDEX
+from loop.errors import BadInput
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
@@ -86,6 +87,11 @@ def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int | None, 
     switch eval_consumes_train_rng does that, to show why it must not be done."""
     g = None if seed is None else torch.Generator().manual_seed(seed + 1)
     global_batch = batch_size * world
+    if len(ds) <= batch_size * (world - 1):  # the last rank's slice is empty (every rank sees it)
+        raise BadInput(f"data: the validation split holds {len(ds)} samples, and with data.batch_size="
+                       f"{batch_size} and {world} processes rank {world - 1} gets none of a global batch "
+                       f"of {global_batch}: expected more than {batch_size * (world - 1)}; lower "
+                       f"data.batch_size or give more validation data.")
     idx = torch.randperm(len(ds), generator=g)[: global_batch * n_batches].tolist()
     mine = [i for k in range(0, len(idx), global_batch)
             for i in idx[k : k + global_batch][rank * batch_size : (rank + 1) * batch_size]]

@@ -133,7 +133,8 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
                               f"{k} x {b} vs 1 x {k * b} (targets per micro-batch {counts}): gradient "
                               f"rel. difference {diff:.1e} (tolerance {tol:g}, {whole.precision.name}){same}",
                               "each micro-batch's loss must be divided by the target count of the whole "
-                              "step (not averaged per micro-batch); batch-norm statistics also differ"))
+                              "step (not averaged per micro-batch), so the model's forward must return "
+                              "the loss summed over its targets (reduction=\"sum\"), not their mean"))
     if "clipping" in checks:
         want, norm = reference(start, _join(micro), whole.device, whole.cfg.train.clip_grad)
         if not g_whole:

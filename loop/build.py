@@ -16,14 +16,16 @@ from loop.distributed import Dist
 from loop.ema import build_ema
 from loop.optim import build_optimizer
 from loop.precision import Precision
-from loop.rng import seed_everything
+from loop.rng import rank_seed, seed_everything
 from loop.schedule import build_scheduler
 from loop.trainer import Trainer
 from model import build_model
 
 
 def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
-    seed_everything(cfg.run.seed + dist.rank)  # DDP copies rank 0's initial weights to all
+    # The builders draw the same numbers on every rank: the same data (a random split stays one
+    # split) and the same initial weights.
+    seed_everything(cfg.run.seed)
     data = build_data(cfg.data)
     use_tf32(device, cfg.train.tf32)
     precision = Precision(cfg.train.precision, device)
@@ -44,4 +46,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     model = distributed.wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
+    # Each rank's own streams (dropout, augmentation) start here, whatever the builders drew: FSDP's
+    # meta-device ranks draw nothing, so they would otherwise differ from DDP's.
+    seed_everything(rank_seed(cfg.run.seed, dist.rank))
     return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)

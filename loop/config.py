@@ -33,7 +33,7 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parents[1] / "configs" / "default.
 @dataclass
 class RunConfig:
     out_dir: str = "runs/default"
-    seed: int = 1337
+    seed: int = opt(1337, min=0, max=2**32 - 1)  # NumPy's global generator takes 32 bits
     resume: str = "auto"  # auto | never | path to a checkpoint directory
     init_from: str = ""  # a checkpoint dir: warm start from its model weights only (fresh run)
     mirror: str = ""  # also copy each checkpoint here: a directory or an fsspec URL
@@ -81,6 +81,7 @@ class TrainConfig:
     max_bad_steps: int = opt(5, min=1)  # skip/rollback give up after this many bad steps in a row
     oom_policy: str = opt("split", choices=("split", "abort"))  # split: halve the micro-batch, retry
     strategy: str = opt("ddp", choices=("ddp", "fsdp"))  # several processes: full copies or shards
+    find_unused_parameters: bool = False  # ddp: let parameters go unused in a step (a graph walk each step)
     fsdp_mixed_precision: bool = False  # fsdp: weights in the autocast dtype for compute, fp32 reduce
     fsdp_cpu_offload: bool = False  # fsdp: keep sharded weights and optimizer state in host memory
     compile: bool = False  # torch.compile the model in place (state_dict keys unchanged)

@@ -160,17 +160,33 @@ def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None,
         if t.strategy == "fsdp":
             print("note: train.strategy=fsdp has no effect without torchrun; training unsharded")
         return model
-    model = ddp(model, device)
+    model = ddp(model, device, t.find_unused_parameters)
     if ema is not None:  # DDP broadcast rank 0's weights at construction
         ema.module.load_state_dict(model.module.state_dict())
     return model
 
 
-def ddp(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def ddp(module: torch.nn.Module, device: torch.device, find_unused: bool) -> torch.nn.Module:
     """`module` in DDP, one process per device. A collective: every rank calls it together."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+    return DDP(module, device_ids=[device.index] if device.type == "cuda" else None,
+               find_unused_parameters=find_unused)
+
+
+def check_all_used(model: torch.nn.Module, find_unused: bool, step: int) -> None:
+    """After a step's backward under DDP without train.find_unused_parameters: a trainable parameter
+    that got no gradient leaves its bucket unreduced (the other gradients in it stay this rank's own)
+    and DDP's next forward fails. Said clearly, before the optimizer steps on them."""
+    if find_unused or not is_ddp(model):
+        return
+    unused = [n for n, q in model.module.named_parameters() if q.requires_grad and q.grad is None]
+    if unused:
+        more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
+        raise BadInput(f"step {step}: parameters {', '.join(unused[:3])}{more} got no gradient (the "
+                       f"model's forward did not use them), which DDP cannot reduce; set "
+                       f"train.find_unused_parameters=true, or freeze them (requires_grad=False) or "
+                       f"take them out of the model.")
 
 
 def is_ddp(model: torch.nn.Module) -> bool:

@@ -16,11 +16,32 @@ from data.sampler import split_batch, val_batches
 from loop.errors import BadInput
 
 
+CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
+            "(shape (), e.g. reduction=\"sum\"), or a dict with it under \"loss\" and more such sums "
+            "(README.md: Bring your own model)")
+
+
 def loss_and_sums(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Split what a model's forward returned into the summed loss and its other sums."""
-    if isinstance(out, dict):
-        return out["loss"], {k: v for k, v in out.items() if k != "loss"}
-    return out, {}
+    """Split what a model's forward returned into the summed loss and its other sums. Anything else
+    is the model's contract broken: a clear error naming what came back, not a traceback from deep
+    in the loop. Only metadata is read (no host sync)."""
+    sums = out if isinstance(out, dict) else {"loss": out}
+    if "loss" not in sums:
+        raise BadInput(f"the model's forward(batch) returned a dict without \"loss\" (keys: "
+                       f"{', '.join(map(str, sums))}); {CONTRACT}.")
+    for name, v in sums.items():
+        if not torch.is_tensor(v) or v.dim() != 0:
+            what = f"a tensor of shape {tuple(v.shape)}" if torch.is_tensor(v) else f"a {type(v).__name__}"
+            raise BadInput(f"the model's forward(batch) returned {what}"
+                           f"{f' under {name!r}' if out is sums else ''}; {CONTRACT}.")
+    loss = sums["loss"]
+    if not torch.is_floating_point(loss):
+        raise BadInput(f"the model's forward(batch) returned a loss of dtype {loss.dtype}, which "
+                       f"cannot be differentiated; {CONTRACT}.")
+    if torch.is_grad_enabled() and not loss.requires_grad:  # training: backward needs a graph
+        raise BadInput(f"the model's forward(batch) returned a loss detached from the weights "
+                       f"(requires_grad=False), which cannot be differentiated; {CONTRACT}.")
+    return loss, {k: v for k, v in sums.items() if k != "loss"}
 
 
 @torch.no_grad()
@@ -82,11 +103,9 @@ def evaluate(t, step: int) -> bool:
     return t.monitor.update(step, metrics[t.monitor.metric])
 
 
-def check_best_metric(t) -> None:
-    """train.best_metric must be one the model reports: probe one validation batch (eval mode, no
-    gradients, no random draws) before anything is written."""
-    if t.monitor.metric == "val_loss":
-        return
+def check_model_output(t) -> None:
+    """Before anything is written, probe one validation batch (eval mode, no gradients, no random
+    draws): the model keeps its contract (`loss_and_sums`), and train.best_metric is one it reports."""
     names = val_metrics(t.raw, t.val[:1], t.precision, t.device, t.dist)
     if t.monitor.metric not in names:
         raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "

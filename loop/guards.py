@@ -116,7 +116,7 @@ def recover_from_oom(t) -> None:
         # rank is here; the weights are unchanged, the optimizer holds the same tensors).
         t.model = None
         gc.collect()  # the old reducer and its hooks on the parameters go first, even in a cycle
-        t.model = ddp(t.raw, t.device)
+        t.model = ddp(t.raw, t.device, t.cfg.train.find_unused_parameters)
     t.dist.say(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
                f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
 

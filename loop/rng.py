@@ -18,6 +18,12 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+def rank_seed(seed: int, rank: int, step: int = 0) -> int:
+    """The seed of one rank's streams from `step` on, derived from all three by NumPy's
+    SeedSequence: no two ranks or steps share a stream, nor any with the builders (seeded `seed`)."""
+    return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
+
+
 def capture() -> dict:
     name, keys, pos, has_gauss, gauss = np.random.get_state()
     state = {

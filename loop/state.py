@@ -79,7 +79,7 @@ def restore(t, path: Path) -> None:
     elif (path / mine).exists():
         rng.restore(checkpoint.load(path, mine))  # last: nothing above draws from it
     else:  # more processes than the run that saved it: this rank's streams start fresh
-        rng.seed_everything(t.cfg.run.seed + 1000 * t.progress.step + t.dist.rank)
+        rng.seed_everything(rng.rank_seed(t.cfg.run.seed, t.dist.rank, t.progress.step))
         print(f"note: rank {t.dist.rank}: {path} has no {mine} (saved with world size "
               f"{state['world_size']}); its random streams start from a new seed")
     t.dist.say(f"resumed from {path} at step {t.progress.step}")

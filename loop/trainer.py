@@ -23,7 +23,7 @@ from loop import checkpoint, evaluate, fsdp, resume, runlock
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
-from loop.distributed import Dist
+from loop.distributed import Dist, check_all_used
 from loop.forward_backward import forward_backward
 from loop.lab import banner
 from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
@@ -71,7 +71,7 @@ class Trainer:
         cfg, tc = self.cfg, self.cfg.train
         if self.lab:
             self.dist.say(banner(self.lab))
-        evaluate.check_best_metric(self)
+        evaluate.check_model_output(self)
         path = self.dist.on_main(self._lock_then_choose)
         if path:
             restore(self, path)
@@ -181,6 +181,7 @@ class Trainer:
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
         while (losses := forward_backward(self, micro, n_targets)) is None:
             recover_from_oom(self)  # every rank retries the same batches in smaller pieces
+        check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             lab_clip_first = self.lab == "clip_before_unscale"  # lab: the wrong order, on purpose
             if not lab_clip_first:

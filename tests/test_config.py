@@ -87,6 +87,11 @@ def test_out_of_range_and_bad_choice():
         "config key data.markov.tokens: expected a value >= 1000, got 999."
     assert bad(["train.precision=fp8"]) == \
         "config key train.precision: expected one of auto, bf16, fp16, fp32; got 'fp8'."
+    # Seeds NumPy takes (0 to 2**32 - 1): these were its ValueError tracebacks after the checks.
+    assert bad(["run.seed=-1"]) == "config key run.seed: expected a value >= 0, got -1."
+    assert bad(["run.seed=4294967296"]) == \
+        "config key run.seed: expected a value <= 4294967295, got 4294967296."
+    assert bad(["data.synthetic.seed=-1"]) == "config key data.synthetic.seed: expected a value >= 0, got -1."
 
 
 def test_a_float_key_refuses_nan_and_infinity(tmp_path):

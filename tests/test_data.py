@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from itertools import islice
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from data import build_data
+from data.bundle import Data, check_samples
 from data.corpus import prepare_text
 from data.markov import entropy_rate, prepare_markov, transition_matrix
 from data.sampler import StreamSampler, epoch_order, train_loader, val_batches
@@ -105,6 +107,37 @@ def test_val_batches_fixed_and_rng_free(markov):
     idx = [i for batch in a for i in batch["idx"].tolist()]
     assert len(set(idx)) == 12 and all(0 <= i < 24 for i in idx)
     assert not same(a, val_batches(ds, 4, 3, seed=1))
+
+
+def test_val_batches_give_every_rank_a_share_or_refuse(markov):
+    # 24 samples, batch 8: with 4 processes rank 3 gets samples 24.. of the global batch, none. It
+    # had no batch to evaluate, and its sums were None in the middle of a collective: a traceback.
+    assert [len(val_batches(markov.val, 8, 1, 1337, rank, 3)[0]["idx"]) for rank in range(3)] == [8, 8, 8]
+    for rank in range(4):  # every rank refuses, so none waits in a collective for the others
+        with pytest.raises(BadInput, match="the validation split holds 24 samples, and with "
+                           "data.batch_size=8 and 4 processes rank 3 gets none .* expected more than 24"):
+            val_batches(markov.val, 8, 1, 1337, rank, 4)
+
+
+def sample(i: int) -> dict:
+    return {"x": torch.zeros(2), "y": 1, "idx": i}
+
+
+@pytest.mark.parametrize("train, said", [
+    ([], "the train split is empty"),
+    ([(torch.zeros(2), 1)], "the train split's sample 0 is a tuple; expected a dict with x"),
+    ([{"x": torch.zeros(2), "y": 1}], "the train split's sample 0 is a dict with keys x, y; expected a dict with x"),
+    ([sample(0), sample(0)], "the train split's sample 1 has idx 0; expected its index, 1"),
+    ([{**sample(0), "x": {"ids": torch.zeros(2)}}],
+     "the train split's sample 0 holds a dict under 'x'; expected a tensor"),
+])
+def test_a_dataset_that_breaks_the_sample_contract_is_named(train, said):
+    # These were a KeyError or TypeError from inside the loop, or, for a nested input, a device
+    # mismatch on a GPU only (tensors are moved to the device at a batch's top level).
+    data = Data(train, [sample(0)], vocab_size=2, seq_len=1)
+    with pytest.raises(BadInput, match=f"data.name=mine: {re.escape(said)}"):
+        check_samples(data, "mine")
+    check_samples(Data([sample(0), {**sample(1), "mask": np.ones(2)}], [sample(0)], 2, 1), "mine")
 
 
 def test_token_windows_shift_by_one(tmp_path):

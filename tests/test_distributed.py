@@ -9,13 +9,14 @@ import os
 import re
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from conftest import DIST as STEPS
-from conftest import ENV, ROOT, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
+from conftest import ENV, ROOT, TINY, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
 
 
 @pytest.fixture(scope="module")
@@ -218,3 +219,24 @@ def test_a_half_set_launch_environment_exits_2_naming_the_variables(tmp_path, en
                           env={**clean, **env})
     assert proc.returncode == 2 and named in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
+
+
+def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(tmp_path, cache):
+    # DDP without find_unused_parameters leaves the bucket of a parameter that got no gradient
+    # unreduced, and its next forward raised a RuntimeError that names a keyword argument users
+    # could not pass: there was no config key for it.
+    def launch(out, *extra):
+        return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                               "--nproc_per_node=2", "tests/spare_head.py", f"run.out_dir={out}", *TINY,
+                               cache, "train.max_steps=3", "model.name=gpt_spare", *extra],
+                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+
+    refused = launch(tmp_path / "a")
+    assert refused.returncode == 1 and "exitcode  : 2 " in refused.stderr, refused.stderr
+    assert ("error: step 1: parameters spare.weight, spare.bias got no gradient (the model's forward "
+            "did not use them), which DDP cannot reduce; set train.find_unused_parameters=true") \
+        in refused.stderr
+    assert not (tmp_path / "a" / "checkpoints").exists()
+    done = launch(tmp_path / "b", "train.find_unused_parameters=true")
+    assert done.returncode == 0, done.stderr
+    assert summary(tmp_path / "b")["steps"] == 3

@@ -56,6 +56,17 @@ def test_fsdp_trains_like_ddp(fsdp_run, two_proc):
     assert state["sharded"] and state["model"] is None and state["optimizer"] is None
 
 
+def test_fsdp_draws_the_dropout_masks_ddp_draws(tmp_path, cache):
+    # The ranks' streams are seeded after the model is built: under FSDP every rank but 0 builds on
+    # the meta device and draws no initial weights, so rank 1's dropout masks differed from DDP's
+    # from step 1 on (losses 0.1% apart).
+    for strategy in ("ddp", "fsdp"):
+        run_train(tmp_path / strategy, cache, "train.max_steps=3", "model.dropout=0.2",
+                  f"train.strategy={strategy}", nproc=2)
+    for x, y in zip(metrics(tmp_path / "ddp"), metrics(tmp_path / "fsdp"), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]  # as above: to rounding
+
+
 def setup_ranks(cache, *overrides: str) -> dict[int, dict]:
     """tests/fsdp_setup.py under torchrun, 2 processes, a 25M-parameter GPT (101 MB of float32
     weights) under FSDP: each rank's peak host memory after setup and a non-persistent buffer."""

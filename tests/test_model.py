@@ -13,6 +13,7 @@ from data.tokens import IGNORE_INDEX
 from loop.config import DataConfig, MarkovConfig, ModelConfig, OptimConfig
 from loop.device import pick_device
 from loop.errors import BadInput
+from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
 from model import build_model
 from model.gpt import GPT
@@ -201,3 +202,45 @@ def test_overfits_one_batch():
     final = (model(batch) / (B * T)).item()
     assert first == pytest.approx(torch.log(torch.tensor(float(V))).item(), rel=0.05)
     assert final < 0.05, f"mean loss after 300 steps on one batch: {final:.4f} (from {first:.4f})"
+
+
+# ------------------------------------------------------------ the model's contract, checked by the loop
+@pytest.mark.parametrize("out, said", [
+    (torch.ones(3), "returned a tensor of shape (3,);"),  # reduction="none"
+    ((torch.ones(3, 4), torch.ones(())), "returned a tuple;"),  # (logits, loss)
+    (2.5, "returned a float;"),  # loss.item()
+    ({"ce": torch.ones(())}, 'returned a dict without "loss" (keys: ce);'),
+    ({"loss": torch.ones((), requires_grad=True), "right": torch.ones(4)},
+     "returned a tensor of shape (4,) under 'right';"),
+    (torch.tensor(3), "returned a loss of dtype torch.int64,"),
+    (torch.ones(()), "returned a loss detached from the weights (requires_grad=False),"),
+])
+def test_a_forward_that_breaks_the_contract_is_named(out, said):
+    # These were tracebacks from inside the loop (torch.stack, backward, `.float` of a tuple).
+    with pytest.raises(BadInput) as e:
+        loss_and_sums(out)
+    assert f"the model's forward(batch) {said}" in str(e.value)
+    assert 'reduction="sum"' in str(e.value) and "Bring your own model" in str(e.value)
+
+
+def test_the_contract_allows_count_sums_and_a_loss_without_graph_under_no_grad():
+    w = torch.ones(2, requires_grad=True)
+    loss, extra = loss_and_sums({"loss": w.sum(), "right": torch.tensor(3)})  # an integer count
+    assert loss.requires_grad and extra == {"right": torch.tensor(3)}
+    with torch.no_grad():  # validation: no graph is built
+        assert loss_and_sums(w.sum())[0] == 2.0
+
+
+def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache):
+    from conftest import TINY
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    t.raw.forward = lambda batch: F.cross_entropy(t.raw.logits(batch["x"]).flatten(0, 1),
+                                                  batch["y"].flatten(), reduction="none")
+    with pytest.raises(BadInput, match=r"returned a tensor of shape \(128,\)"):
+        t.run()
+    assert not (tmp_path / "run").exists()
