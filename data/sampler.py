@@ -82,17 +82,16 @@ def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_worker
 def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int | None, rank: int = 0,
                 world: int = 1) -> list[dict]:
     """A fixed validation set drawn by its own generator: the same batches at every evaluation, and
-    the same set whatever the process count (rank r evaluates its slice of each global batch).
+    the same set whatever the process count when the split holds `n_batches` global batches (rank r
+    evaluates the r-th of `world` equal parts). Every rank gets as many samples, so as many batches:
+    under FSDP each forward is a collective, and a rank with one batch more waited forever.
     seed=None draws from the global torch RNG, which training also draws from: only the lab
     switch eval_consumes_train_rng does that, to show why it must not be done."""
     g = None if seed is None else torch.Generator().manual_seed(seed + 1)
-    global_batch = batch_size * world
-    if len(ds) <= batch_size * (world - 1):  # the last rank's slice is empty (every rank sees it)
-        raise BadInput(f"data: the validation split holds {len(ds)} samples, and with data.batch_size="
-                       f"{batch_size} and {world} processes rank {world - 1} gets none of a global batch "
-                       f"of {global_batch}: expected more than {batch_size * (world - 1)}; lower "
-                       f"data.batch_size or give more validation data.")
-    idx = torch.randperm(len(ds), generator=g)[: global_batch * n_batches].tolist()
-    mine = [i for k in range(0, len(idx), global_batch)
-            for i in idx[k : k + global_batch][rank * batch_size : (rank + 1) * batch_size]]
-    return [collate([ds[i] for i in mine[k : k + batch_size]]) for k in range(0, len(mine), batch_size)]
+    share = min(batch_size * world * n_batches, len(ds)) // world  # samples per rank
+    if share == 0:  # every rank sees it, so none waits in a collective for the others
+        raise BadInput(f"data: the validation split holds {len(ds)} samples; expected at least one per "
+                       f"process ({world}).")
+    idx = torch.randperm(len(ds), generator=g)[: share * world].tolist()
+    mine = idx[rank * share : (rank + 1) * share]
+    return [collate([ds[i] for i in mine[k : k + batch_size]]) for k in range(0, share, batch_size)]

@@ -54,7 +54,7 @@ def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:
     bad = checkpoint.shape_mismatches(model, fsdp.saved_shapes(path) if was_sharded else state["model"])
     if bad:
         raise BadInput(f"checkpoint {path} does not fit the configured model:\n  " + "\n  ".join(bad)
-                       + "\nUse the config it was trained with, or a new run.out_dir.")
+                       + "\nUse the config and model code it was trained with, or a new run.out_dir.")
     if was_sharded:
         fsdp.load(model, optimizer, path)
     elif fsdp.is_sharded(model):

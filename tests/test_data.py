@@ -109,14 +109,25 @@ def test_val_batches_fixed_and_rng_free(markov):
     assert not same(a, val_batches(ds, 4, 3, seed=1))
 
 
-def test_val_batches_give_every_rank_a_share_or_refuse(markov):
-    # 24 samples, batch 8: with 4 processes rank 3 gets samples 24.. of the global batch, none. It
-    # had no batch to evaluate, and its sums were None in the middle of a collective: a traceback.
-    assert [len(val_batches(markov.val, 8, 1, 1337, rank, 3)[0]["idx"]) for rank in range(3)] == [8, 8, 8]
-    for rank in range(4):  # every rank refuses, so none waits in a collective for the others
-        with pytest.raises(BadInput, match="the validation split holds 24 samples, and with "
-                           "data.batch_size=8 and 4 processes rank 3 gets none .* expected more than 24"):
-            val_batches(markov.val, 8, 1, 1337, rank, 4)
+def test_val_batches_give_every_rank_as_many_batches(markov):
+    # 24 samples, batch 8, 2 batches asked: with 3 processes each rank evaluates 8 samples (one
+    # batch); with 5, 4 each (24 // 5), so 20 of them. Handing out global batches slice by slice
+    # gave 4 processes of batch 4 8, 8, 4 and 4 samples: (2, 2, 1, 1) batches. Under FSDP, where each
+    # forward is a collective, ranks 0 and 1 waited forever in their second.
+    def shares(batch, world):
+        ranks = [val_batches(markov.val, batch, 2, 1337, r, world) for r in range(world)]
+        return [[len(b["idx"]) for b in batches] for batches in ranks], ranks
+
+    assert shares(8, 3)[0] == [[8]] * 3
+    assert shares(4, 4)[0] == [[4, 2]] * 4
+    assert shares(8, 5)[0] == [[4]] * 5
+    one = [i for b in val_batches(markov.val, 8, 2, 1337) for i in b["idx"].tolist()]
+    two = [i for batches in shares(4, 2)[1] for b in batches for i in b["idx"].tolist()]
+    assert len(one) == 16 and sorted(one) == sorted(two)  # the same set as 1 process with batch 8
+    for rank in range(30):  # every rank refuses, so none waits in a collective for the others
+        with pytest.raises(BadInput, match=r"the validation split holds 24 samples; expected at "
+                                           r"least one per process \(30\)"):
+            val_batches(markov.val, 8, 1, 1337, rank, 30)
 
 
 def sample(i: int) -> dict:
