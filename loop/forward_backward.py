@@ -8,6 +8,7 @@ import torch
 from torch.profiler import record_function
 
 from data.sampler import split_batch
+from loop import fsdp
 from loop.distributed import grad_sync
 from loop.evaluate import loss_and_sums
 from loop.guards import fire_once, forward_oom, injected_oom, oom_in_collectives
@@ -59,6 +60,8 @@ def _forward(t, batch: dict, i: int, n_targets: int, n_parts: int):
              for k, v in batch.items()}
     oom = i == 0 and fire_once(t.fired, "oom", p.step + 1 == faults.oom_at_step
                                and faults.oom_rank in (-1, t.dist.rank))
+    if t.sharded:
+        fsdp.sync_buffers(t.raw)
     with t.precision.autocast(), record_function("forward"), \
             forward_oom(t.raw, oom and faults.oom_in == "forward"):
         loss = loss_and_sums(t.model(batch))[0]

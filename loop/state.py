@@ -119,6 +119,9 @@ def save(t, step: int) -> None:
         print(f"warning: step {step}: weights are not all finite; no checkpoint written",
               file=sys.stderr)
         return
+    if t.sharded:  # every rank's copy of each buffer the same, whichever one DCP keeps
+        for module in (t.raw, *([t.ema.module] if t.ema else [])):
+            fsdp.sync_buffers(module)
     midway = None
     if step == t.cfg.faults.kill_in_ckpt_at_step:
         midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731

@@ -227,7 +227,7 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
     # could not pass: there was no config key for it.
     def launch(out, *extra):
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                               "--nproc_per_node=2", "tests/spare_head.py", f"run.out_dir={out}", *TINY,
+                               "--nproc_per_node=2", "tests/more_models.py", f"run.out_dir={out}", *TINY,
                                cache, "train.max_steps=3", "model.name=gpt_spare", *extra],
                               cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
 

@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ import torch
 from conftest import DIST, ENV, ROOT, TINY, metrics, run_and_signal, run_train, summary
 from data import build_data
 from data.sampler import val_batches
+from loop import jobs
 from loop.build import build_trainer
 from loop.config import DEFAULT_CONFIG, load_config
 from loop.distributed import Dist, check_supported
@@ -104,6 +106,26 @@ def test_fsdp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_run):
     assert "resumed from" in rerun.stdout and "at step 10" in rerun.stdout, rerun.stdout
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(fsdp_run)]
     assert summary(out)["params_sha256"] == summary(fsdp_run)["params_sha256"]
+
+
+def test_fsdp_with_batch_norm_sigkill_then_rerun_is_bit_identical(tmp_path, cache):
+    # FSDP shards parameters only: each rank's BatchNorm running statistics drifted its own way,
+    # and the sharded checkpoint kept one copy, so after a resume rank 1 evaluated with other
+    # statistics than in the uninterrupted run. Rank 0's buffers now reach every rank before each
+    # forward (as under DDP) and before each save.
+    def cmd(out: Path) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, *FSDP, "model.name=gpt_bn"]
+
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    assert subprocess.run(cmd(whole), cwd=ROOT, env=ENV, capture_output=True, timeout=300).returncode == 0
+    code, printed = jobs.run_until(cmd(out), 12, tree=True, cwd=ROOT, env=ENV)
+    assert code == -signal.SIGKILL and not (out / "summary.json").exists(), printed
+    rerun = subprocess.run(cmd(out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and "at step 10" in rerun.stdout, rerun.stdout + rerun.stderr
+    assert [(r["loss"], r.get("val_loss")) for r in metrics(out)] == \
+        [(r["loss"], r.get("val_loss")) for r in metrics(whole)]
+    assert summary(out)["params_sha256"] == summary(whole)["params_sha256"]
 
 
 def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache, one_thread):

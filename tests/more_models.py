@@ -1,0 +1,40 @@
+"""train.py with two more models, for the tests of what users' own models do under DDP and FSDP:
+`gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient), and
+`gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates).
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import model  # noqa: E402
+import train  # noqa: E402
+
+
+class TokenNorm(nn.BatchNorm1d):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C), normalised per channel
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+def gpt_spare(cfg, data) -> nn.Module:
+    m = model.BUILDERS["gpt"](cfg, data)
+    m.spare = nn.Linear(cfg.n_embd, 2)
+    return m
+
+
+def gpt_bn(cfg, data) -> nn.Module:
+    m = model.BUILDERS["gpt"](cfg, data)
+    m.drop = nn.Sequential(TokenNorm(cfg.n_embd), m.drop)  # applied to the embeddings
+    return m
+
+
+if __name__ == "__main__":
+    model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn)
+    sys.exit(train.main())
