@@ -86,11 +86,13 @@ class Trainer:
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
         self.open_log()
         n_params = sum(p.numel() for p in self.raw.parameters())
+        frozen = sum(p.numel() for p in self.raw.parameters() if not p.requires_grad)  # not trained
+        params = f"{n_params:,} parameters" + (f" ({frozen:,} frozen)" if frozen else "")
         layout = "fsdp" if self.sharded else "ddp" if self.raw is not self.model else "no process group"
         if torch.distributed.is_initialized():
             layout += f" over {torch.distributed.get_backend()}"  # nccl on CUDA, else gloo
         global_batch = cfg.data.batch_size * tc.grad_accum * self.dist.world
-        self.dist.say(f"{n_params:,} parameters | {self.device} | {self.precision.name} | {self.dist.world} "
+        self.dist.say(f"{params} | {self.device} | {self.precision.name} | {self.dist.world} "
                       f"process(es), {layout} | global batch {global_batch} samples of "
                       f"{self.data.seq_len} target(s)")
         if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):

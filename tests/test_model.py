@@ -244,3 +244,18 @@ def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache
     with pytest.raises(BadInput, match=r"returned a tensor of shape \(128,\)"):
         t.run()
     assert not (tmp_path / "run").exists()
+
+
+def test_frozen_parameters_are_counted_apart_and_stay_unchanged(tmp_path, cache, capsys):
+    from conftest import TINY
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path}", "train.max_steps=3"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    t.raw.wpe.requires_grad_(False)  # position embeddings: 32 positions x 32 wide
+    before = t.raw.wpe.weight.detach().clone()
+    t.run()
+    assert " parameters (1,024 frozen) | cpu | fp32 |" in capsys.readouterr().out
+    assert torch.equal(t.raw.wpe.weight, before)  # no gradient, so no update and no weight decay
