@@ -11,6 +11,13 @@ import pytest
 
 from loop import jobs
 
+# One intra-op thread for every torch in the session: this process's (conftest is imported before
+# any test module imports torch) and every train.py, torchrun and make verify it starts. On a 2-core
+# box, two pytest workers (make test) or two torchrun processes each spinning two OpenMP threads
+# fight over the cores: 3x the wall time here, 10x for MNIST. And runs compared bit for bit then
+# split their float sums the same way, whoever launched them.
+os.environ["OMP_NUM_THREADS"] = "1"
+
 ROOT = Path(__file__).resolve().parents[1]
 # The default config, shrunk so a 40-step run takes about a second after startup. On the CPU even
 # on a GPU machine: what these tests pin (bit-exactness, 2 processes) is proved on the CPU, and
@@ -19,18 +26,6 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.seq_len=32
         "data.batch_size=4", "train.log_every=1", "train.eval_every=10", "train.eval_batches=2",
         "train.sample_tokens=16", "report.plots=false",  # plots: tests/test_report.py
         "train.device=cpu"]
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """In-process tests of tiny models: a second intra-op thread only adds sync cost, and on a
-    shared 2-core box spinning OpenMP threads can slow them down many times over."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")
@@ -44,8 +39,6 @@ def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> 
     return jobs.train_cmd([f"run.out_dir={out}", *TINY, *overrides], nproc, restarts)
 
 
-# Two processes share two cores: one thread each keeps them from fighting over them.
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 # Multi-process test runs; data.log_ids: each step's global sample ids, to compare process layouts.
 DIST = ["train.max_steps=20", "train.ckpt_every=5", "model.dropout=0", "data.log_ids=true"]
 
@@ -58,13 +51,11 @@ def two_proc(tmp_path_factory, cache) -> Path:
     return out
 
 
-def run_train(out: Path, *overrides: str, check: bool = True, nproc: int = 0, restarts: int = 0,
-              one_thread: bool = False) -> subprocess.CompletedProcess:
-    """train.py to the end (under torchrun with `nproc`). Torchrun jobs, and `one_thread` runs, get
-    OMP_NUM_THREADS=1: a CPU kernel's float sums may split differently with another thread count."""
+def run_train(out: Path, *overrides: str, check: bool = True, nproc: int = 0, restarts: int = 0
+              ) -> subprocess.CompletedProcess:
+    """train.py to the end (under torchrun with `nproc`)."""
     proc = subprocess.run(train_cmd(out, *overrides, nproc=nproc, restarts=restarts), cwd=ROOT,
-                          capture_output=True, text=True, timeout=300,
-                          env=ENV if nproc or one_thread else None)
+                          capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
     return proc
@@ -75,7 +66,7 @@ def run_and_signal(out: Path, at_step: int, *overrides: str, sig: int = signal.S
     """Start a run; once it reports `at_step`, send `sig` (`repeat` times; to the whole process
     group, as SLURM does, if `group`). Return its exit code and everything it printed."""
     return jobs.run_until(train_cmd(out, *overrides, nproc=nproc), at_step, sig, group, repeat,
-                          tree=bool(nproc), cwd=ROOT, env=ENV if nproc else None)
+                          tree=bool(nproc), cwd=ROOT)
 
 
 def watchdog(proc: subprocess.Popen, seconds: float = 240):

@@ -26,7 +26,6 @@ ROOT = Path(__file__).resolve().parents[1]
 B, ACCUM, T, V = 8, 4, 12, 16
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_gpt_f64() -> GPT:

@@ -75,15 +75,6 @@ def warning_lines(stderr: str, ckpt: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------- shared runs
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """train.py subprocesses run single-threaded: on a busy 2-core box two intra-op threads spin
-    against each other (3x the wall time). Reference and reruns share it, so identity still holds."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("OMP_NUM_THREADS", "1")
-        yield
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("ref") / "run"

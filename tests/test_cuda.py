@@ -110,7 +110,7 @@ def test_torchrun_with_one_gpu_trains_over_nccl_like_plain_python(tmp_path, cach
     # writer thread writes them over gloo while training goes on over nccl.
     args = [cache, *DIST, *CUDA, "train.precision=bf16", "ema.enabled=true", "train.async_save=true"]
     plain, one, killed = tmp_path / "plain", tmp_path / "torchrun", tmp_path / "killed"
-    run_train(plain, *args, one_thread=True)
+    run_train(plain, *args)
     proc = run_train(one, *args, f"train.strategy={strategy}", nproc=1)
     assert f"1 process(es), {strategy} over nccl |" in proc.stdout, proc.stdout
     code, printed = run_and_signal(killed, 12, *args, f"train.strategy={strategy}", nproc=1, group=True)

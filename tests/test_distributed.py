@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import DIST as STEPS
-from conftest import ENV, ROOT, TINY, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
+from conftest import ROOT, TINY, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def one_proc(tmp_path_factory, cache) -> Path:
     """DIST in plain python with twice the micro-batch: two_proc's global batch in one process;
     one thread, as each torchrun process has, so a one-process torchrun job can match it bit for bit."""
     out = tmp_path_factory.mktemp("one") / "run"
-    proc = run_train(out, cache, *STEPS, "data.batch_size=8", one_thread=True)
+    proc = run_train(out, cache, *STEPS, "data.batch_size=8")
     assert "1 process(es), no process group |" in proc.stdout, proc.stdout
     return out
 
@@ -62,7 +62,7 @@ def test_one_process_under_torchrun_recovers_an_oom_in_backward_like_plain_pytho
     # stays plain python's, with the same fault, to the bit.
     args = [cache, *STEPS, "train.grad_accum=1", "faults.oom_at_step=6", "faults.oom_in=backward"]
     plain, one = tmp_path / "plain", tmp_path / "torchrun"
-    run_train(plain, *args, one_thread=True)
+    run_train(plain, *args)
     proc = run_train(one, *args, nproc=1)
     assert "step 6: out of memory; micro-batch 4 -> 2" in proc.stderr, proc.stderr
     assert [r["micro_batch"] for r in metrics(one)] == [4] * 5 + [2] * 15
@@ -145,7 +145,7 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     # Without this, restarted workers can read the previous attempt's addresses from torchrun's
     # shared TCPStore and never connect (pytorch/pytorch#135712; seen here as a hang and as
     # "Connection refused"). The README tells users to set it with --max-restarts.
-    env = {**ENV, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, env=env)
     timer = watchdog(proc)  # a hang fails this test instead of stalling the whole suite
@@ -229,7 +229,7 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node=2", "tests/more_models.py", f"run.out_dir={out}", *TINY,
                                cache, "train.max_steps=3", "model.name=gpt_spare", *extra],
-                              cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+                              cwd=ROOT, capture_output=True, text=True, timeout=300)
 
     refused = launch(tmp_path / "a")
     assert refused.returncode == 1 and "exitcode  : 2 " in refused.stderr, refused.stderr

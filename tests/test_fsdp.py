@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DIST, ENV, ROOT, TINY, metrics, run_and_signal, run_train, summary
+from conftest import DIST, ROOT, TINY, metrics, run_and_signal, run_train, summary
 from data import build_data
 from data.sampler import val_batches
 from loop import jobs
@@ -75,7 +75,7 @@ def setup_ranks(cache, *overrides: str) -> dict[int, dict]:
     big = ["model.n_layer=8", "model.n_head=8", "model.n_embd=512", "train.strategy=fsdp"]
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node=2", "tests/fsdp_setup.py", *TINY, cache, *big, *overrides],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300, env=ENV)
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     ranks = {r["rank"]: r for r in map(json.loads, re.findall(r"^\{.*\}$", proc.stdout, re.M))}
     assert ranks[0]["model_bytes"] == ranks[1]["model_bytes"] > 10**8
@@ -118,17 +118,17 @@ def test_fsdp_with_batch_norm_sigkill_then_rerun_is_bit_identical(tmp_path, cach
                 "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, *FSDP, "model.name=gpt_bn"]
 
     whole, out = tmp_path / "whole", tmp_path / "run"
-    assert subprocess.run(cmd(whole), cwd=ROOT, env=ENV, capture_output=True, timeout=300).returncode == 0
-    code, printed = jobs.run_until(cmd(out), 12, tree=True, cwd=ROOT, env=ENV)
+    assert subprocess.run(cmd(whole), cwd=ROOT, capture_output=True, timeout=300).returncode == 0
+    code, printed = jobs.run_until(cmd(out), 12, tree=True, cwd=ROOT)
     assert code == -signal.SIGKILL and not (out / "summary.json").exists(), printed
-    rerun = subprocess.run(cmd(out), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    rerun = subprocess.run(cmd(out), cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert rerun.returncode == 0 and "at step 10" in rerun.stdout, rerun.stdout + rerun.stderr
     assert [(r["loss"], r.get("val_loss")) for r in metrics(out)] == \
         [(r["loss"], r.get("val_loss")) for r in metrics(whole)]
     assert summary(out)["params_sha256"] == summary(whole)["params_sha256"]
 
 
-def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache, one_thread):
+def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache):
     cfg = load_config(fsdp_run / "config.yaml")
     data = build_data(cfg.data)
     model = build_model(cfg.model, data)

@@ -23,7 +23,6 @@ from model import build_model
 from model.config import ModelConfig
 from test_verify import rows, verify
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny in-process models: one thread is faster
 
 ACCURACY = 0.95  # val_accuracy the run below must reach (measured: 0.976 at step 100)
 TRAIN_IMAGES, TRAIN_LABELS = NAMES["train"]
@@ -149,10 +148,9 @@ def test_train_py_bad_idx_exits_2(tmp_path):
 
 
 # ------------------------------------------------------------------------------- training
-def test_mnist_trains_to_accuracy(digits, tmp_path, monkeypatch):
+def test_mnist_trains_to_accuracy(digits, tmp_path):
     """configs/mnist.yaml, shrunk: 100 steps of 32 generated digits reach val_accuracy >= 0.95, and the
     best checkpoint is the one with the highest val_accuracy (best_mode=max from the preset)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # measured: 1.5 s of training, not 15, on a busy 2-core box
     out = tmp_path / "run"
     run_train(out, f"data.path={digits}", "data.batch_size=32",
               "model.cnn.channels=8", "model.cnn.hidden=32", "model.dropout=0.1", "optim.lr=2e-3",
@@ -170,9 +168,8 @@ def test_mnist_trains_to_accuracy(digits, tmp_path, monkeypatch):
     assert f"val_accuracy {evals[best]:.4g} at step {best}" in (out / "report.md").read_text()
 
 
-def test_mnist_resume_is_exact(digits, tmp_path, monkeypatch):
+def test_mnist_resume_is_exact(digits, tmp_path):
     """The loop's exact-resume claim holds for the second task too (dropout on: its RNG is restored)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     args = [f"data.path={digits}", "data.batch_size=32", "model.cnn.channels=8", "model.cnn.hidden=32",
             "train.max_steps=30", "train.eval_every=10", "train.eval_batches=4", "train.ckpt_every=5", *MNIST]
     run_train(tmp_path / "whole", *args)
@@ -183,10 +180,9 @@ def test_mnist_resume_is_exact(digits, tmp_path, monkeypatch):
     assert (cut["val_accuracy"], cut["best"]) == (whole["val_accuracy"], whole["best"])
 
 
-def test_mnist_passes_make_verify(digits, tmp_path, monkeypatch):
+def test_mnist_passes_make_verify(digits, tmp_path):
     """Every make verify check holds for the classifier too (dropout on, one target per sample: the
     accumulation check keeps 32 targets in one micro-batch and 1 in the other)."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     proc = verify(tmp_path, "--steps", "12", f"data.path={digits}", "data.batch_size=32",
                   "model.cnn.channels=8", "model.cnn.hidden=32", "train.eval_batches=4", *MNIST)
     assert proc.returncode == 0, proc.stdout + proc.stderr

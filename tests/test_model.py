@@ -19,7 +19,6 @@ from model import build_model
 from model.gpt import GPT
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def gpt(V=16, T=8, L=2, H=2, C=32, dropout=0.0, bias=False, seed=0) -> GPT:

@@ -24,7 +24,7 @@ def grads(activation_checkpointing: bool) -> tuple[list[torch.Tensor], int]:
     return [p.grad for p in model.parameters()], len(calls)
 
 
-def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit(one_thread):
+def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit():
     (plain, n_plain), (ckpt, n_ckpt) = grads(False), grads(True)
     assert (n_plain, n_ckpt) == (1, 2)  # it really recomputed the block in backward
     assert len(plain) == len(ckpt) and all(torch.equal(a, b) for a, b in zip(plain, ckpt))
