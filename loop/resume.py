@@ -35,8 +35,19 @@ def verified(path: Path, key: str) -> Path:
     reason = checkpoint.verify(path)
     if reason:
         raise BadInput(f"{key}={path}: not a valid checkpoint ({reason}); expected a checkpoint "
-                       f"directory whose manifest.json verifies.")
+                       f"directory whose manifest.json verifies.{checkpoints_near(path)}")
     return path
+
+
+def checkpoints_near(path: Path) -> str:
+    """Where a run directory, its checkpoints/ or its model.pt was named instead of a checkpoint:
+    the ones in it that would do (the newest, and the best if marked), for the error message."""
+    for root in (path / "checkpoints", path, path.parent / "checkpoints"):
+        if dirs := checkpoint.step_dirs(root):
+            best = root / "best"
+            best = f"; the best: {root / best.read_text()}" if best.is_file() else ""
+            return f" {root} holds checkpoints: the newest is {dirs[-1]}{best}."
+    return ""
 
 
 def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:

@@ -136,6 +136,21 @@ def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, f"run.init_from={tmp_path / 'nope'}", check=False)
     assert proc.returncode == 2 and "run.init_from" in proc.stderr and not out.exists()
+    assert "holds checkpoints" not in proc.stderr  # nothing near it to suggest
+
+
+@pytest.mark.parametrize("named", ["", "checkpoints", "model.pt"])
+def test_init_from_a_run_dir_or_its_model_pt_names_the_checkpoints_that_would_do(
+        tmp_path, cache, reference, named):
+    # A finished run is what one warm-starts from, and its directory or model.pt what one names.
+    # The error says which checkpoints in it run.init_from takes (the newest, and the best).
+    out = tmp_path / "run"
+    proc = run_train(out, cache, f"run.init_from={reference / named}", check=False)
+    ckpts = reference / "checkpoints"
+    best = ckpts / (ckpts / "best").read_text()
+    said = f"{ckpts} holds checkpoints: the newest is {ckpts / 'step_00000040'}; the best: {best}."
+    assert proc.returncode == 2 and said in proc.stderr, proc.stderr
+    assert not out.exists()
 
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
