@@ -164,8 +164,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
             raise BadInput(f"override '{item}': expected the form section.key=value.")
         override(cfg, key.split("."), value, key)
     check(cfg)
-    writable_dir("run.out_dir", cfg.run.out_dir)
-    writable_dir("data.cache_dir", cfg.data.cache_dir)
+    writable_dir("config key run.out_dir", cfg.run.out_dir)
+    writable_dir("config key data.cache_dir", cfg.data.cache_dir)
     return cfg
 
 

@@ -146,19 +146,20 @@ def check(obj, prefix: str = "") -> None:
                            f"got {value!r}.")
 
 
-def writable_dir(key: str, path: str) -> None:
+def writable_dir(name: str, path: str) -> None:
     """`path` is a directory, or one can be made there: checked before anything is written, so a
-    file in the way is a clear error (exit 2), not a traceback after half a setup."""
+    file in the way is a clear error (exit 2), not a traceback after half a setup. `name` says
+    what gave the path: "config key run.out_dir", "option --out"."""
     if not path:
-        raise BadInput(f"config key {key}: expected a directory path, got ''.")
+        raise BadInput(f"{name}: expected a directory path, got ''.")
     there = Path(path).absolute()
     while not there.exists():  # the nearest part of the path that exists
         there = there.parent
     if not there.is_dir():
-        raise BadInput(f"config key {key}={path}: {there} is a file; expected a directory, or a path "
+        raise BadInput(f"{name}={path}: {there} is a file; expected a directory, or a path "
                        f"where one can be made.")
     if not os.access(there, os.W_OK | os.X_OK):
-        raise BadInput(f"config key {key}={path}: cannot write in {there}; expected a directory "
+        raise BadInput(f"{name}={path}: cannot write in {there}; expected a directory "
                        f"this user can write to.")
 
 

@@ -34,6 +34,7 @@ from data import build_data
 from loop import audit_runs, determinism
 from loop.audit_grads import TOLERANCE, Result, gradient_audits
 from loop.config import DEFAULT_CONFIG, load_config
+from loop.config_check import writable_dir
 from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.lab import banner
@@ -125,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     try:
         checks = chosen(a)
+        writable_dir("option --out", a.out)
         Path(a.out).mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=a.out))
         results = audit(a, checks, root)

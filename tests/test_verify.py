@@ -65,3 +65,9 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
     proc = verify(tmp_path, "model.n_layr=2")  # and once as users run it: the exit code is 2
     assert proc.returncode == 2 and "Did you mean 'model.n_layer'" in proc.stderr, proc.stderr
     assert not list((tmp_path / "verify").glob("*")), "nothing is left behind"
+    # --out where a file is: was a FileExistsError traceback, exit 1
+    (tmp_path / "file").write_text("mine")
+    code, err = main(["--out", str(tmp_path / "file" / "v")]), capsys.readouterr().err
+    assert code == 2 and err == (f"error: option --out={tmp_path / 'file' / 'v'}: {tmp_path / 'file'} is "
+                                 f"a file; expected a directory, or a path where one can be made.\n"), err
+    assert (tmp_path / "file").read_text() == "mine"
