@@ -11,12 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
 import yaml
 
 from loop.atomic import atomic_write
+from loop.config_check import writable_dir
+from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.jsonl import read_records
 
 
@@ -213,19 +216,33 @@ def samples(runs: list[dict]) -> str:
     return "\n## Samples\n\n" + "\n\n".join(out) + "\n" if out else ""
 
 
+def non_negative(text: str) -> float:
+    """argparse type for a price or a carbon intensity, bounded as report.* in the config is."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loop.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     p.add_argument("--out", type=Path, help="default: the run dir (one run) or reports/A_vs_B (several)")
-    p.add_argument("--price-per-hour", type=float, default=0.0, help="$ per device-hour (default 0: no cost)")
-    p.add_argument("--co2-g-per-kwh", type=float, default=400.0, help="grid carbon intensity (default 400)")
+    p.add_argument("--price-per-hour", type=non_negative, default=0.0,
+                   help="$ per device-hour (default 0: no cost)")
+    p.add_argument("--co2-g-per-kwh", type=non_negative, default=400.0,
+                   help="grid carbon intensity (default 400)")
     a = p.parse_args(argv)
     out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else Path("reports") / "_vs_".join(d.name for d in a.run_dirs))
     try:
+        writable_dir("option --out", str(out))
         path = write_report(a.run_dirs, out, a.price_per_hour, a.co2_g_per_kwh)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, BadInput) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     print(f"report written: {path}")
     return 0
 

@@ -136,6 +136,30 @@ def test_cli(runs, tmp_path):
     assert str(empty) in bad.stderr and "metrics.jsonl" in bad.stderr
 
 
+def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
+    # In this process (interpreters take seconds to start). A negative price or a nan intensity made
+    # a report with a negative or nan cost; an --out under a file was a NotADirectoryError traceback.
+    from loop.report import main
+
+    def code(args: list[str]) -> int:
+        try:
+            return main(args)
+        except SystemExit as e:  # argparse's own exit, after printing the error
+            return e.code
+
+    run = runs["finished"]
+    before = (run / "report.md").read_bytes()
+    (tmp_path / "file").write_text("mine")
+    under_file = tmp_path / "file" / "r"
+    for args, said in [
+            (["--price-per-hour", "-1"], "argument --price-per-hour: expected a finite number >= 0, got '-1'"),
+            (["--co2-g-per-kwh", "nan"], "argument --co2-g-per-kwh: expected a finite number >= 0, got 'nan'"),
+            (["--out", str(under_file)], f"error: option --out={under_file}: {tmp_path / 'file'} is a file")]:
+        assert code([str(run), *args]) == 2
+        assert said in capsys.readouterr().err, args
+    assert (run / "report.md").read_bytes() == before and (tmp_path / "file").read_text() == "mine"
+
+
 def test_without_matplotlib(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     md = write_report([runs["finished"], runs["interrupted"]], tmp_path).read_text()
