@@ -12,16 +12,18 @@ import argparse
 import sys
 
 from data.corpus import embedded_text, prepare_text, read_text
+from loop.config_check import non_negative, writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m data.prepare", description=__doc__.splitlines()[0])
     p.add_argument("--path", default="", help="text file (default: the embedded Python docs)")
     p.add_argument("--out", default="data/cache", help="cache directory")
-    p.add_argument("--val-fraction", type=float, default=0.1)
+    p.add_argument("--val-fraction", type=non_negative, default=0.1)
     a = p.parse_args(argv)
     try:
+        writable_dir("option --out", a.out)
         text, source = (read_text(a.path), a.path) if a.path else (embedded_text(), "pydoc_data.topics")
         print(prepare_text(text, source, a.out, a.val_fraction))
     except BadInput as e:

@@ -8,6 +8,7 @@ held in a field with a trailing underscore (`break_`); users only ever see the k
 """
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import keyword
@@ -161,6 +162,15 @@ def writable_dir(name: str, path: str) -> None:
     if not os.access(there, os.W_OK | os.X_OK):
         raise BadInput(f"{name}={path}: cannot write in {there}; expected a directory "
                        f"this user can write to.")
+
+
+def non_negative(text: str) -> float:
+    """argparse type for a command-line option bounded as its config key is (finite, >= 0): a
+    price, a carbon intensity, a validation fraction."""
+    value = _float(text)
+    if value is None or not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
+    return value
 
 
 def _bounds(value, meta, key: str) -> None:

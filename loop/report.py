@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
 import yaml
 
 from loop.atomic import atomic_write
-from loop.config_check import writable_dir
+from loop.config_check import non_negative, writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.jsonl import read_records
 
@@ -214,17 +213,6 @@ def samples(runs: list[dict]) -> str:
             step, text = found[-1]
             out.append(f"**{r['name']}**, step {step}:\n\n```\n{text}\n```")
     return "\n## Samples\n\n" + "\n\n".join(out) + "\n" if out else ""
-
-
-def non_negative(text: str) -> float:
-    """argparse type for a price or a carbon intensity, bounded as report.* in the config is."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value >= 0):
-        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text!r}")
-    return value
 
 
 def main(argv: list[str] | None = None) -> int:

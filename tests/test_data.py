@@ -211,6 +211,22 @@ def test_prepare_command_prints_the_corpus_dir_and_exits_2_on_bad_input(tmp_path
     assert [p.name for p in cache.iterdir()] == [ok.stdout.splitlines()[-1].rsplit("/", 1)[1]]
 
 
+def test_prepare_command_refuses_a_nan_fraction_and_an_out_under_a_file(tmp_path, capsys):
+    # Were tracebacks, exit 1: `cannot convert float NaN to integer`, and NotADirectoryError.
+    from data.prepare import main  # in this process: interpreters take seconds to start
+
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    with pytest.raises(SystemExit) as e:  # argparse's exit, after its message
+        main(["--path", str(f), "--out", str(tmp_path / "cache"), "--val-fraction", "nan"])
+    assert e.value.code == 2
+    assert "argument --val-fraction: expected a finite number >= 0, got 'nan'" in capsys.readouterr().err
+    assert main(["--path", str(f), "--out", str(f / "cache")]) == 2
+    assert capsys.readouterr().err == (f"error: option --out={f / 'cache'}: {f} is a file; expected a "
+                                       f"directory, or a path where one can be made.\n")
+    assert f.read_text(encoding="utf-8") == TEXT and not (tmp_path / "cache").exists()
+
+
 def test_build_text_decode(tmp_path):
     f = tmp_path / "corpus.txt"
     f.write_text(TEXT, encoding="utf-8")
