@@ -19,14 +19,13 @@ import argparse
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, at_least, device_label, sync_device
+from bench.common import RESULTS, append_result, at_least, command, device_label, sync_device
 from loop import build, checkpoint, determinism
 from loop.async_save import AsyncSaver
 from loop.config import DEFAULT_CONFIG, config_hash, load_config
@@ -135,4 +134,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command(main)

@@ -1,4 +1,4 @@
-"""What the benchmarks share: naming the device, waiting for it, and the results record."""
+"""What the benchmarks share: the command line, naming the device, waiting for it, and the results record."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 
 import torch
+
+from loop.errors import EXIT_BAD_INPUT, BadInput
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -23,6 +25,17 @@ def at_least(low: int):
         return value
     parse.__name__ = "integer"  # argparse names the type in its message for int("x")
     return parse
+
+
+def command(main) -> None:
+    """Run a benchmark's `main` as a command: bad input (a preset, a config key) found before the
+    runs is one line and exit 2, as with train.py, not a traceback."""
+    try:
+        code = main()
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = EXIT_BAD_INPUT
+    sys.exit(code)
 
 
 def device_label(device: torch.device) -> str:

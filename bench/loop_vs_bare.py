@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, at_least, device_label, sync_device
+from bench.common import RESULTS, append_result, at_least, command, device_label, sync_device
 from data import build_data
 from data.sampler import collate
 from loop.config import DEFAULT_CONFIG, load_config
@@ -155,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bare(args.config, args.overrides, args.warmup, args.steps)))
         return 0
     cfg = load_config(args.config, args.overrides)  # bad input fails here, before any run
+    for v in args.variant:
+        load_config(args.config, [*args.overrides, v])
     arms = {"scaffold": [], "bare": [], **{v: [v] for v in args.variant}}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)
@@ -187,4 +189,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    command(main)

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from bench import ckpt_stall, loop_vs_bare
+from bench.common import command
 from conftest import ROOT, TINY
 from loop.config import DEFAULT_CONFIG
 
@@ -58,4 +59,18 @@ def test_counts_below_their_minimum_are_usage_errors(tmp_path, capsys, main, arg
     with pytest.raises(SystemExit) as e:
         main([*args, "--results", str(tmp_path / "r.jsonl")])
     assert e.value.code == 2 and named in capsys.readouterr().err
+    assert not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.parametrize("main, args, named", [
+    (loop_vs_bare.main, ["--variant", "trian.x=1"], "unknown config key 'trian.x'"),
+    (loop_vs_bare.main, ["--config", "nope.yaml"], "config file nope.yaml: cannot read it"),
+    (ckpt_stall.main, ["model.n_layr=2"], "Did you mean 'model.n_layer'"),
+])
+def test_bad_config_input_is_one_line_and_exit_2(tmp_path, capsys, main, args, named):
+    # Was a BadInput traceback, exit 1; a bad --variant only after the other arms had run.
+    with pytest.raises(SystemExit) as e:
+        command(lambda: main([*args, "--results", str(tmp_path / "r.jsonl")]))
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and named in err, err
     assert not (tmp_path / "r.jsonl").exists()
