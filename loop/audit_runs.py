@@ -66,11 +66,18 @@ def _args(plan: Plan, name: str, *extra: str) -> list[str]:
 def run(plan: Plan, name: str, *extra: str, nproc: int = 0) -> str | None:
     """Run a job to its end; None if it succeeded, else why not."""
     print(f"verify: run {name} ...", file=sys.stderr, flush=True)
-    proc = subprocess.run(jobs.train_cmd(_args(plan, name, *extra), nproc), capture_output=True,
-                          text=True, timeout=plan.timeout)
-    (plan.root / f"{name}.log").write_text(proc.stdout + proc.stderr)
+    proc = subprocess.Popen(jobs.train_cmd(_args(plan, name, *extra), nproc), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=plan.timeout)
+    except subprocess.TimeoutExpired:  # a hang is a failed check, and leaves no worker behind
+        jobs.kill_tree(proc)
+        out, err = proc.communicate()
+        (plan.root / f"{name}.log").write_text(out + err)
+        return f"run {name} did not finish within --timeout {plan.timeout:g} s and was killed"
+    (plan.root / f"{name}.log").write_text(out + err)
     if proc.returncode != 0:
-        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        tail = " | ".join((err or out).strip().splitlines()[-3:])
         return f"run {name} exited {proc.returncode}: {tail}"
     return None
 

@@ -62,16 +62,19 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
 
 def watchdog(proc: subprocess.Popen, seconds: float) -> threading.Timer:
     """SIGKILL the process and its descendants after `seconds` unless cancelled."""
-    def kill() -> None:
-        for pid in [*descendants(proc.pid), proc.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-
-    timer = threading.Timer(seconds, kill)
+    timer = threading.Timer(seconds, kill_tree, (proc,))
     timer.start()
     return timer
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the process and its descendants (torchrun's workers are not in its process group),
+    the descendants first: once their parent is gone they can no longer be found."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def descendants(pid: int) -> list[int]:

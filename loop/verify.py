@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
 import sys
@@ -64,6 +65,8 @@ def chosen(a: argparse.Namespace) -> list[str]:
         raise BadInput(f"--checks: unknown check {', '.join(unknown)}; expected some of {', '.join(CHECKS)}.")
     if "ddp" in names and a.nproc < 2:
         raise BadInput("--checks ddp: needs --nproc 2 (or more) processes to compare with one.")
+    if not (math.isfinite(a.timeout) and a.timeout > 0):
+        raise BadInput(f"--timeout: expected a number of seconds > 0, got {a.timeout}.")
     if a.steps < 8:
         raise BadInput(f"--steps: expected at least 8 (a checkpoint, then a kill after it); got {a.steps}.")
     if a.kill_at and not ckpt_every(a.steps) < a.kill_at < a.steps:  # else no kill, or no resume

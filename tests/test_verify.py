@@ -65,9 +65,22 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
     proc = verify(tmp_path, "model.n_layr=2")  # and once as users run it: the exit code is 2
     assert proc.returncode == 2 and "Did you mean 'model.n_layer'" in proc.stderr, proc.stderr
     assert not list((tmp_path / "verify").glob("*")), "nothing is left behind"
+    code, err = main(["--out", str(tmp_path / "verify"), "--timeout", "0"]), capsys.readouterr().err
+    assert code == 2 and "--timeout: expected a number of seconds > 0, got 0.0." in err, err
     # --out where a file is: was a FileExistsError traceback, exit 1
     (tmp_path / "file").write_text("mine")
     code, err = main(["--out", str(tmp_path / "file" / "v")]), capsys.readouterr().err
     assert code == 2 and err == (f"error: option --out={tmp_path / 'file' / 'v'}: {tmp_path / 'file'} is "
                                  f"a file; expected a directory, or a path where one can be made.\n"), err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, capsys):
+    # A hung run was a subprocess.TimeoutExpired traceback that ended verify (and, under torchrun,
+    # left the workers running). Here run A cannot even start within 1 s: a FAIL row names it.
+    from loop.verify import main
+
+    code = main(["--out", str(tmp_path / "verify"), "--checks", "determinism", "--timeout", "1", cache, *TINY])
+    out = capsys.readouterr().out
+    assert code == 1 and rows(out)["determinism"] == (
+        "FAIL", "run A did not finish within --timeout 1 s and was killed"), out
