@@ -5,14 +5,14 @@ VENV := .venv
 ifeq ($(origin PYTHON), undefined)
 PYTHON := $(VENV)/bin/python
 ENV := $(VENV)/.stamp
-# make test: pytest workers (pytest-xdist, in the venv), each taking whole test files. Two fill a
-# 2-core box (8 min, not 13); on a bigger one: make test JOBS=8.
-JOBS ?= 2
 else
 ENV :=
-# An interpreter of your own may lack pytest-xdist: one process unless you say.
-JOBS ?= 1
 endif
+# make test JOBS=2: pytest workers (pytest-xdist, in the venv; each takes whole test files), 8 min
+# instead of 13 on 2 cores. One by default: in 2 of 4 such runs here one FSDP job's rank 1 aborted
+# at exit after finishing ("terminate called without an active exception"), seen in no one-worker
+# run; until that is understood, CI runs one.
+JOBS ?= 1
 ARGS ?=
 # make bench: the scaffold vs a bare loop, then the checkpoint stall (bench/; a benchmark, not a test)
 BENCH_CONFIG ?= configs/default.yaml
