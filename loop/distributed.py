@@ -14,6 +14,7 @@ exit path.
 """
 from __future__ import annotations
 
+import gc
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -210,6 +211,22 @@ def grad_sync(model: torch.nn.Module, sync: bool):
 
 
 def close() -> None:
-    """Tear the process group down; safe to call on every exit path, with or without one."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Tear the process groups down; safe to call on every exit path, with or without one.
+
+    A group's gloo worker threads stop only when the last reference to the group goes. FSDP's
+    DeviceMeshes hold their groups (`_pg_registry`), and DTensor's sharding and redistribution
+    caches hold the meshes for the life of the process, so without the clearing below those threads
+    outlive destroy_process_group into interpreter shutdown. A worker still letting go of its last
+    collective's tensors then needs the GIL, and taking it during shutdown ends the thread in a way
+    C++ answers with std::terminate: the rank aborts ("terminate called without an active
+    exception") after a run that finished, and torchrun reports the job failed. tests/exit_threads.py
+    shows the threads gone."""
+    if not dist.is_initialized():
+        return
+    dist.destroy_process_group()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    gc.collect()  # a trainer in a reference cycle still holds its model's meshes and groups
+    for obj in gc.get_objects():
+        if isinstance(obj, DeviceMesh):
+            obj._pg_registry.clear()  # the meshes are unusable from here on anyway

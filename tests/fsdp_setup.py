@@ -33,12 +33,19 @@ def gpt_with_buffer(cfg, data):
 model.BUILDERS["gpt"] = gpt_with_buffer
 cfg = load_config(DEFAULT_CONFIG, sys.argv[1:])
 dist, device = distributed.init(cfg.train.device)
-try:
+
+
+def report() -> None:
+    """In a function so that the trainer, which holds process groups, is gone before close()."""
     t = build_trainer(cfg, dist, device)
     n_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())  # whole, not shards
     print(json.dumps({"rank": dist.rank, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
                       "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
                       "ema_probe": t.ema.module.probe.tolist() if t.ema else None}), flush=True)
     dist.barrier()
+
+
+try:
+    report()
 finally:
     distributed.close()
