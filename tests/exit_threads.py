@@ -18,5 +18,7 @@ import train  # noqa: E402
 code = train.main()
 tasks = Path("/proc/self/task")  # every OS thread, C++ ones included (threading sees Python's only)
 names = sorted((tasks / t / "comm").read_text().strip() for t in os.listdir(tasks))
-print(json.dumps({"rank": int(os.environ["RANK"]), "threads": names}), flush=True)
+line = json.dumps({"rank": int(os.environ["RANK"]), "threads": names})
+sys.stdout.flush()
+os.write(1, f"{line}\n".encode())  # one write: the ranks share the pipe (print may write twice)
 sys.exit(code)

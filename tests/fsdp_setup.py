@@ -8,6 +8,7 @@ model and in the EMA copy, for tests/test_fsdp.py.
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 from pathlib import Path
@@ -39,9 +40,11 @@ def report() -> None:
     """In a function so that the trainer, which holds process groups, is gone before close()."""
     t = build_trainer(cfg, dist, device)
     n_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())  # whole, not shards
-    print(json.dumps({"rank": dist.rank, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                      "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
-                      "ema_probe": t.ema.module.probe.tolist() if t.ema else None}), flush=True)
+    line = json.dumps({"rank": dist.rank, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+                       "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
+                       "ema_probe": t.ema.module.probe.tolist() if t.ema else None})
+    sys.stdout.flush()
+    os.write(1, f"{line}\n".encode())  # one write: the ranks share the pipe (print may write twice)
     dist.barrier()
 
 
