@@ -4,8 +4,8 @@ sharded (torch.distributed.checkpoint) checkpoints, the consolidated export load
 plain model in one process with the same weights and outputs, a compiled FSDP model trains
 like an uncompiled one and with activation checkpointing like without it, EMA weights sharded
 like the model average and resume as with DDP, from synchronous or asynchronous checkpoints,
-only rank 0 holds whole weights in host memory, and train.fsdp_mixed_precision computes in bf16
-from float32 weights and resumes exactly."""
+only rank 0 holds whole weights in host memory, train.fsdp_mixed_precision computes in bf16
+from float32 weights and resumes exactly, and no process group's thread outlives a finished run."""
 from __future__ import annotations
 
 import json
