@@ -7,8 +7,9 @@ This file only wires parts together; the loop lives in loop/trainer.py. Exit cod
 2 bad input (config, data, checkpoint) with a message naming the key or file (nothing in
 run.out_dir is written or changed on that path), 3 gave up (non-finite values under
 train.nan_policy=abort or too many in a row, out of memory at micro-batch 1 or inside collectives
-over the ranks, a write the disk refuses), 130 interrupted by Ctrl-C, 143 preempted by SIGTERM/SIGUSR1 after writing a
-checkpoint (after either, rerun the same command to continue).
+over the ranks, a write the disk refuses), 130 interrupted by Ctrl-C, 141 the console's reader went
+away (`| head`), 143 preempted by SIGTERM/SIGUSR1 after writing a checkpoint (after any of the
+last three, rerun the same command to continue).
 """
 from __future__ import annotations
 
@@ -18,9 +19,13 @@ from loop import determinism, distributed, dotenv
 from loop.build import build_trainer
 from loop.config import load_config, parse_args
 from loop.device import pick_device
-from loop.errors import (EXIT_BAD_INPUT, EXIT_GAVE_UP, EXIT_INTERRUPTED, NO_ROOM, BadInput, GaveUp,
-                         no_room)
+from loop.errors import (EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_GAVE_UP, EXIT_INTERRUPTED, NO_ROOM,
+                         BadInput, GaveUp, console_gone, mute_dead_console, no_room, tell)
 from loop.guards import EXIT_PREEMPTED, configure_allocator
+
+
+LOST = ("the steps since the newest checkpoint are lost, the checkpoints are whole; rerun the same "
+        "command to continue from the newest")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -36,23 +41,27 @@ def main(argv: list[str] | None = None) -> int:
         summary = build_trainer(cfg, dist, device).run()
         dist.barrier()  # rank 0 writes the summary and report last: the others wait, then all close
     except BadInput as e:
-        print(f"error: {e}", file=sys.stderr)
+        tell(f"error: {e}")
         return EXIT_BAD_INPUT
     except GaveUp as e:
-        print(f"error: {e}", file=sys.stderr)
+        tell(f"error: {e}")
         return EXIT_GAVE_UP
+    except BrokenPipeError:  # before OSError: the console's reader went away, or a bug if not
+        if not console_gone():
+            raise
+        tell(f"stopped: the console's reader went away; {LOST}")
+        return EXIT_CONSOLE_GONE
     except OSError as e:
         if e.errno not in NO_ROOM or cfg is None:  # anything else is a bug to see in full
             raise
-        print(f"error: {no_room(e, {'run.out_dir': cfg.run.out_dir, 'data.cache_dir': cfg.data.cache_dir})}",
-              file=sys.stderr)
+        tell(f"error: {no_room(e, {'run.out_dir': cfg.run.out_dir, 'data.cache_dir': cfg.data.cache_dir})}")
         return EXIT_GAVE_UP
     except KeyboardInterrupt:  # Ctrl-C: the user knows where it stopped; a traceback adds nothing
-        print("interrupted: the steps since the newest checkpoint are lost, the checkpoints are "
-              "whole; rerun the same command to continue from the newest", file=sys.stderr)
+        tell(f"interrupted: {LOST}")
         return EXIT_INTERRUPTED
     finally:
         distributed.close()
+        mute_dead_console()
     return EXIT_PREEMPTED if summary["preempted"] else 0
 
 

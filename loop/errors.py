@@ -5,14 +5,19 @@ in `run.out_dir` is written or changed. Raise it with a message that names the k
 says what was expected. `GaveUp`: training started but cannot continue; exit 3, as for any write
 the system refuses for want of room (`NO_ROOM`). Ctrl-C (KeyboardInterrupt): exit 130, as a shell
 reports it; the checkpoints on disk are whole (atomic writes), so the same command continues from
-the newest.
+the newest. A console whose reader went away (`python train.py | head`, or a `tee` ended by the
+same Ctrl-C): exit 141, as a shell reports a SIGPIPE, and no traceback (nobody could read it).
 """
 
 import errno
+import os
+import select
+import sys
 
 EXIT_BAD_INPUT = 2
 EXIT_GAVE_UP = 3
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_CONSOLE_GONE = 141  # 128 + SIGPIPE
 
 
 class BadInput(Exception):
@@ -36,3 +41,33 @@ def no_room(e: OSError, dirs: dict[str, str]) -> str:
     return (f"a write{what} was refused: {e.strerror}. The disk is full, or a quota or file-size "
             f"limit was reached. The steps since the newest checkpoint are lost; the checkpoints are "
             f"whole. Free space in {where} and rerun the same command to continue from the newest.")
+
+
+def gone(fd: int) -> bool:
+    """Whether writing to `fd` would raise BrokenPipeError: a pipe or socket whose reader is gone."""
+    poll = select.poll()
+    poll.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poll.poll(0))
+
+
+def console_gone() -> bool:
+    return gone(1) or gone(2)
+
+
+def tell(message: str) -> None:
+    """Print an ending's message to stderr if anyone can still read it: the exit code says it too."""
+    try:
+        print(message, file=sys.stderr, flush=True)
+    except BrokenPipeError:
+        pass
+
+
+def mute_dead_console() -> None:
+    """Point a gone stdout or stderr at /dev/null, so that nothing fails writing to it any more;
+    the interpreter's last flush of stdout included, which would make the exit code 120."""
+    dead = [fd for fd in (1, 2) if gone(fd)]
+    if dead:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for fd in dead:
+            os.dup2(devnull, fd)
+        os.close(devnull)

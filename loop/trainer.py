@@ -11,6 +11,7 @@ as a pure function of the optimizer step (`loop.schedule`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
@@ -125,7 +126,11 @@ class Trainer:
             if profiler:
                 profiler.close()
             self.batches = None  # shuts the DataLoader workers down
-            self.log.flush()  # even on the way out of an error: every finished step is on disk
+            # Even on the way out of an error: every finished step is on disk (the file is written
+            # before the console line). A console gone with the error (a `tee` ended by the same
+            # Ctrl-C) must not replace it, nor keep the checkpoint writer below from finishing.
+            with contextlib.suppress(BrokenPipeError):
+                self.log.flush()
             if self.saver:
                 self.saver.close()  # the last checkpoint is on disk before anything else
         return finish(self)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import random
 import re
 import signal
+import subprocess
+import sys
 
 import pytest
 
-from conftest import metrics, run_and_kill, run_and_signal, run_train, summary
+from conftest import (ROOT, metrics, run_and_kill, run_and_signal, run_train, summary, train_cmd,
+                      watchdog)
+from loop.jobs import reported_step
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 RNG = random.Random()  # a fresh draw each session; every assertion message carries the steps
@@ -70,6 +74,65 @@ def test_ctrl_c_exits_130_without_a_traceback_then_rerun(tmp_path, cache, refere
     rerun = run_train(out, *args)
     assert 10 <= resumed_at(rerun.stdout) <= stop
     assert_identical(reference, out, f"Ctrl-C at step {stop}")
+
+
+def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_path, cache, reference):
+    # `python train.py | head`: the console's reader goes away mid-run. The run stops at its next
+    # console line as a shell's SIGPIPE would stop it (141), with a line on stderr, not a
+    # BrokenPipeError traceback (exit 1), and the rerun continues it exactly.
+    stop = RNG.randint(12, 38)
+    out = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(out, cache, *STEPS), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    timer = watchdog(proc)
+    for line in proc.stdout:
+        if (reported_step(line) or 0) >= stop:
+            break
+    proc.stdout.close()
+    stderr = proc.stderr.read()
+    code = proc.wait()
+    timer.cancel()
+    assert code == 141, stderr
+    assert "stopped: the console's reader went away; the steps since" in stderr, stderr
+    assert "Traceback" not in stderr, stderr
+    rerun = run_train(out, cache, *STEPS)
+    assert 10 <= resumed_at(rerun.stdout) <= stop
+    assert_identical(reference, out, f"console gone after step {stop}")
+
+
+# A wrapper around train.main: before step 26, the console becomes a pipe without a reader (fds 1
+# and 2), then Ctrl-C's KeyboardInterrupt is raised, in that order every time.
+CTRL_C_AFTER_THE_TEE = """
+import os, sys
+import train
+from loop.trainer import Trainer
+step = Trainer._step
+def ctrl_c(self):
+    if self.progress.step == 25:
+        r, w = os.pipe()
+        os.close(r)
+        os.dup2(w, 1)
+        os.dup2(w, 2)
+        raise KeyboardInterrupt
+    return step(self)
+Trainer._step = ctrl_c
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_ctrl_c_that_also_ends_a_tee_exits_130(tmp_path, cache, reference):
+    # `python train.py 2>&1 | tee log`, then Ctrl-C: tee is gone first, and on the way out the run
+    # prints the steps it has not logged yet (21-25: log_every is past the run's end) to a console
+    # nobody reads. That BrokenPipeError once replaced the KeyboardInterrupt: exit 1 (after a
+    # traceback nobody could read) where a Ctrl-C is 130, and the checkpoint writer's close skipped.
+    out = tmp_path / "run"
+    args = [cache, *STEPS, "train.log_every=1000", "train.async_save=true"]
+    cmd = [sys.executable, "-c", CTRL_C_AFTER_THE_TEE, *train_cmd(out, *args)[2:]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 130, proc.stdout + proc.stderr
+    rerun = run_train(out, *args)
+    assert resumed_at(rerun.stdout) == 20
+    assert_identical(reference, out, "Ctrl-C with the console gone")
 
 
 def test_two_kills_in_one_run(tmp_path, cache, reference):
