@@ -15,7 +15,8 @@ honest. It runs short audits on the config as given and prints a table of check,
     eval          evaluating in between does not change training
     ddp           (--nproc n) n processes vs one process with n times the micro-batch
 
-Exit codes: 0 every check passed; 1 a check failed (the table names it and the usual cause);
+Exit codes: 0 every check passed; 1 a check failed (the table names it, and the usual cause where
+its runs finished and differ, or the log of the run that did not finish);
 2 bad input (the config). The runs go to runs/verify/<time>/, deleted when every check passes
 unless --keep. loop/audit_runs.py and loop/audit_grads.py say how each check works.
 """
@@ -102,7 +103,7 @@ def single_process_runs(plan: audit_runs.Plan, cfg, checks: list[str]) -> list[R
     if not wanted:
         return []
     if why := audit_runs.run(plan, "A"):
-        return [Result(c, False, why, audit_runs.HINTS[c]) for c in wanted]
+        return [Result(c, False, why) for c in wanted]
     results = []
     if "resume" in wanted or "data" in wanted:
         resumed = audit_runs.resume(plan)
