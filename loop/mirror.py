@@ -3,6 +3,7 @@
 `run.mirror` is a directory (e.g. a mounted bucket) or any fsspec URL (`memory://b/run`, `file:///x`,
 `s3://b/run` with s3fs installed): one fsspec code path for all. Use:
     mirror = Mirror(cfg.run.mirror)       # before anything is written: BadInput if unusable
+                                          # (an unknown protocol, a local directory it cannot make)
     mirror.submit(checkpoint.save(root, ...), {p.name for p in checkpoint.step_dirs(root)})
     mirror.close()                        # end of run: waits for the queued copies
     fetch_latest(cfg.run.mirror, root)    # no local checkpoint (new machine): get the newest valid
@@ -22,6 +23,7 @@ import threading
 from pathlib import Path
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
 from loop.atomic import atomic_write, fsync_dir
 from loop.checkpoint import MANIFEST, STEP_DIR, step_dirs, verify
@@ -55,6 +57,16 @@ class Mirror:
     def __init__(self, target: str, retries: int = 3, backoff_s: float = 0.5):
         self.target, self.retries, self.backoff_s = target, retries, backoff_s
         self.fs, self.root = _open(target)
+        if isinstance(self.fs, LocalFileSystem):
+            # A directory that cannot be made (a typo, a mount that is not there) is bad input now,
+            # not a warning at every checkpoint of a run that thinks it is backed up. Object stores
+            # are left to their first copy: they have no directories, and a user allowed to write
+            # a prefix may not be allowed to look at the bucket.
+            try:
+                self.fs.makedirs(self.root, exist_ok=True)
+            except OSError as e:
+                raise BadInput(f"run.mirror={target}: cannot make the directory ({e.strerror or e}). "
+                               f"Expected a directory this user can write to, or an fsspec URL.") from e
         self._queue: queue.Queue = queue.Queue()
         self._abandon = threading.Event()  # set when close() times out: skip what is left
         self._closed = False

@@ -104,9 +104,9 @@ def test_fetch_latest_none_when_mirror_empty(tmp_path):
 
 
 def test_failing_target_warns_once_and_training_goes_on(tmp_path, capsys):
-    blocker = tmp_path / "a_file"
-    blocker.write_text("not a dir")
-    mirror = Mirror(str(blocker / "run"), retries=2, backoff_s=0)
+    mirror = Mirror(str(tmp_path / "run"), retries=2, backoff_s=0)
+    (tmp_path / "run").rmdir()  # the mirror goes away mid-run: a file where its directory was
+    (tmp_path / "run").write_text("not a dir")
     run_with_mirror(mirror, tmp_path / "ckpt", [1])
     err = capsys.readouterr().err
     assert err.count("warning: mirror") == 1
@@ -179,6 +179,17 @@ def test_invalid_checkpoint_is_not_mirrored(tmp_path, capsys):
 def test_unknown_protocol_is_bad_input():
     with pytest.raises(BadInput, match="run.mirror=nope://x"):
         Mirror("nope://x")
+
+
+@pytest.mark.parametrize("where", ["afile/run", "/proc/mirror"])
+def test_a_local_mirror_that_cannot_be_made_is_bad_input_at_once(tmp_path, where):
+    # It used to be a warning at every checkpoint ("could not copy ...; training goes on") of a
+    # run that looked backed up, and no error at all when resuming from a local checkpoint.
+    (tmp_path / "afile").write_text("")
+    target = str(tmp_path / where)  # an absolute `where` stays as it is
+    with pytest.raises(BadInput) as e:
+        Mirror(target)
+    assert str(e.value).startswith(f"run.mirror={target}: cannot make the directory ("), str(e.value)
 
 
 def test_a_mirror_that_cannot_be_listed_is_bad_input(tmp_path):
