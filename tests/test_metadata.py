@@ -3,11 +3,12 @@ secret-looking environment values or command-line values, and the metadata insid
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 
 import torch
 
-from conftest import run_train
+from conftest import ROOT, run_train
 from loop import metadata
 
 
@@ -29,6 +30,21 @@ def test_commit_and_dirty_flag_in_a_temp_repo(tmp_path):
     assert dirty["commit"] == head and dirty["dirty"] is True and len(dirty["diff_sha256"]) == 64
     (tmp_path / "a.txt").write_text("three\n")
     assert metadata.git_info(tmp_path)["diff_sha256"] != dirty["diff_sha256"]  # hash of the diff
+
+
+def test_what_the_project_writes_leaves_the_tree_clean(tmp_path):
+    # The dirty flag counts untracked files, so everything the project writes by default must be
+    # git-ignored: a comparison report (python -m loop.report A B -> reports/A_vs_B/) once made
+    # every later run's metadata say its code was dirty.
+    shutil.copy(ROOT / ".gitignore", tmp_path)
+    git(tmp_path, "init", "-q")
+    git(tmp_path, "add", ".gitignore")
+    git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    for path in ["runs/default/metrics.jsonl", "reports/a_vs_b/report.md", "data/cache/t/tokens.bin",
+                 ".venv/.stamp", ".pytest_cache/v", "loop/__pycache__/x.pyc", ".env"]:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert metadata.git_info(tmp_path)["dirty"] is False
 
 
 def test_no_secrets_and_the_hardware_is_described(tmp_path, cache, monkeypatch):

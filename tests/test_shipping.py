@@ -178,7 +178,7 @@ def test_dockerfile_runs_as_non_root_and_records_the_commit():
 
 def test_dockerignore_keeps_secrets_history_and_outputs_out_of_the_image():
     lines = set((ROOT / ".dockerignore").read_text().split("\n"))
-    assert {".git", ".venv", ".env", "runs", "data/cache"} <= lines
+    assert {".git", ".venv", ".env", "runs", "reports", "data/cache"} <= lines
 
 
 def test_env_example_parses_and_git_ignores_env():
