@@ -63,6 +63,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         write_report([t.out], t.out, r.price_per_hour, r.co2_g_per_kwh, r.plots)
     except Exception as e:  # noqa: BLE001
         print(f"warning: report not written ({type(e).__name__}: {e})", file=sys.stderr)
-    print(f"done: {p.step} steps | loss "
-          f"{summary['final_loss']} | val {val:.4f} | params {summary['params_sha256'][:16]} | {t.out}")
+    loss = "n/a" if summary["final_loss"] is None else summary["final_loss"]  # no step taken
+    print(f"done: {p.step} steps | loss {loss} | val {val:.4f} | "
+          f"params {summary['params_sha256'][:16]} | {t.out}")
     return summary

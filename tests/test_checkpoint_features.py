@@ -123,7 +123,8 @@ def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, ref
 def test_init_from_loads_weights_only(tmp_path, cache, reference):
     ckpt = reference / "checkpoints" / "step_00000040"
     zero = tmp_path / "zero"
-    run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}")
+    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}")
+    assert "done: 0 steps | loss n/a | val " in proc.stdout, proc.stdout  # not "loss None"
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
     warm = tmp_path / "warm"
     run_train(warm, cache, "train.max_steps=5", f"run.init_from={ckpt}")
