@@ -16,6 +16,7 @@ be produced again) and TensorBoard purges its events after that step, so both sh
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class MetricsLog:
         self.last_loss = kept[-1]["loss"] if kept else None
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
+        if self.tb:
+            _quiet_tensorboard_thread()
         self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
         self.telemetry, self.mfu = telemetry or dict, mfu or (lambda _: None)
         self.last_event = None  # CUDA event at the end of the last logged step
@@ -51,13 +54,15 @@ class MetricsLog:
         """A value known on the host now (e.g. val loss): merged into that step's record."""
         self._merge(step, name, value)
         if self.tb:
-            self.tb.add_scalar(name.replace("_", "/", 1), value, step)
+            with naming(self.tb.log_dir):
+                self.tb.add_scalar(name.replace("_", "/", 1), value, step)
 
     def text(self, step: int, name: str, value: str) -> None:
         """A text (e.g. a model sample): into that step's record and TensorBoard's text tab."""
         self._merge(step, name, value)
         if self.tb:
-            self.tb.add_text(name, value, step)
+            with naming(self.tb.log_dir):
+                self.tb.add_text(name, value, step)
 
     def _merge(self, step: int, name: str, value) -> None:
         for fields, _ in reversed(self.pending):
@@ -82,9 +87,10 @@ class MetricsLog:
             self.file.write("".join(json.dumps(rec) + "\n" for rec in recs))
             self.file.flush()
         for rec in recs if self.tb else []:
-            for k, v in rec.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(f"train/{k}", v, rec["step"])
+            with naming(self.tb.log_dir):
+                for k, v in rec.items():
+                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.tb.add_scalar(f"train/{k}", v, rec["step"])
         self._console(recs[-1])
         self.last_loss = recs[-1]["loss"]
 
@@ -114,7 +120,25 @@ class MetricsLog:
         self.flush()
         self.file.close()
         if self.tb:
-            self.tb.close()
+            with naming(self.tb.log_dir):
+                self.tb.close()
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard writes its event file on a thread of its own. A write the disk refuses there
+    printed that thread's traceback, in the middle of train.py's one-line exit 3 for the same
+    error: the thread keeps the error, and the next TensorBoard call here raises it again (naming
+    the directory), so the traceback said nothing more. Every other thread's is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__module__ != "tensorboard.summary.writer.event_file_writer":
+            previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
 
 
 class NullLog:

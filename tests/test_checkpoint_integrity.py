@@ -346,6 +346,20 @@ def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identica
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
 
 
+def test_a_tensorboard_write_refused_exits_3_in_one_line_naming_its_directory(tmp_path, cache, reference):
+    # TensorBoard's event file grows faster than metrics.jsonl (550 vs 330 bytes a step here), so
+    # it meets the limit first, on TensorBoard's own writer thread. That thread's traceback was
+    # printed into the exit-3 message, which named no file. (`reference`: the data cache is ready;
+    # its corpus is larger than the limit.)
+    out = tmp_path / "run"
+    proc = run_with_file_limit(6000, out, cache, "train.max_steps=60", "train.ckpt_every=1000",
+                               "train.eval_every=0")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert f"\nerror: a write to {out / 'tb'} was refused: File too large." in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
+    assert (out / "metrics.jsonl").stat().st_size < 6000, "metrics.jsonl was not the file refused"
+
+
 # ---------------------------------------------------------------------------- 7. retention
 def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
     out = tmp_path / "run"
