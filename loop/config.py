@@ -4,8 +4,8 @@
 
 The `data` and `model` sections are defined next to their builders (data/config.py,
 model/config.py), so a new task adds its options there. Every key is checked before anything runs: an unknown key gets a did-you-mean, a wrong type or an
-out-of-range value names the key, the expected type and the value given, malformed YAML names the
-file and line. All of these raise `BadInput` (exit code 2, nothing written). `save` writes the
+out-of-range value names the key, the expected type and the value given, malformed YAML (a key
+given twice included) names the file and line. All of these raise `BadInput` (exit code 2, nothing written). `save` writes the
 resolved config; `load_config` on that file gives back an equal object.
 """
 from __future__ import annotations
@@ -145,11 +145,28 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
     return args.config, args.overrides
 
 
+class _Loader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping. YAML keeps the last one
+    silently, so a second `train:` section at the end of a file dropped every key of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict[str, int] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in first:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"key '{key.value}' given twice, first on line {first[key.value] + 1}; "
+                                f"YAML would keep the second and drop the first without a word",
+                        problem_mark=key.start_mark)
+                first[key.value] = key.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     """YAML file + dotted overrides -> a checked Config. Raises BadInput on any problem."""
     path = Path(path)
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
     except OSError as e:
         where = "" if path.is_absolute() else f", looked for in {Path.cwd()}"
         raise BadInput(f"config file {path}: cannot read it ({e.strerror}{where}); expected a YAML file.")

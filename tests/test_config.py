@@ -151,6 +151,21 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
     assert str(f) in msg and " line " in msg and "malformed YAML" in msg
 
 
+def test_a_key_given_twice_in_yaml_names_both_lines(tmp_path):
+    # YAML keeps the last of two equal keys without a word: a second `train:` section dropped
+    # every key of the first (here max_steps: 3 became the default).
+    f = tmp_path / "twice.yaml"
+    f.write_text("train:\n  max_steps: 3\noptim:\n  lr: 0.01\ntrain:\n  grad_accum: 2\n")
+    assert bad(path=f) == (f"config file {f} line 5, column 1: malformed YAML (key 'train' given "
+                           f"twice, first on line 1; YAML would keep the second and drop the first "
+                           f"without a word).")
+    f.write_text("optim:\n  lr: 0.01\n  lr: 0.02\n")  # within a section too
+    assert "line 3, column 3: malformed YAML (key 'lr' given twice, first on line 2;" in bad(path=f)
+    # A merge key (<<) is not a duplicate: the explicit key overrides the merged one, as YAML says.
+    f.write_text("train:\n  <<: {max_steps: 3, grad_accum: 2}\n  max_steps: 5\n")
+    assert (load_config(f).train.max_steps, load_config(f).train.grad_accum) == (5, 2)
+
+
 def test_missing_config_file(tmp_path, monkeypatch):
     missing = tmp_path / "nope.yaml"
     msg = bad(path=missing)
