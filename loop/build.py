@@ -14,6 +14,7 @@ from loop import distributed, fsdp
 from loop.device import use_tf32
 from loop.distributed import Dist
 from loop.ema import build_ema
+from loop.errors import BadInput
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import rank_seed, seed_everything
@@ -23,6 +24,7 @@ from model import build_model
 
 
 def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
+    check_with_world(cfg, dist)
     # The builders draw the same numbers on every rank: the same data (a random split stays one
     # split) and the same initial weights.
     seed_everything(cfg.run.seed)
@@ -40,6 +42,9 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     # Before wrapping: an FSDP module cannot be deep-copied.
     ema = build_ema(model, cfg.ema, shapes_only=deferred)
+    if cfg.train.early_stop_patience and not cfg.train.eval_every:
+        dist.say("note: train.early_stop_patience has no effect with train.eval_every=0: it counts "
+                 "evaluations, and this run evaluates once, at its end")
     if cfg.train.fsdp_mixed_precision and (precision.dtype is None or cfg.train.strategy != "fsdp"):
         dist.say(f"note: train.fsdp_mixed_precision=true has no effect with train.strategy="
                  f"{cfg.train.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
@@ -50,3 +55,13 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     # meta-device ranks draw nothing, so they would otherwise differ from DDP's.
     seed_everything(rank_seed(cfg.run.seed, dist.rank))
     return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)
+
+
+def check_with_world(cfg, dist: Dist) -> None:
+    """Keys whose range is the run's ranks. A fault aimed at a rank the run does not have never
+    fires, and a fire drill that passes because nothing happened proves nothing."""
+    for key in ("nan_rank", "oom_rank"):
+        rank = getattr(cfg.faults, key)
+        if rank >= dist.world:
+            raise BadInput(f"config key faults.{key}: rank {rank}, but this run has {dist.world} "
+                           f"process(es); expected -1 (every rank) or a rank below {dist.world}.")

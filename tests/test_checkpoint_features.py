@@ -91,6 +91,14 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
 
 
+def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cache):
+    # train.eval_every=0 evaluates once, at the end: a patience counting evaluations never fires.
+    proc = run_train(tmp_path / "run", cache, "train.max_steps=2", "train.eval_every=0",
+                     "train.early_stop_patience=2")
+    assert ("note: train.early_stop_patience has no effect with train.eval_every=0: it counts "
+            "evaluations, and this run evaluates once, at its end") in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("mode", ["min", "max"])
 def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
     # keep_last=1: only the newest survives retention, plus the best one.

@@ -92,6 +92,8 @@ def test_out_of_range_and_bad_choice():
     assert bad(["run.seed=4294967296"]) == \
         "config key run.seed: expected a value <= 4294967295, got 4294967296."
     assert bad(["data.synthetic.seed=-1"]) == "config key data.synthetic.seed: expected a value >= 0, got -1."
+    # A fault's rank: -1 is every rank; below it, no rank at all (a drill that never fires).
+    assert bad(["faults.nan_rank=-2"]) == "config key faults.nan_rank: expected a value >= -1, got -2."
 
 
 def test_a_float_key_refuses_nan_and_infinity(tmp_path):

@@ -13,6 +13,10 @@ import torch
 
 from conftest import ROOT, metrics, run_and_kill, run_train, summary
 from loop import checkpoint, guards
+from loop.build import check_with_world
+from loop.config import DEFAULT_CONFIG as DEFAULT, load_config
+from loop.distributed import Dist
+from loop.errors import BadInput
 
 STEPS = ["train.max_steps=20", "train.ckpt_every=5"]
 GB = 8  # global batch in samples: TINY's batch_size 4 x default grad_accum 2
@@ -203,6 +207,20 @@ def test_faults_are_recorded_in_metadata(tmp_path, cache):
     out = tmp_path / "run"
     run_train(out, cache, "train.max_steps=3", "faults.nan_at_step=2")
     assert json.loads((out / "metadata.json").read_text())["faults_injected"] == {"nan_at_step": 2}
+
+
+def test_a_fault_aimed_at_a_rank_the_run_does_not_have_is_bad_input(tmp_path, cache):
+    # It never fired: a fire drill that "passed" because nothing happened. Exit 2, nothing written.
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "faults.nan_at_step=2", "faults.nan_rank=1", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.endswith("error: config key faults.nan_rank: rank 1, but this run has 1 "
+                                "process(es); expected -1 (every rank) or a rank below 1.\n"), proc.stderr
+    assert not out.exists()
+    cfg = load_config(DEFAULT, ["faults.oom_rank=1"])
+    check_with_world(cfg, Dist(rank=0, world=2))  # rank 1 of 2: fine
+    with pytest.raises(BadInput, match="faults.oom_rank: rank 2, but this run has 2 process"):
+        check_with_world(load_config(DEFAULT, ["faults.oom_rank=2"]), Dist(rank=0, world=2))
 
 
 def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
