@@ -2,7 +2,8 @@
 produced this run.
 
 - code: the project's git commit, whether the tree is dirty, a hash of the diff (or the GIT_COMMIT
-  environment variable, for images built without .git);
+  environment variable, for images built without .git); and, git or not, a hash of the code that
+  decides how a run trains (a copy or zip download of the project has no .git);
 - config: its hash, the command line, start time, world size, injected faults, determinism settings;
 - machine: CPU model and cores, RAM, GPU names / count / memory, driver and CUDA versions, a hash
   of the hostname (not the name), versions of python, torch and numpy;
@@ -33,6 +34,7 @@ from loop.determinism import in_effect
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+CODE = ("train.py", "loop", "data", "model")  # the code that decides how a run trains
 ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "OMP_", "MKL_", "SLURM_", "MASTER_",
                 "WORLD_SIZE", "RANK", "LOCAL_RANK", "CUBLAS_")
 
@@ -51,6 +53,17 @@ def git_info(root: Path = ROOT) -> dict:
     diff = _git(root, "diff", "HEAD")
     return {"commit": commit, "dirty": bool(status.strip()) if status is not None else None,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
+
+
+def code_hash(root: Path = ROOT) -> str:
+    """sha256 over the path and bytes of every .py file in CODE: equal hashes, equal code, with or
+    without git (a copied project, a zip download, an image built without GIT_COMMIT)."""
+    h = hashlib.sha256()
+    for path in sorted(p for name in CODE for p in
+                       ([root / name] if name.endswith(".py") else (root / name).rglob("*.py"))):
+        data = path.read_bytes()
+        h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode() + data)
+    return h.hexdigest()
 
 
 def safe_environment() -> dict:
@@ -96,7 +109,7 @@ def collect(cfg, device: torch.device, precision: str, world_size: int, resumed_
     off = asdict(FaultsConfig())
     faults = {k: v for k, v in asdict(cfg.faults).items() if v != off[k]}
     return {
-        "git": git_info(), "config_sha256": config_hash(cfg), "argv": safe_argv(),
+        "git": git_info(), "code_sha256": code_hash(), "config_sha256": config_hash(cfg), "argv": safe_argv(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "faults_injected": faults or None, "lab_break": cfg.lab.break_ or None,

@@ -65,6 +65,26 @@ def test_no_secrets_and_the_hardware_is_described(tmp_path, cache, monkeypatch):
     assert len(hw["host_sha256"]) == 16 and hw["cpu"]
     state = torch.load(out / "checkpoints" / "step_00000002" / "state.pt", weights_only=True)
     assert state["metadata"]["config_sha256"] == meta["config_sha256"]
+    assert meta["code_sha256"] == state["metadata"]["code_sha256"] == metadata.code_hash(ROOT)
+
+
+def test_the_code_hash_covers_the_training_code_and_nothing_else(tmp_path):
+    # A project copied or downloaded as a zip has no .git: this hash still names its code.
+    files = {"train.py": "main()", "loop/a.py": "x = 1", "data/b/c.py": "y = 2", "model/d.py": ""}
+    for path, text in files.items():
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text(text)
+    first = metadata.code_hash(tmp_path)
+    for path in ["README.md", "configs/x.yaml", "runs/r/metrics.jsonl", "loop/notes.txt", "tests/t.py"]:
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("not code that trains")
+    assert metadata.code_hash(tmp_path) == first
+    for path, text in [("data/b/c.py", "y = 3"), ("model/e.py", ""), ("loop/a.py", "x = 1\n")]:
+        (tmp_path / path).write_text(text)
+        assert metadata.code_hash(tmp_path) != first, path
+        first = metadata.code_hash(tmp_path)
+    (tmp_path / "model" / "e.py").rename(tmp_path / "model" / "f.py")  # same bytes, another file
+    assert metadata.code_hash(tmp_path) != first
 
 
 def test_secret_looking_values_on_the_command_line_are_masked(monkeypatch):
