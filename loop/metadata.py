@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from loop import dotenv
+from data.config import DataConfig
 from loop.config import FaultsConfig, config_hash
 from loop.determinism import in_effect
 
@@ -57,10 +58,18 @@ def git_info(root: Path = ROOT) -> dict:
 
 def code_hash(root: Path = ROOT) -> str:
     """sha256 over the path and bytes of every .py file in CODE: equal hashes, equal code, with or
-    without git (a copied project, a zip download, an image built without GIT_COMMIT)."""
+    without git (a copied project, a zip download, an image built without GIT_COMMIT). The data
+    cache is not walked: it is not code, and a downloaded dataset can hold a million files."""
+    def files(name: str):
+        if name.endswith(".py"):
+            yield root / name
+            return
+        for d, dirs, names in os.walk(root / name):
+            dirs[:] = [x for x in dirs if Path(d, x) != root / DataConfig.cache_dir and x != "__pycache__"]
+            yield from (Path(d, n) for n in names if n.endswith(".py"))
+
     h = hashlib.sha256()
-    for path in sorted(p for name in CODE for p in
-                       ([root / name] if name.endswith(".py") else (root / name).rglob("*.py"))):
+    for path in sorted(p for name in CODE for p in files(name)):
         data = path.read_bytes()
         h.update(f"{path.relative_to(root).as_posix()}\0{len(data)}\0".encode() + data)
     return h.hexdigest()
