@@ -28,8 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from loop import dotenv
 from data.config import DataConfig
+from loop import dotenv
 from loop.config import FaultsConfig, config_hash
 from loop.determinism import in_effect
 
@@ -118,7 +118,8 @@ def collect(cfg, device: torch.device, precision: str, world_size: int, resumed_
     off = asdict(FaultsConfig())
     faults = {k: v for k, v in asdict(cfg.faults).items() if v != off[k]}
     return {
-        "git": git_info(), "code_sha256": code_hash(), "config_sha256": config_hash(cfg), "argv": safe_argv(),
+        "git": git_info(), "code_sha256": code_hash(), "config_sha256": config_hash(cfg),
+        "argv": safe_argv(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
         "resumed_from": str(resumed_from) if resumed_from else None,
         "faults_injected": faults or None, "lab_break": cfg.lab.break_ or None,
