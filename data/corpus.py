@@ -39,8 +39,11 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
         return out_dir
     n_val = int(len(ids) * val_fraction)
     if n_val < 2 or len(ids) - n_val < 2:
-        raise BadInput(f"data: {len(ids)} tokens cannot be split with data.val_fraction="
-                       f"{val_fraction}; expected at least 2 tokens on each side.")
+        fix = "raise it" if n_val < 2 else "lower it"
+        raise BadInput(f"data: data.val_fraction={val_fraction} splits {len(ids)} tokens into "
+                       f"{len(ids) - n_val} for training and {n_val} for validation; expected at "
+                       f"least 2 in each (every run validates, at its end at least): {fix}, or "
+                       f"give more data.")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -205,7 +205,13 @@ def test_prepare_command_prints_the_corpus_dir_and_exits_2_on_bad_input(tmp_path
     assert ok.returncode == 0 and ok.stderr == "", ok.stderr
     assert ok.stdout.splitlines()[-1] == str(prepare_text(TEXT, "t", str(cache), 0.1))
     for args, named in [(["--path", str(tmp_path / "missing.txt")], "missing.txt"),
-                        (["--path", str(f), "--val-fraction", "0"], "data.val_fraction=0.0")]:
+                        (["--path", str(f), "--val-fraction", "0"],
+                         f"data.val_fraction=0.0 splits {len(TEXT)} tokens into {len(TEXT)} for "
+                         f"training and 0 for validation; expected at least 2 in each (every run "
+                         f"validates, at its end at least): raise it, or give more data."),
+                        (["--path", str(f), "--val-fraction", "1"], "into 0 for training and "
+                         f"{len(TEXT)} for validation; expected at least 2 in each (every run "
+                         f"validates, at its end at least): lower it, or give more data.")]:
         bad = prepare(*args)
         assert bad.returncode == 2 and bad.stderr.startswith("error: ") and named in bad.stderr, bad.stderr
     assert [p.name for p in cache.iterdir()] == [ok.stdout.splitlines()[-1].rsplit("/", 1)[1]]
