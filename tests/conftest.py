@@ -28,6 +28,14 @@ TINY = ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "data.seq_len=32
         "train.device=cpu"]
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_temp_dir(tmp_path_factory) -> None:
+    """Every process the tests start keeps its temp files under pytest's own temp directory, which
+    pytest prunes: torchrun leaves an empty torchelastic_* directory in the temp dir at each launch
+    (its default log dir), 30-odd of them in /tmp per make test otherwise."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+
+
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> str:
     """One data cache for the whole session, so the corpus is prepared once."""
