@@ -42,12 +42,8 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     # Before wrapping: an FSDP module cannot be deep-copied.
     ema = build_ema(model, cfg.ema, shapes_only=deferred)
-    if cfg.train.early_stop_patience and not cfg.train.eval_every:
-        dist.say("note: train.early_stop_patience has no effect with train.eval_every=0: it counts "
-                 "evaluations, and this run evaluates once, at its end")
-    if cfg.train.fsdp_mixed_precision and (precision.dtype is None or cfg.train.strategy != "fsdp"):
-        dist.say(f"note: train.fsdp_mixed_precision=true has no effect with train.strategy="
-                 f"{cfg.train.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
+    for note in idle_settings(cfg, precision):
+        dist.say(f"note: {note}")
     model = distributed.wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
@@ -55,6 +51,24 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     # meta-device ranks draw nothing, so they would otherwise differ from DDP's.
     seed_everything(rank_seed(cfg.run.seed, dist.rank))
     return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)
+
+
+def idle_settings(cfg, precision: Precision) -> list[str]:
+    """Settings that cannot act in this run: said, not refused (a later run may extend
+    train.max_steps, or evaluate more often)."""
+    t, notes = cfg.train, []
+    if t.early_stop_patience and not t.eval_every:
+        notes.append("train.early_stop_patience has no effect with train.eval_every=0: it counts "
+                     "evaluations, and this run evaluates once, at its end")
+    if t.fsdp_mixed_precision and (precision.dtype is None or t.strategy != "fsdp"):
+        notes.append(f"train.fsdp_mixed_precision=true has no effect with train.strategy="
+                     f"{t.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
+    for key in ("nan_at_step", "oom_at_step", "kill_in_ckpt_at_step"):
+        step = getattr(cfg.faults, key)
+        if step == 0 or step > t.max_steps:  # steps count from 1
+            notes.append(f"faults.{key}={step} will not fire: this run's steps are 1 to "
+                         f"train.max_steps={t.max_steps}")
+    return notes
 
 
 def check_with_world(cfg, dist: Dist) -> None:

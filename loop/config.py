@@ -108,12 +108,12 @@ class ReportConfig:
 @dataclass
 class FaultsConfig:
     """Deliberate faults for tests and fire drills; -1 = off."""
-    nan_at_step: int = -1  # make the loss non-finite the first time this step is reached
+    nan_at_step: int = opt(-1, min=-1)  # make the loss non-finite the first time this step is reached
     nan_rank: int = opt(-1, min=-1)  # ... on this rank only (-1: every rank)
-    oom_at_step: int = -1  # raise torch.OutOfMemoryError in this step's first micro-batch (once)
+    oom_at_step: int = opt(-1, min=-1)  # raise torch.OutOfMemoryError in this step's first micro-batch (once)
     oom_rank: int = opt(-1, min=-1)  # ... on this rank only (-1: every rank)
     oom_in: str = opt("forward", choices=("forward", "backward"))  # ... as its forward ends, or in its backward
-    kill_in_ckpt_at_step: int = -1  # SIGKILL this process halfway through that step's checkpoint write
+    kill_in_ckpt_at_step: int = opt(-1, min=-1)  # SIGKILL this process halfway through that step's checkpoint write
 
 
 @dataclass

@@ -94,6 +94,7 @@ def test_out_of_range_and_bad_choice():
     assert bad(["data.synthetic.seed=-1"]) == "config key data.synthetic.seed: expected a value >= 0, got -1."
     # A fault's rank: -1 is every rank; below it, no rank at all (a drill that never fires).
     assert bad(["faults.nan_rank=-2"]) == "config key faults.nan_rank: expected a value >= -1, got -2."
+    assert bad(["faults.oom_at_step=-5"]) == "config key faults.oom_at_step: expected a value >= -1, got -5."
 
 
 def test_a_float_key_refuses_nan_and_infinity(tmp_path):

@@ -13,10 +13,11 @@ import torch
 
 from conftest import ROOT, metrics, run_and_kill, run_train, summary
 from loop import checkpoint, guards
-from loop.build import check_with_world
+from loop.build import check_with_world, idle_settings
 from loop.config import DEFAULT_CONFIG as DEFAULT, load_config
 from loop.distributed import Dist
 from loop.errors import BadInput
+from loop.precision import Precision
 
 STEPS = ["train.max_steps=20", "train.ckpt_every=5"]
 GB = 8  # global batch in samples: TINY's batch_size 4 x default grad_accum 2
@@ -114,7 +115,6 @@ def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
     # validation cuts its batches the same way, and its means do not change.
     from loop.distributed import Dist
     from loop.evaluate import val_metrics
-    from loop.precision import Precision
 
     class Sizes(torch.nn.Module):
         def __init__(self):
@@ -156,7 +156,6 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     from loop.config import load_config
     from loop.ema import build_ema
     from loop.optim import build_optimizer
-    from loop.precision import Precision
     from loop.schedule import build_scheduler
     from loop.trainer import Trainer
     from model import build_model
@@ -221,6 +220,15 @@ def test_a_fault_aimed_at_a_rank_the_run_does_not_have_is_bad_input(tmp_path, ca
     check_with_world(cfg, Dist(rank=0, world=2))  # rank 1 of 2: fine
     with pytest.raises(BadInput, match="faults.oom_rank: rank 2, but this run has 2 process"):
         check_with_world(load_config(DEFAULT, ["faults.oom_rank=2"]), Dist(rank=0, world=2))
+
+
+def test_a_fault_at_a_step_the_run_does_not_reach_says_it_will_not_fire():
+    # A note, not an error: a later run may raise train.max_steps and reach it.
+    cfg = load_config(DEFAULT, ["train.max_steps=10", "faults.nan_at_step=11", "faults.oom_at_step=0",
+                                "faults.kill_in_ckpt_at_step=10"])
+    steps = "will not fire: this run's steps are 1 to train.max_steps=10"
+    assert idle_settings(cfg, Precision("fp32", torch.device("cpu"))) == [
+        f"faults.nan_at_step=11 {steps}", f"faults.oom_at_step=0 {steps}"]
 
 
 def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
