@@ -65,6 +65,9 @@ def restore(t, path: Path) -> None:
     if changed:
         t.dist.say(f"note: config differs from the checkpoint's in: {', '.join(changed)}; this "
                    f"run's values apply from here on")
+    batch_note = global_batch_change(state["config"], state["world_size"], t.cfg, t.dist.world)
+    if batch_note:
+        t.dist.say(f"note: {batch_note}")
     t.scheduler.load_state_dict(state["scheduler"])
     optim.reapply(t.optimizer, t.scheduler, hyper)
     if state["scaler"] and t.lab != "no_scaler_state":  # empty when fp16 is off; lab: dropped
@@ -88,6 +91,20 @@ def restore(t, path: Path) -> None:
                    f"is trained; to stop at step {t.cfg.train.max_steps}, resume from an older "
                    f"checkpoint (run.resume=PATH) or start a new run.out_dir")
     _note_later_checkpoints(t, path)
+
+
+def global_batch_change(saved: dict, saved_world: int, cfg, world: int) -> str | None:
+    """What a resume does to the samples per step: data.batch_size is per process, so another
+    number of processes changes the global batch (and with it the LR that suits it) unless
+    data.batch_size or train.grad_accum change with it. None if it stays the same."""
+    was = (saved_world, saved["data"]["batch_size"], saved["train"]["grad_accum"])
+    now = (world, cfg.data.batch_size, cfg.train.grad_accum)
+    if was[0] * was[1] * was[2] == now[0] * now[1] * now[2]:
+        return None
+    layout = "{} process(es) x data.batch_size {} x train.grad_accum {}"
+    return (f"a step now takes {now[0] * now[1] * now[2]} samples ({layout.format(*now)}), the "
+            f"checkpoint's run took {was[0] * was[1] * was[2]} ({layout.format(*was)}); the sample "
+            f"order continues where it stopped")
 
 
 def _note_later_checkpoints(t, path: Path) -> None:

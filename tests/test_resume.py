@@ -236,3 +236,30 @@ def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cac
     assert saved["scheduler"]["base_lrs"] == [4e-3, 4e-3]
     assert checkpoint.params_sha256(saved["model"]) == summary(out)["params_sha256"] != \
         summary(reference)["params_sha256"], "step 40 holds this run's weights"
+
+
+def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, reference):
+    # data.batch_size is per process: with another process count (8 GPUs, then 4) or another
+    # batch size the samples per step change, and the LR that suits them; the console said only
+    # "global batch N" at the start. The ids still continue where they stopped.
+    import shutil
+
+    from loop.config import DEFAULT_CONFIG, load_config, to_dict
+    from loop.state import global_batch_change
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    start = out / "checkpoints" / "step_00000030"
+    rerun = run_train(out, cache, *STEPS, f"run.resume={start}", "data.batch_size=2", "data.log_ids=true")
+    assert ("note: a step now takes 4 samples (1 process(es) x data.batch_size 2 x train.grad_accum "
+            "2), the checkpoint's run took 8 (1 process(es) x data.batch_size 4 x train.grad_accum 2); "
+            "the sample order continues where it stopped") in rerun.stdout, rerun.stdout
+    assert metrics(out)[30]["samples"] == 30 * 8 + 4
+    def cfg(batch, accum):
+        return load_config(DEFAULT_CONFIG, [f"data.batch_size={batch}", f"train.grad_accum={accum}"])
+
+    saved = to_dict(cfg(4, 2))
+    assert global_batch_change(saved, 1, cfg(2, 4), 1) is None  # 8 either way: nothing to say
+    assert global_batch_change(saved, 2, cfg(4, 2), 1).startswith(
+        "a step now takes 8 samples (1 process(es) x data.batch_size 4 x train.grad_accum 2), the "
+        "checkpoint's run took 16 (2 process(es) x data.batch_size 4 x train.grad_accum 2)")
