@@ -35,7 +35,7 @@ class RunConfig:
     out_dir: str = "runs/default"
     seed: int = opt(1337, min=0, max=2**32 - 1)  # NumPy's global generator takes 32 bits
     resume: str = "auto"  # auto | never | path to a checkpoint directory
-    init_from: str = ""  # a checkpoint dir: warm start from its model weights only (fresh run)
+    init_from: str = ""  # a checkpoint dir or a model.pt: warm start from its model weights only (fresh run)
     mirror: str = ""  # also copy each checkpoint here: a directory or an fsspec URL
     deterministic: bool = False  # deterministic kernels only (see loop/determinism.py)
 

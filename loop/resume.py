@@ -4,12 +4,14 @@
                       the newest valid one in run.mirror); none at all -> a fresh start
     run.resume=never  fresh start; refused if out_dir already holds checkpoints it would overwrite
     run.resume=PATH   that checkpoint dir, which must verify
-    run.init_from=PATH (fresh starts only) model weights from that checkpoint, nothing else
+    run.init_from=PATH (fresh starts only) model weights from that checkpoint (or exported
+                      model.pt), nothing else
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from loop import checkpoint, fsdp
@@ -62,16 +64,38 @@ def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:
                        f"{how[not was_sharded]} is not supported. Use the strategy it was written "
                        f"with (any number of processes, `torchrun --nproc_per_node=1` included), or "
                        f"start a new run.out_dir with run.init_from={path} (weights only).")
-    bad = checkpoint.shape_mismatches(model, fsdp.saved_shapes(path) if was_sharded else state["model"])
-    if bad:
-        raise BadInput(f"checkpoint {path} does not fit the configured model:\n  " + "\n  ".join(bad)
-                       + "\nUse the config and model code it was trained with, or a new run.out_dir.")
     if was_sharded:
+        refuse_mismatch(model, fsdp.saved_shapes(path), f"checkpoint {path}")
         fsdp.load(model, optimizer, path)
-    elif fsdp.is_sharded(model):
-        fsdp.load_full(model, state["model"])
     else:
-        model.load_state_dict(state["model"])
+        load_whole(model, state["model"], f"checkpoint {path}")
     if optimizer is not None and not was_sharded:
         optimizer.load_state_dict(state["optimizer"])
     return state
+
+
+def load_export(path: Path, model: nn.Module) -> None:
+    """run.init_from=FILE: the weights of an exported model.pt (loop/summary.py: {"model",
+    "config"}, "ema" too with EMA on; FSDP runs export it whole) into `model`."""
+    export = checkpoint.load(path.parent, path.name)
+    weights = export.get("model") if isinstance(export, dict) else None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise BadInput(f"run.init_from={path}: expected a checkpoint directory, or a model.pt as "
+                       f"train.py exports it (a dict whose \"model\" is a state_dict of tensors).")
+    load_whole(model, weights, f"model file {path}")
+
+
+def load_whole(model: nn.Module, weights: dict, source: str) -> None:
+    """A whole (unsharded) state_dict into a plain or an FSDP model, refusing a mismatch."""
+    refuse_mismatch(model, weights, source)
+    if fsdp.is_sharded(model):
+        fsdp.load_full(model, weights)
+    else:
+        model.load_state_dict(weights)
+
+
+def refuse_mismatch(model: nn.Module, saved: dict, source: str) -> None:
+    bad = checkpoint.shape_mismatches(model, saved)
+    if bad:
+        raise BadInput(f"{source} does not fit the configured model:\n  " + "\n  ".join(bad)
+                       + "\nUse the config and model code it was trained with, or a new run.out_dir.")

@@ -122,7 +122,10 @@ def _note_later_checkpoints(t, path: Path) -> None:
 
 def warm_start(t, path: Path) -> None:
     """run.init_from: model weights only; optimizer, schedule and step start fresh."""
-    resume.load_model_state(resume.verified(path, "run.init_from"), t.raw)
+    if path.is_file():  # a model.pt: train.py's export, or one given to you
+        resume.load_export(path, t.raw)
+    else:
+        resume.load_model_state(resume.verified(path, "run.init_from"), t.raw)
     if t.ema:  # the average starts from the warm-start weights
         t.ema.module.load_state_dict(t.raw.state_dict())
     t.dist.say(f"initialised model weights from {path}")

@@ -148,11 +148,32 @@ def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
     assert "holds checkpoints" not in proc.stderr  # nothing near it to suggest
 
 
-@pytest.mark.parametrize("named", ["", "checkpoints", "model.pt"])
-def test_init_from_a_run_dir_or_its_model_pt_names_the_checkpoints_that_would_do(
-        tmp_path, cache, reference, named):
-    # A finished run is what one warm-starts from, and its directory or model.pt what one names.
-    # The error says which checkpoints in it run.init_from takes (the newest, and the best).
+def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
+    # The export is what a finished run (or someone else) hands on: it was refused, naming the
+    # checkpoints beside it, and a model.pt alone could not be fine-tuned at all.
+    alone = tmp_path / "given" / "model.pt"
+    alone.parent.mkdir()
+    alone.write_bytes((reference / "model.pt").read_bytes())
+    zero = tmp_path / "zero"
+    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={alone}")
+    assert f"initialised model weights from {alone}" in proc.stdout, proc.stdout
+    assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
+    torch.save({"weights": {}}, alone)
+    proc = run_train(tmp_path / "bad", cache, f"run.init_from={alone}", check=False)
+    assert proc.returncode == 2 and not (tmp_path / "bad").exists(), proc.stderr
+    assert proc.stderr.endswith(f"error: run.init_from={alone}: expected a checkpoint directory, or a "
+                                f"model.pt as train.py exports it (a dict whose \"model\" is a state_dict "
+                                f"of tensors).\n"), proc.stderr
+    wider = run_train(tmp_path / "wider", cache, "model.n_embd=48", f"run.init_from={reference / 'model.pt'}",
+                      check=False)
+    assert wider.returncode == 2 and f"model file {reference / 'model.pt'} does not fit the configured " \
+        "model:\n  " in wider.stderr, wider.stderr
+
+
+@pytest.mark.parametrize("named", ["", "checkpoints"])
+def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache, reference, named):
+    # A finished run is what one warm-starts from, and its directory what one names. The error
+    # says which checkpoints in it run.init_from takes (the newest, and the best).
     out = tmp_path / "run"
     proc = run_train(out, cache, f"run.init_from={reference / named}", check=False)
     ckpts = reference / "checkpoints"

@@ -174,6 +174,11 @@ def test_fsdp_checkpoint_needs_fsdp_to_resume_but_warm_starts_anything(tmp_path,
     ckpt = fsdp_run / "checkpoints" / "step_00000020"
     proc = run_train(warm, cache, *DIST, "train.max_steps=0", f"run.init_from={ckpt}")
     assert summary(warm)["params_sha256"] == summary(fsdp_run)["params_sha256"], proc.stdout
+    # And its consolidated model.pt into the shards of a new FSDP job.
+    again = tmp_path / "again"
+    proc = run_train(again, cache, *FSDP, "train.max_steps=0",
+                     f"run.init_from={fsdp_run / 'model.pt'}", nproc=2)
+    assert summary(again)["params_sha256"] == summary(fsdp_run)["params_sha256"], proc.stdout
 
 
 def test_cpu_offload_is_refused_off_cuda():
