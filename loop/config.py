@@ -139,10 +139,21 @@ class Config:
 # ---------------------------------------------------------------------------------------- loading
 def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
     p = argparse.ArgumentParser(description="Train with the honest loop.")
-    p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (default: %(default)s)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once, help="YAML preset (default: %(default)s)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = p.parse_intermixed_args(argv)  # overrides may come before and after --config
     return args.config, args.overrides
+
+
+class _Once(argparse.Action):
+    """An option given at most once: argparse keeps the last --config and drops the others unsaid."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, f"_{self.dest}_seen", False):
+            parser.error(f"argument {option_string}: given twice; expected one file (later keys "
+                         f"can be given as section.key=value overrides)")
+        setattr(namespace, f"_{self.dest}_seen", True)
+        setattr(namespace, self.dest, values)
 
 
 class _Loader(yaml.SafeLoader):
@@ -178,7 +189,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise BadInput(f"override '{item}': expected the form section.key=value.")
+            file = " (a config file is given as --config PATH)" if item.endswith((".yaml", ".yml")) else ""
+            raise BadInput(f"override '{item}': expected the form section.key=value{file}.")
         override(cfg, key.split("."), value, key)
     check(cfg)
     writable_dir("config key run.out_dir", cfg.run.out_dir)

@@ -122,8 +122,8 @@ def _float(value) -> float | None:
 
 
 def _wrong(key: str, expected: str, value) -> BadInput:
-    return BadInput(f"config key {key}: expected {expected}, got {value!r} "
-                    f"({type(value).__name__}).")
+    got = "an empty value" if value is None else f"{value!r} ({type(value).__name__})"  # key= or key:
+    return BadInput(f"config key {key}: expected {expected}, got {got}.")
 
 
 def check(obj, prefix: str = "") -> None:

@@ -193,6 +193,26 @@ def test_override_without_equals(item):
     assert bad([item]) == f"override '{item}': expected the form section.key=value."
 
 
+def test_a_config_file_given_without_config_flag_says_how_to_give_it():
+    assert bad(["configs/mnist.yaml"]) == ("override 'configs/mnist.yaml': expected the form "
+                                           "section.key=value (a config file is given as --config PATH).")
+
+
+def test_a_key_with_nothing_after_the_equals_sign_says_so():
+    # It said "got None (NoneType)": YAML reads an empty value as null. A string key takes "".
+    assert bad(["train.max_steps="]) == "config key train.max_steps: expected int, got an empty value."
+    assert load_config(DEFAULT, ["data.path="]).data.path == ""
+
+
+def test_config_given_twice_is_refused(capsys):
+    # argparse kept the last --config and dropped the first without a word.
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", "a.yaml", "train.max_steps=3", "--config", "b.yaml"])
+    assert e.value.code == 2
+    assert "error: argument --config: given twice; expected one file" in capsys.readouterr().err
+    assert parse_args(["--config", "a.yaml"]) == ("a.yaml", [])
+
+
 # ------------------------------------------------------------------------------- overrides
 def test_nested_list_and_float_overrides():
     base = load_config(DEFAULT)
