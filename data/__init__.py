@@ -72,7 +72,19 @@ def build_tokens(cfg) -> Data:
     if missing:
         raise BadInput(f"config key data.path: {root} (data.name=tokens): expected a directory with "
                        f"train.bin, val.bin and meta.json; missing {', '.join(missing)}.")
-    return _token_data(root, cfg.seq_len)
+    for name in ("train.bin", "val.bin"):
+        if (size := (root / name).stat().st_size) % 2:
+            raise BadInput(f"data: {root / name} has {size} bytes, an odd number; expected uint16 "
+                           f"token ids, 2 bytes each.")
+    data = _token_data(root, cfg.seq_len)
+    for name in ("train.bin", "val.bin"):  # another tokenizer's files: an id past the vocabulary
+        # was an IndexError traceback at whichever step drew it (on CUDA, a device-side assert).
+        # One pass over the file, about 0.1 s a GB from the page cache.
+        top = int(np.memmap(root / name, dtype=np.uint16, mode="r").max())
+        if top >= data.vocab_size:
+            raise BadInput(f"data: {root / name} holds token id {top}, but {root / 'meta.json'} says "
+                           f"vocab_size {data.vocab_size}; expected every id below it.")
+    return data
 
 
 def build_shakespeare(cfg) -> Data:

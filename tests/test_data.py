@@ -319,3 +319,27 @@ def test_random_tokens_and_a_token_directory(tmp_path):
     cfg.data.path = str(tmp_path / "missing")
     with pytest.raises(BadInput, match="data.path: .*missing train.bin, val.bin, meta.json"):
         build_data(cfg.data)
+
+
+def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_input(tmp_path):
+    # Another tokenizer's files: a token id >= vocab_size was an IndexError traceback at the step
+    # that first drew it (a device-side assert on CUDA), an odd byte count one in a DataLoader.
+    root = tmp_path / "tok"
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 10}))
+    (np.arange(3000, dtype=np.uint16) % 10).tofile(root / "val.bin")
+    train = np.arange(20000, dtype=np.uint16) % 10
+    train[15000] = 10
+    train.tofile(root / "train.bin")
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    with pytest.raises(BadInput) as e:
+        build_data(cfg.data)
+    assert str(e.value) == (f"data: {root / 'train.bin'} holds token id 10, but {root / 'meta.json'} "
+                            f"says vocab_size 10; expected every id below it.")
+    train[15000] = 9
+    train.tofile(root / "train.bin")
+    assert build_data(cfg.data).vocab_size == 10
+    with open(root / "val.bin", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(BadInput, match=r"val.bin has 6001 bytes, an odd number; expected uint16"):
+        build_data(cfg.data)
