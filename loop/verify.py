@@ -50,7 +50,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (at least 8)")
     p.add_argument("--nproc", type=int, default=0, help="also check n processes against one (ddp)")
-    p.add_argument("--checks", default="", help=f"comma-separated subset of {', '.join(CHECKS)}")
+    p.add_argument("--checks", help=f"comma-separated subset of {', '.join(CHECKS)} (default: all)")
     p.add_argument("--kill-at", type=int, default=0, help="the step to kill at (default: random)")
     p.add_argument("--out", default="runs/verify", help="where the audit runs go")
     p.add_argument("--keep", action="store_true", help="keep the runs even when every check passes")
@@ -60,7 +60,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def chosen(a: argparse.Namespace) -> list[str]:
-    names = [c for c in a.checks.split(",") if c] or [c for c in CHECKS if c != "ddp" or a.nproc > 1]
+    if a.checks is None:
+        names = [c for c in CHECKS if c != "ddp" or a.nproc > 1]
+    elif not (names := [c for c in a.checks.split(",") if c]):  # `--checks $EMPTY` ran them all
+        raise BadInput(f"--checks: empty; expected some of {', '.join(CHECKS)} (or no --checks, for all).")
     unknown = [c for c in names if c not in CHECKS]
     if unknown:
         raise BadInput(f"--checks: unknown check {', '.join(unknown)}; expected some of {', '.join(CHECKS)}.")

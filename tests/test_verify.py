@@ -56,6 +56,7 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
     for args, said in [(["model.n_layr=2"], "Did you mean 'model.n_layer'"),
                        (["--checks", "resume,speed"], "unknown check speed"),
                        (["--checks", "ddp"], "needs --nproc 2"),
+                       (["--checks", ","], "--checks: empty; expected some of resume, "),
                        (["--steps", "3"], "at least 8"),
                        (["--kill-at", "20"], "--kill-at: expected a step after the first checkpoint "
                                              "(step 5) and before the last (20); got 20."),
