@@ -139,7 +139,8 @@ class Config:
 # ---------------------------------------------------------------------------------------- loading
 def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
     p = argparse.ArgumentParser(description="Train with the honest loop.")
-    p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once, help="YAML preset (default: %(default)s)")
+    p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once,
+                   help="YAML preset (default: %(default)s)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = p.parse_intermixed_args(argv)  # overrides may come before and after --config
     return args.config, args.overrides

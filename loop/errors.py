@@ -39,8 +39,9 @@ def no_room(e: OSError, dirs: dict[str, str]) -> str:
     what = f" to {e.filename}" if e.filename else ""
     where = " and ".join(f"{k} ({v})" for k, v in dirs.items())
     return (f"a write{what} was refused: {e.strerror}. The disk is full, or a quota or file-size "
-            f"limit was reached. The steps since the newest checkpoint are lost; the checkpoints are "
-            f"whole. Free space in {where} and rerun the same command to continue from the newest.")
+            f"limit was reached. Any steps trained since the newest checkpoint are lost; the "
+            f"checkpoints are whole. Free space in {where} and rerun the same command to continue "
+            f"from the newest.")
 
 
 def gone(fd: int) -> bool:

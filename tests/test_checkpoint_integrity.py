@@ -333,8 +333,9 @@ def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identica
     proc = run_with_file_limit(kept + 100, out, cache, *STEPS)
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert (f"\nerror: a write to {out / 'metrics.jsonl'} was refused: File too large. The disk is full, or a quota or file-size "
-            f"limit was reached. The steps since the newest checkpoint are lost; the checkpoints are "
-            f"whole. Free space in run.out_dir ({out}) and data.cache_dir") in proc.stderr, proc.stderr
+            f"limit was reached. Any steps trained since the newest checkpoint are lost; the "
+            f"checkpoints are whole. Free space in run.out_dir ({out}) and data.cache_dir") in proc.stderr, \
+        proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     log = (out / "metrics.jsonl").read_bytes()
     assert len(log) == kept + 100 and not log.endswith(b"\n"), "the step-31 line is cut short"
