@@ -35,7 +35,7 @@ class RunConfig:
     out_dir: str = "runs/default"
     seed: int = opt(1337, min=0, max=2**32 - 1)  # NumPy's global generator takes 32 bits
     resume: str = "auto"  # auto | never | path to a checkpoint directory
-    init_from: str = ""  # a checkpoint dir or a model.pt: warm start from its model weights only (fresh run)
+    init_from: str = ""  # a checkpoint dir or a model.pt: its model weights only (a fresh run)
     mirror: str = ""  # also copy each checkpoint here: a directory or an fsspec URL
     deterministic: bool = False  # deterministic kernels only (see loop/determinism.py)
 
@@ -108,12 +108,12 @@ class ReportConfig:
 @dataclass
 class FaultsConfig:
     """Deliberate faults for tests and fire drills; -1 = off."""
-    nan_at_step: int = opt(-1, min=-1)  # make the loss non-finite the first time this step is reached
+    nan_at_step: int = opt(-1, min=-1)  # make the loss non-finite the first time this step runs
     nan_rank: int = opt(-1, min=-1)  # ... on this rank only (-1: every rank)
-    oom_at_step: int = opt(-1, min=-1)  # raise torch.OutOfMemoryError in this step's first micro-batch (once)
+    oom_at_step: int = opt(-1, min=-1)  # torch.OutOfMemoryError in this step's first micro-batch (once)
     oom_rank: int = opt(-1, min=-1)  # ... on this rank only (-1: every rank)
     oom_in: str = opt("forward", choices=("forward", "backward"))  # ... as its forward ends, or in its backward
-    kill_in_ckpt_at_step: int = opt(-1, min=-1)  # SIGKILL this process halfway through that step's checkpoint write
+    kill_in_ckpt_at_step: int = opt(-1, min=-1)  # SIGKILL this process midway through that step's checkpoint
 
 
 @dataclass

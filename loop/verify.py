@@ -63,7 +63,8 @@ def chosen(a: argparse.Namespace) -> list[str]:
     if a.checks is None:
         names = [c for c in CHECKS if c != "ddp" or a.nproc > 1]
     elif not (names := [c for c in a.checks.split(",") if c]):  # `--checks $EMPTY` ran them all
-        raise BadInput(f"--checks: empty; expected some of {', '.join(CHECKS)} (or no --checks, for all).")
+        raise BadInput(f"--checks: empty; expected some of {', '.join(CHECKS)} (or no --checks, for "
+                       f"all).")
     unknown = [c for c in names if c not in CHECKS]
     if unknown:
         raise BadInput(f"--checks: unknown check {', '.join(unknown)}; expected some of {', '.join(CHECKS)}.")
