@@ -76,12 +76,14 @@ def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:
 
 def load_export(path: Path, model: nn.Module) -> None:
     """run.init_from=FILE: the weights of an exported model.pt (loop/summary.py: {"model",
-    "config"}, "ema" too with EMA on; FSDP runs export it whole) into `model`."""
+    "config"}, "ema" too with EMA on; FSDP runs export it whole), or of a bare state_dict
+    (`torch.save(model.state_dict(), PATH)`), into `model`."""
     export = checkpoint.load(path.parent, path.name)
-    weights = export.get("model") if isinstance(export, dict) else None
+    weights = export.get("model", export) if isinstance(export, dict) else None
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
-        raise BadInput(f"run.init_from={path}: expected a checkpoint directory, or a model.pt as "
-                       f"train.py exports it (a dict whose \"model\" is a state_dict of tensors).")
+        raise BadInput(f"run.init_from={path}: expected a checkpoint directory, a model.pt as "
+                       f"train.py exports it (a dict whose \"model\" is a state_dict), or a "
+                       f"state_dict saved with torch.save(model.state_dict(), PATH).")
     load_whole(model, weights, f"model file {path}")
 
 

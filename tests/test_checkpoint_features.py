@@ -158,12 +158,18 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
     proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={alone}")
     assert f"initialised model weights from {alone}" in proc.stdout, proc.stdout
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
-    torch.save({"weights": {}}, alone)
+    # A bare state_dict, as torch.save(model.state_dict(), PATH) writes it, loads the same.
+    torch.save(torch.load(alone, weights_only=True)["model"], alone)
+    bare = tmp_path / "bare"
+    run_train(bare, cache, "train.max_steps=0", f"run.init_from={alone}")
+    assert summary(bare)["params_sha256"] == summary(reference)["params_sha256"]
+    torch.save({"weights": [1, 2]}, alone)
     proc = run_train(tmp_path / "bad", cache, f"run.init_from={alone}", check=False)
     assert proc.returncode == 2 and not (tmp_path / "bad").exists(), proc.stderr
-    assert proc.stderr.endswith(f"error: run.init_from={alone}: expected a checkpoint directory, or a "
-                                f"model.pt as train.py exports it (a dict whose \"model\" is a state_dict "
-                                f"of tensors).\n"), proc.stderr
+    assert proc.stderr.endswith(f"error: run.init_from={alone}: expected a checkpoint directory, a "
+                                f"model.pt as train.py exports it (a dict whose \"model\" is a state_dict), "
+                                f"or a state_dict saved with torch.save(model.state_dict(), PATH).\n"), \
+        proc.stderr
     wider = run_train(tmp_path / "wider", cache, "model.n_embd=48", f"run.init_from={reference / 'model.pt'}",
                       check=False)
     assert wider.returncode == 2 and f"model file {reference / 'model.pt'} does not fit the configured " \
