@@ -1,4 +1,5 @@
-"""One run per run directory: rank 0 holds a lock on `<run.out_dir>/.lock` while it trains.
+"""One run per run directory: rank 0 holds a lock on `<run.out_dir>/.lock` while it trains; and
+no run in a directory that holds files a run writes but that no run made (`refuse_foreign`).
 
 A second `train.py` on the same `run.out_dir` (launched twice by mistake, or requeued while the
 first job still runs) would interleave its checkpoints and metrics with the first one's. It exits 2
@@ -34,11 +35,32 @@ def hold(out: Path, sign: bool = False) -> None:
     if out not in _held:
         if not out.is_dir():
             return
+        refuse_foreign(out)  # before .lock marks it as a run's
         _held[out] = _lock(out / ".lock")
     fd = _held[out]
     if sign and fd is not None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+
+# What a run writes at the top of run.out_dir (the README's table; tests/test_runlock.py keeps this
+# list whole), and what marks a directory as a run's: every run makes .lock first.
+RUN_FILES = ("config.yaml", "metadata.json", "metrics.jsonl", "tb", "checkpoints", "summary.json",
+             "model.pt", "report.md", "loss_vs_step.png", "loss_vs_tokens.png", "lr.png",
+             "tokens_per_s.png", "gpu_memory.png", "profile")
+MARKS = (".lock", "metadata.json")
+
+
+def refuse_foreign(out: Path) -> None:
+    """An existing directory that no run made (run.out_dir=. in a project, a home directory) but
+    that holds a file a run writes: a run would overwrite it (a model.pt of the user's was)."""
+    if any((out / m).exists() for m in MARKS):
+        return
+    clash = [n for n in RUN_FILES if (out / n).exists()]
+    if clash:
+        raise BadInput(f"run.out_dir {out} holds {', '.join(clash)}, which a run writes, and no run "
+                       f"made it (no .lock or metadata.json): a run would overwrite them. Expected a "
+                       f"new or empty directory, or a run's; give another run.out_dir, or move them.")
 
 
 def _lock(path: Path) -> int | None:

@@ -41,3 +41,27 @@ def test_a_second_run_on_an_out_dir_in_use_exits_2_and_changes_nothing(tmp_path,
     holder.wait(timeout=30)
     third = run_train(out, cache, "train.max_steps=8", "train.ckpt_every=2", nproc=nproc)
     assert "resumed from" in third.stdout and summary(out)["steps"] == 8
+
+
+def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_path, cache):
+    # run.out_dir=. in a project, or a home directory: the run overwrote the user's model.pt.
+    from loop.runlock import RUN_FILES
+
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "model.pt").write_text("my own weights")
+    (mine / "notes.txt").write_text("mine too")
+    before = snapshot(mine)
+    proc = run_train(mine, cache, "train.max_steps=2", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.endswith(
+        f"error: run.out_dir {mine} holds model.pt, which a run writes, and no run made it (no .lock "
+        f"or metadata.json): a run would overwrite them. Expected a new or empty directory, or a "
+        f"run's; give another run.out_dir, or move them.\n"), proc.stderr
+    assert snapshot(mine) == before and sorted(p.name for p in mine.iterdir()) == ["model.pt", "notes.txt"]
+    # A directory holding only other files (a scheduler's log written before the run) is fine,
+    # and what a run writes there, profile and plots included, is what RUN_FILES lists.
+    (mine / "model.pt").unlink()
+    run_train(mine, cache, "train.max_steps=8", "train.profile=true", "report.plots=true")
+    made = {p.name for p in mine.iterdir()} - {"notes.txt", ".lock"}
+    assert made <= set(RUN_FILES) and {"model.pt", "profile", "lr.png", "tb"} <= made, made
