@@ -5,6 +5,8 @@ produced this run.
   environment variable, for images built without .git); and, git or not, a hash of the code that
   decides how a run trains (a copy or zip download of the project has no .git);
 - config: its hash, the command line, start time, world size, injected faults, determinism settings;
+- data: what the data builder says it read (`Data.meta`: source, the corpus's sha256, sizes), its
+  plain values only, so a resume on other data can say so (loop/state.py);
 - machine: CPU model and cores, RAM, GPU names / count / memory, driver and CUDA versions, a hash
   of the hostname (not the name), versions of python, torch and numpy;
 - environment: only variables that steer training (CUDA_*, NCCL_*, PYTORCH_*, OMP_*, SLURM_*, ...).
@@ -114,11 +116,20 @@ def hardware() -> dict:
             "platform": platform.platform()}
 
 
-def collect(cfg, device: torch.device, precision: str, world_size: int, resumed_from=None) -> dict:
+def data_identity(meta: dict) -> dict:
+    """The plain values of a Data.meta (a user's builder may put anything there), less a text
+    corpus's character list (up to 65535 characters, and its sha256 already covers it)."""
+    return {k: v for k, v in meta.items()
+            if k != "chars" and (v is None or isinstance(v, (str, int, float, bool)))}
+
+
+def collect(cfg, device: torch.device, precision: str, world_size: int, data_meta: dict,
+            resumed_from=None) -> dict:
     off = asdict(FaultsConfig())
     faults = {k: v for k, v in asdict(cfg.faults).items() if v != off[k]}
     return {
         "git": git_info(), "code_sha256": code_hash(), "config_sha256": config_hash(cfg),
+        "data": data_identity(data_meta),
         "argv": safe_argv(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
         "resumed_from": str(resumed_from) if resumed_from else None,

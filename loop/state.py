@@ -23,6 +23,7 @@ from loop import checkpoint, fsdp, optim, resume, rng
 from loop.atomic import atomic_write
 from loop.config import changed_keys, config_hash, to_dict
 from loop.ema import ema_state, load_ema_state
+from loop.metadata import data_identity
 
 
 @dataclass
@@ -61,13 +62,8 @@ def restore(t, path: Path) -> None:
     t.dist.say(f"loading checkpoint {path} ...")
     hyper = optim.config_hyperparameters(t.optimizer)
     state = resume.load_model_state(path, t.raw, t.optimizer)
-    changed = changed_keys(state["config"], t.cfg)
-    if changed:
-        t.dist.say(f"note: config differs from the checkpoint's in: {', '.join(changed)}; this "
-                   f"run's values apply from here on")
-    batch_note = global_batch_change(state["config"], state["world_size"], t.cfg, t.dist.world)
-    if batch_note:
-        t.dist.say(f"note: {batch_note}")
+    for note in what_changed(state, t.cfg, t.dist.world, t.data.meta):
+        t.dist.say(f"note: {note}")
     t.scheduler.load_state_dict(state["scheduler"])
     optim.reapply(t.optimizer, t.scheduler, hyper)
     if state["scaler"] and t.lab != "no_scaler_state":  # empty when fp16 is off; lab: dropped
@@ -91,6 +87,27 @@ def restore(t, path: Path) -> None:
                    f"is trained; to stop at step {t.cfg.train.max_steps}, resume from an older "
                    f"checkpoint (run.resume=PATH) or start a new run.out_dir")
     _note_later_checkpoints(t, path)
+
+
+def what_changed(state: dict, cfg, world: int, data_meta: dict) -> list[str]:
+    """What differs from the run that wrote the checkpoint: allowed, and said."""
+    notes = []
+    if changed := changed_keys(state["config"], cfg):
+        notes.append(f"config differs from the checkpoint's in: {', '.join(changed)}; this run's "
+                     f"values apply from here on")
+    saved, now = state["metadata"].get("data"), data_identity(data_meta)  # None: older code
+    if saved is not None:
+        keys = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        if saved.get("sha256") and saved.get("sha256") == now.get("sha256"):
+            keys = [k for k in keys if k != "source"]  # the same corpus, by another path
+        if keys:
+            notes.append(f"the data differs from the checkpoint's run ("
+                         f"{'; '.join(f'{k} {saved.get(k)} -> {now.get(k)}' for k in keys)}); "
+                         f"training goes on from the same sample position in it, not bit for bit "
+                         f"as before")
+    if batch := global_batch_change(state["config"], state["world_size"], cfg, world):
+        notes.append(batch)
+    return notes
 
 
 def global_batch_change(saved: dict, saved_world: int, cfg, world: int) -> str | None:

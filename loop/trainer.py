@@ -83,7 +83,8 @@ class Trainer:
         self.dist.on_main(self._make_out_dir)
         if self.dist.main:  # from here on, files are written
             save_config(cfg, self.out / "config.yaml")
-            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world, path)
+            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
+                                             self.data.meta, path)
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
         self.open_log()
         n_params = sum(p.numel() for p in self.raw.parameters())

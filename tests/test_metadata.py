@@ -93,3 +93,32 @@ def test_secret_looking_values_on_the_command_line_are_masked(monkeypatch):
                                      "hf_token=yyy"])
     assert metadata.safe_argv() == ["train.py", "run.mirror=s3://b/x", "aws_secret_access_key=***",
                                     "hf_token=***"]
+
+
+def test_the_data_is_recorded_and_a_resume_on_other_data_says_so(tmp_path, cache):
+    # The corpus is an input like the code: metadata.json names it (its sha256), and a corpus
+    # edited between a kill and the rerun went on silently at the same sample position.
+    import hashlib
+
+    corpus = tmp_path / "corpus.txt"
+    text = "the quick brown fox jumps over the lazy dog. " * 400
+    corpus.write_text(text)
+    out = tmp_path / "run"
+    args = [cache, f"data.path={corpus}", "train.ckpt_every=5"]
+    run_train(out, *args, "train.max_steps=5")
+    data = json.loads((out / "metadata.json").read_text())["data"]
+    assert data == {"kind": "chars", "source": str(corpus), "vocab_size": 28, "train_tokens": 16200,
+                    "val_tokens": 1800, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+    same = run_train(out, *args, "train.max_steps=6")
+    assert "resumed from" in same.stdout and "the data differs" not in same.stdout, same.stdout
+    moved = tmp_path / "moved.txt"  # the same corpus by another path: only the config note
+    shutil.copy(corpus, moved)
+    again = run_train(out, cache, f"data.path={moved}", "train.ckpt_every=5", "train.max_steps=6")
+    assert "note: config differs from the checkpoint's in: data.path" in again.stdout, again.stdout
+    assert "the data differs" not in again.stdout, again.stdout
+    corpus.write_text(text.replace("dog", "god"))  # the same characters: the model still fits
+    other = run_train(out, *args, "train.max_steps=7")
+    new = hashlib.sha256(text.replace("dog", "god").encode()).hexdigest()
+    assert (f"note: the data differs from the checkpoint's run (sha256 {data['sha256']} -> {new}); "
+            f"training goes on from the same sample position in it, not bit for bit as before") \
+        in other.stdout, other.stdout
