@@ -23,7 +23,6 @@ from loop import checkpoint, fsdp, optim, resume, rng
 from loop.atomic import atomic_write
 from loop.config import changed_keys, config_hash, to_dict
 from loop.ema import ema_state, load_ema_state
-from loop.metadata import data_identity
 
 
 @dataclass
@@ -62,7 +61,7 @@ def restore(t, path: Path) -> None:
     t.dist.say(f"loading checkpoint {path} ...")
     hyper = optim.config_hyperparameters(t.optimizer)
     state = resume.load_model_state(path, t.raw, t.optimizer)
-    for note in what_changed(state, t.cfg, t.dist.world, t.data.meta):
+    for note in what_changed(state, t.cfg, t.dist.world, t.metadata):
         t.dist.say(f"note: {note}")
     t.scheduler.load_state_dict(state["scheduler"])
     optim.reapply(t.optimizer, t.scheduler, hyper)
@@ -89,14 +88,15 @@ def restore(t, path: Path) -> None:
     _note_later_checkpoints(t, path)
 
 
-def what_changed(state: dict, cfg, world: int, data_meta: dict) -> list[str]:
-    """What differs from the run that wrote the checkpoint: allowed, and said."""
+def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
+    """What differs from the run that wrote the checkpoint: allowed, and said. `metadata`: this
+    run's (loop/metadata.py; empty on ranks but 0, which say nothing)."""
     notes = []
     if changed := changed_keys(state["config"], cfg):
         notes.append(f"config differs from the checkpoint's in: {', '.join(changed)}; this run's "
                      f"values apply from here on")
-    saved, now = state["metadata"].get("data"), data_identity(data_meta)  # None: older code
-    if saved is not None:
+    saved, now = state["metadata"].get("data"), metadata.get("data")  # None: older code, rank > 0
+    if saved is not None and now is not None:
         keys = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
         if saved.get("sha256") and saved.get("sha256") == now.get("sha256"):
             keys = [k for k in keys if k != "source"]  # the same corpus, by another path
@@ -105,9 +105,29 @@ def what_changed(state: dict, cfg, world: int, data_meta: dict) -> list[str]:
                          f"{'; '.join(f'{k} {saved.get(k)} -> {now.get(k)}' for k in keys)}); "
                          f"training goes on from the same sample position in it, not bit for bit "
                          f"as before")
+    if moved := platform_change(state["metadata"], state["world_size"], metadata, world):
+        notes.append(f"this resume is not where the checkpoint was written ({moved}): the run "
+                     f"goes on, exact to floating-point rounding; bit for bit holds only on the "
+                     f"same machine, versions and process count")
     if batch := global_batch_change(state["config"], state["world_size"], cfg, world):
         notes.append(batch)
     return notes
+
+
+def platform_change(saved: dict, saved_world: int, now: dict, world: int) -> str:
+    """What decides float rounding and differs between two runs' metadata: the versions of torch,
+    numpy and CUDA, the CPU and GPU models, the process count. '' if nothing (or not known)."""
+    def rounding(m: dict, processes: int) -> dict:
+        versions, hardware = m.get("versions", {}), m.get("hardware", {})
+        return {"torch": versions.get("torch"), "numpy": versions.get("numpy"),
+                "CUDA": versions.get("cuda"), "CPU": hardware.get("cpu"),
+                "GPUs": ", ".join(g["name"] for g in hardware.get("gpus", [])) or None,
+                "processes": processes}
+
+    if not saved or not now:
+        return ""
+    a, b = rounding(saved, saved_world), rounding(now, world)
+    return "; ".join(f"{k} {a[k]} -> {b[k]}" for k in a if a[k] != b[k])
 
 
 def global_batch_change(saved: dict, saved_world: int, cfg, world: int) -> str | None:

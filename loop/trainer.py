@@ -74,6 +74,9 @@ class Trainer:
             self.dist.say(banner(self.lab))
         evaluate.check_model_output(self)
         path = self.dist.on_main(self._lock_then_choose)
+        if self.dist.main:  # before restore, which compares it with the checkpoint's
+            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
+                                             self.data.meta, path)
         if path:
             restore(self, path)
         elif cfg.run.init_from:
@@ -83,8 +86,6 @@ class Trainer:
         self.dist.on_main(self._make_out_dir)
         if self.dist.main:  # from here on, files are written
             save_config(cfg, self.out / "config.yaml")
-            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
-                                             self.data.meta, path)
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
         self.open_log()
         n_params = sum(p.numel() for p in self.raw.parameters())

@@ -200,7 +200,7 @@ def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
     run_train(out, cache, *STEPS)
     before = summary(out)
     rerun = run_train(out, cache, *STEPS)
-    assert resumed_at(rerun.stdout) == 40
+    assert resumed_at(rerun.stdout) == 40 and "note:" not in rerun.stdout, rerun.stdout  # nothing changed
     assert summary(out)["params_sha256"] == before["params_sha256"] == summary(reference)["params_sha256"]
     assert len(metrics(out)) == 40
     fewer = run_train(out, cache, "train.max_steps=30", "train.ckpt_every=10")  # not silently 40
@@ -263,3 +263,18 @@ def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, referen
     assert global_batch_change(saved, 2, cfg(4, 2), 1).startswith(
         "a step now takes 8 samples (1 process(es) x data.batch_size 4 x train.grad_accum 2), the "
         "checkpoint's run took 16 (2 process(es) x data.batch_size 4 x train.grad_accum 2)")
+
+
+def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is_off():
+    # Bit for bit is promised on one machine with the same versions and process count; a job
+    # requeued onto another node type, or an upgraded torch, went on as if nothing changed.
+    from loop.state import platform_change
+
+    here = {"versions": {"torch": "2.13.0", "numpy": "2.4.6", "cuda": None},
+            "hardware": {"cpu": "Xeon", "gpus": []}, "host_sha256": "a"}
+    assert platform_change(here, 1, {**here, "host_sha256": "b"}, 1) == ""  # a twin machine
+    there = {"versions": {"torch": "2.11.0", "numpy": "2.4.6", "cuda": "13.0"},
+             "hardware": {"cpu": "EPYC", "gpus": [{"name": "NVIDIA H100", "memory_gb": 85.0}]}}
+    assert platform_change(here, 2, there, 1) == \
+        "torch 2.13.0 -> 2.11.0; CUDA None -> 13.0; CPU Xeon -> EPYC; GPUs None -> NVIDIA H100; processes 2 -> 1"
+    assert platform_change({}, 1, there, 1) == ""  # a checkpoint without metadata: nothing known
