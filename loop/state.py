@@ -116,12 +116,14 @@ def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
 
 def platform_change(saved: dict, saved_world: int, now: dict, world: int) -> str:
     """What decides float rounding and differs between two runs' metadata: the versions of torch,
-    numpy and CUDA, the CPU and GPU models, the process count. '' if nothing (or not known)."""
+    numpy and CUDA, the CPU model, the GPU models (of runs on CUDA), the process count. '' if
+    nothing (or not known)."""
     def rounding(m: dict, processes: int) -> dict:
         versions, hardware = m.get("versions", {}), m.get("hardware", {})
         return {"torch": versions.get("torch"), "numpy": versions.get("numpy"),
                 "CUDA": versions.get("cuda"), "CPU": hardware.get("cpu"),
-                "GPUs": ", ".join(g["name"] for g in hardware.get("gpus", [])) or None,
+                "GPUs": ", ".join(g["name"] for g in hardware.get("gpus", [])
+                                  if str(m.get("device")).startswith("cuda")) or None,
                 "processes": processes}
 
     if not saved or not now:

@@ -273,8 +273,11 @@ def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is
     here = {"versions": {"torch": "2.13.0", "numpy": "2.4.6", "cuda": None},
             "hardware": {"cpu": "Xeon", "gpus": []}, "host_sha256": "a"}
     assert platform_change(here, 1, {**here, "host_sha256": "b"}, 1) == ""  # a twin machine
-    there = {"versions": {"torch": "2.11.0", "numpy": "2.4.6", "cuda": "13.0"},
+    there = {"versions": {"torch": "2.11.0", "numpy": "2.4.6", "cuda": "13.0"}, "device": "cuda:0",
              "hardware": {"cpu": "EPYC", "gpus": [{"name": "NVIDIA H100", "memory_gb": 85.0}]}}
     assert platform_change(here, 2, there, 1) == \
         "torch 2.13.0 -> 2.11.0; CUDA None -> 13.0; CPU Xeon -> EPYC; GPUs None -> NVIDIA H100; processes 2 -> 1"
+    on_cpu = {**there, "versions": here["versions"], "hardware": {**there["hardware"], "cpu": "Xeon"},
+              "device": "cpu"}
+    assert platform_change(here, 1, on_cpu, 1) == ""  # GPUs beside a run on the CPU do not count
     assert platform_change({}, 1, there, 1) == ""  # a checkpoint without metadata: nothing known
