@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -138,12 +139,30 @@ class Config:
 
 # ---------------------------------------------------------------------------------------- loading
 def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
-    p = argparse.ArgumentParser(description="Train with the honest loop.")
+    p = argparse.ArgumentParser(description="Train with the honest loop.", epilog=keys_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once,
                    help="YAML preset (default: %(default)s)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = p.parse_intermixed_args(argv)  # overrides may come before and after --config
     return args.config, args.overrides
+
+
+def keys_help() -> str:
+    """Every key with its default (what applies when the config file does not set it), a line per
+    section, for --help: the keys without opening loop/config.py."""
+    def flat(d: dict, prefix: str = "") -> list[str]:
+        def shown(v) -> str:  # as YAML and the command line take them: true, [0.9,0.95]
+            return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, bool)) else str(v)
+
+        return [item for k, v in d.items() for item in (
+            flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}={shown(v)}"])]
+
+    lines = ["config keys, as section.key=value (the default where the config file sets none):"]
+    for section, values in to_dict(Config()).items():
+        lines += textwrap.wrap(" ".join(flat(values)), 96, initial_indent=f"  {section}: ",
+                               subsequent_indent=" " * (len(section) + 4), break_on_hyphens=False)
+    return "\n".join(lines)
 
 
 class _Once(argparse.Action):

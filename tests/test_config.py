@@ -1,6 +1,7 @@
 """The config layer rejects every bad input with a BadInput naming the key/file, and round-trips."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from loop.config import Config, config_hash, load_config, parse_args, save
+from loop.config_check import to_dict
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -202,6 +204,30 @@ def test_a_key_with_nothing_after_the_equals_sign_says_so():
     # It said "got None (NoneType)": YAML reads an empty value as null. A string key takes "".
     assert bad(["train.max_steps="]) == "config key train.max_steps: expected int, got an empty value."
     assert load_config(DEFAULT, ["data.path="]).data.path == ""
+
+
+def test_help_lists_every_key_with_its_default(capsys):
+    # The keys were in loop/config.py only; --help showed --config and "overrides".
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "config keys, as section.key=value" in out
+    words = set(out.split())
+    assert {"out_dir=runs/default", "betas=[0.9,0.95]", "deterministic=false", "markov.vocab_size=32",
+            "break="} <= words, out
+    assert re.search(r"^  optim: lr=0.001 weight_decay=0.1 ", out, re.M), out
+
+    def keys(d: dict, prefix: str = "") -> list[str]:
+        return [k for name, v in d.items()
+                for k in (keys(v, f"{prefix}{name}.") if isinstance(v, dict) else [f"{prefix}{name}"])]
+
+    listed, section = [], None
+    for line in out.split("config keys")[1].splitlines()[1:]:
+        head, sep, rest = line.partition(": ")
+        if sep and head.startswith("  ") and not head.startswith("   "):  # "  optim: lr=..."
+            section, line = head.strip(), rest
+        listed += [f"{section}.{word.split('=')[0]}" for word in line.split()]
+    assert listed == keys(to_dict(Config()))  # every key, once, in order
 
 
 def test_config_given_twice_is_refused(capsys):
