@@ -106,7 +106,12 @@ def evaluate(t, step: int) -> bool:
 def check_model_output(t) -> None:
     """Before anything is written, probe one validation batch (eval mode, no gradients, no random
     draws): the model keeps its contract (`loss_and_sums`), and train.best_metric is one it reports."""
-    names = val_metrics(t.raw, t.val[:1], t.precision, t.device, t.dist)
+    if not t.dist.sum_host([sum(b["n_targets"] for b in t.val)])[0]:  # was a ZeroDivisionError
+        raise BadInput("data: the validation batches hold no targets (every y is -100, the ignored "
+                       "index); expected some to measure val_loss on.")
+    # A batch with targets where this rank has one: the probe divides by the count over ranks.
+    probe = next((b for b in t.val if b["n_targets"]), t.val[0])
+    names = val_metrics(t.raw, [probe], t.precision, t.device, t.dist)
     if t.monitor.metric not in names:
         raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
                        f"model reports ({', '.join(names)}); got {t.monitor.metric!r}.")

@@ -245,6 +245,30 @@ def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache
     assert not (tmp_path / "run").exists()
 
 
+def test_validation_without_any_target_stops_the_run_before_anything_is_written(tmp_path, cache):
+    # Every y masked (a label mapping gone wrong): val_loss divided by a count of 0, a
+    # ZeroDivisionError traceback. A first batch without targets alone is fine: the probe takes
+    # one that has some.
+    from conftest import TINY
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    def trainer(out: str, masked: int | None):  # the first `masked` validation batches; None: all
+        cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / out}", "train.max_steps=2"])
+        t = build_trainer(cfg, Dist(), torch.device("cpu"))
+        for b in t.val[:masked]:
+            b["y"][:] = IGNORE_INDEX
+            b["n_targets"] = 0
+        return t
+
+    trainer("first", masked=1).run()
+    assert (tmp_path / "first" / "summary.json").exists()
+    with pytest.raises(BadInput, match=r"^data: the validation batches hold no targets \(every y is -100"):
+        trainer("all", masked=None).run()
+    assert not (tmp_path / "all").exists()
+
+
 def test_frozen_parameters_are_counted_apart_and_stay_unchanged(tmp_path, cache, capsys):
     from conftest import TINY
     from loop.build import build_trainer
