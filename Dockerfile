@@ -41,6 +41,13 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
 assert sys.version.startswith('${PYTHON_VERSION}.') and torch.__version__.split('+')[0] == '${TORCH_VERSION}' \
 and torch.version.cuda == '${CUDA_VERSION}', 'the base image is not the pinned Python, torch and CUDA'"
 
+# torch.compile (train.compile, on in configs/gpt2_124m.yaml) needs a C compiler when it runs:
+# Triton builds its kernel launchers with it. Runtime images shipped none until
+# pytorch/pytorch#170235 (pytorch/pytorch#116696): install gcc where the base lacks it.
+RUN command -v gcc >/dev/null || { apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*; }
+
 COPY . .
 # uid 10001, not 1000: Ubuntu 24.04 images already have user `ubuntu` with 1000. The code stays
 # root-owned (read-only to the run); only the default output and data-cache dirs are writable, by

@@ -176,6 +176,16 @@ def test_dockerfile_runs_as_non_root_and_records_the_commit():
     assert arg and env and arg.start() < env.start()  # --build-arg GIT_COMMIT=... -> the environment
 
 
+def test_dockerfile_has_a_c_compiler_for_torch_compile():
+    # configs/gpt2_124m.yaml compiles; Triton needs gcc at run time, which CUDA runtime images
+    # lacked (pytorch/pytorch#116696): the build installs it, as root, before USER drops to the user.
+    text, _ = dockerfile()
+    ensure = re.search(r"^RUN command -v gcc .*apt-get install -y --no-install-recommends gcc", text,
+                       re.MULTILINE | re.DOTALL)
+    assert ensure and ensure.start() < text.rindex("\nUSER ")
+    assert "compile: true" in (ROOT / "configs" / "gpt2_124m.yaml").read_text()
+
+
 def test_dockerignore_keeps_secrets_history_and_outputs_out_of_the_image():
     lines = set((ROOT / ".dockerignore").read_text().split("\n"))
     assert {".git", ".venv", ".env", "runs", "reports", "data/cache"} <= lines
