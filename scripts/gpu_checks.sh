@@ -5,7 +5,7 @@
 #   bash scripts/gpu_checks.sh env tests        # some of them
 #   OUT=/tmp/gpu PYTHON=python3 bash scripts/gpu_checks.sh bench
 #
-#   env      GPU, driver, torch and CUDA versions
+#   env      GPU, driver, gcc, torch and CUDA versions
 #   tests    tests/test_cuda.py: bf16/fp16 + fused AdamW repeat and resume bit-identically, a real
 #            out-of-memory recovered by splitting, one host sync per steady-state step
 #            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python, FSDP with
@@ -42,7 +42,8 @@ stage() {  # name, command...: run it, keep its output, remember a failure and g
 for s in "${stages[@]}"; do
     case $s in
     env)
-        stage env bash -c "nvidia-smi; $PYTHON -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())'" ;;
+        # gcc: train.compile (the bench's GPT-2 config) needs a C compiler for Triton's launchers
+        stage env bash -c "nvidia-smi; { command -v gcc >/dev/null && gcc --version | head -1; } || echo 'no gcc: train.compile=true will fail'; $PYTHON -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())'" ;;
     tests)
         stage tests "$PYTHON" -m pytest tests/test_cuda.py -v -s -rs ;;
     verify)
