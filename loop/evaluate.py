@@ -111,7 +111,15 @@ def check_model_output(t) -> None:
                        "index); expected some to measure val_loss on.")
     # A batch with targets where this rank has one: the probe divides by the count over ranks.
     probe = next((b for b in t.val if b["n_targets"]), t.val[0])
-    names = val_metrics(t.raw, [probe], t.precision, t.device, t.dist)
+    try:  # a compiled model is built here, at its first forward
+        names = val_metrics(t.raw, [probe], t.precision, t.device, t.dist)
+    except Exception as e:
+        if not (t.cfg.train.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))):
+            raise
+        raise BadInput(f"config key train.compile=true: torch.compile could not build this model "
+                       f"({str(e).strip().splitlines()[0]}); install what it names (a C++ compiler "
+                       f"for the CPU, a C compiler for Triton on CUDA), or set "
+                       f"train.compile=false.") from e
     if t.monitor.metric not in names:
         raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
                        f"model reports ({', '.join(names)}); got {t.monitor.metric!r}.")

@@ -3,10 +3,13 @@ same gradients bit for bit, and a compiled model's checkpoints are interchangeab
 uncompiled one's (torch.compile in place keeps the state_dict keys)."""
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 import torch
 
-from conftest import metrics, run_train, summary
+from conftest import ROOT, metrics, run_train, summary, train_cmd
 from model.gpt import GPT
 
 
@@ -45,3 +48,17 @@ def test_compiled_and_plain_runs_share_checkpoints(tmp_path, cache):
     for x, y in zip(metrics(plain), metrics(mixed)):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
     assert summary(mixed)["val_loss"] == pytest.approx(summary(plain)["val_loss"], rel=1e-5)
+
+
+def test_a_compile_that_cannot_build_the_model_is_bad_input(tmp_path, cache):
+    # No C++ compiler for inductor on the CPU (no C compiler for Triton on CUDA, as in CUDA runtime
+    # images): a traceback of torch internals, exit 1. Now exit 2 at the first forward, before
+    # anything is written, naming what is missing and the way out.
+    out = tmp_path / "run"
+    proc = subprocess.run(train_cmd(out, cache, "train.compile=true", "train.max_steps=2"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "CXX": str(tmp_path / "no-such-g++")})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert ("error: config key train.compile=true: torch.compile could not build this model "
+            "(InvalidCxxCompiler: No working C++ compiler found") in proc.stderr, proc.stderr
+    assert proc.stderr.rstrip().endswith("or set train.compile=false.") and not out.exists()
