@@ -151,18 +151,23 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
 def keys_help() -> str:
     """Every key with its default (what applies when the config file does not set it), a line per
     section, for --help: the keys without opening loop/config.py."""
-    def flat(d: dict, prefix: str = "") -> list[str]:
-        def shown(v) -> str:  # as YAML and the command line take them: true, [0.9,0.95]
-            return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, bool)) else str(v)
-
-        return [item for k, v in d.items() for item in (
-            flat(v, f"{prefix}{k}.") if isinstance(v, dict) else [f"{prefix}{k}={shown(v)}"])]
+    def shown(v) -> str:  # as YAML and the command line take them: true, [0.9,0.95]
+        return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, bool)) else str(v)
 
     lines = ["config keys, as section.key=value (the default where the config file sets none):"]
     for section, values in to_dict(Config()).items():
-        lines += textwrap.wrap(" ".join(flat(values)), 96, initial_indent=f"  {section}: ",
+        keys = " ".join(f"{k}={shown(v)}" for k, v in flat(values).items())
+        lines += textwrap.wrap(keys, 96, initial_indent=f"  {section}: ",
                                subsequent_indent=" " * (len(section) + 4), break_on_hyphens=False)
     return "\n".join(lines)
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as {dotted key: value}."""
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
 
 
 class _Once(argparse.Action):
@@ -221,12 +226,6 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
 # ---------------------------------------------------------------------------------------- output
 def changed_keys(old: dict, new: Config) -> list[str]:
     """Dotted keys whose values differ between a saved config dict and `new`."""
-    def flat(d: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in d.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
-        return out
-
     a, b = flat(old), flat(to_dict(new))
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 

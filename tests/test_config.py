@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loop.config import Config, config_hash, load_config, parse_args, save
+from loop.config import Config, config_hash, flat, load_config, parse_args, save
 from loop.config_check import to_dict
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
@@ -217,17 +217,13 @@ def test_help_lists_every_key_with_its_default(capsys):
             "break="} <= words, out
     assert re.search(r"^  optim: lr=0.001 weight_decay=0.1 ", out, re.M), out
 
-    def keys(d: dict, prefix: str = "") -> list[str]:
-        return [k for name, v in d.items()
-                for k in (keys(v, f"{prefix}{name}.") if isinstance(v, dict) else [f"{prefix}{name}"])]
-
     listed, section = [], None
     for line in out.split("config keys")[1].splitlines()[1:]:
         head, sep, rest = line.partition(": ")
         if sep and head.startswith("  ") and not head.startswith("   "):  # "  optim: lr=..."
             section, line = head.strip(), rest
         listed += [f"{section}.{word.split('=')[0]}" for word in line.split()]
-    assert listed == keys(to_dict(Config()))  # every key, once, in order
+    assert listed == list(flat(to_dict(Config())))  # every key, once, in order
 
 
 def test_config_given_twice_is_refused(capsys):
