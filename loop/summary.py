@@ -36,7 +36,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         "steps": p.step, "final_loss": t.log.last_loss, **t.last_eval[1],  # val_loss, val_...
         "params_sha256": checkpoint.params_sha256(weights), "wall_s": p.train_s,
         "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
-        "skipped_steps": p.skipped, "overflow_steps": p.overflows,
+        "skipped_steps": p.skipped, "overflow_steps": p.overflows, "empty_steps": p.empty,
         "best": {"metric": t.monitor.metric, "value": m.best, "step": m.best_step},
         "stopped_early": bool(m.stop_reason), "stop_reason": m.stop_reason or None,
         "rollbacks": p.rollbacks, "micro_batch": -(-t.cfg.data.batch_size // p.micro_split),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -188,6 +189,8 @@ class Trainer:
         # Targets in the whole step, all ranks: counted on the CPU by the collate, summed over ranks
         # by a CPU collective, so the GPU stream is never waited on.
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
+        if not n_targets:  # every y is -100 on every rank (e.g. a prompt-only sample): no loss
+            return self._empty_step(micro, data_ms)
         while (losses := forward_backward(self, micro, n_targets)) is None:
             recover_from_oom(self)  # every rank retries the same batches in smaller pieces
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
@@ -219,14 +222,32 @@ class Trainer:
                 return False
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
+        self._advance(micro, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
+        return True
+
+    def _empty_step(self, micro: list[dict], data_ms: float) -> bool:
+        """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
+        changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
+        p = self.progress
+        p.empty += 1
+        self.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is "
+                      f"-100, at sample position {p.samples}); nothing to learn from, step skipped",
+                      file=sys.stderr)
+        nan = torch.tensor(float("nan"), device=self.device)
+        self._advance(micro, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
+        return True
+
+    def _advance(self, micro: list[dict], n_targets: int, lr: float, skipped: bool, data_ms: float,
+                 step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Count the step and its data, and log it."""
+        p = self.progress
         p.step += 1
         p.samples += sum(len(b["idx"]) for b in micro) * self.dist.world
         p.tokens += n_targets
         fields = {"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples,
-                  "skipped": not (loss_ok and grad_ok), "data_ms": data_ms,
+                  "skipped": skipped, "data_ms": data_ms,
                   "micro_batch": -(-self.cfg.data.batch_size // p.micro_split)}
         if self.cfg.data.log_ids:  # for audits: the global ids of this step's samples, in order
             ranks = self.dist.gather_to_main([b["idx"].tolist() for b in micro])  # rank 0 only
             fields["ids"] = ranks and [i for m in range(len(micro)) for r in ranks for i in r[m]]
         self.log.record(fields, step_loss, grad_norm)
-        return True

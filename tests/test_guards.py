@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, metrics, run_and_kill, run_train, summary
+from data.tokens import IGNORE_INDEX
 from loop import checkpoint, guards
 from loop.build import check_with_world, idle_settings
 from loop.config import DEFAULT_CONFIG as DEFAULT, load_config
@@ -47,6 +48,53 @@ def _equal(a, b) -> bool:
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
+
+
+class EvenSamplesMasked(torch.utils.data.Dataset):
+    """Every even-numbered sample has all its targets -100 (say, a prompt with no answer kept)."""
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        item = dict(self.ds[i])
+        if i % 2 == 0:
+            item["y"] = torch.full_like(item["y"], IGNORE_INDEX)
+        return item
+
+
+def test_a_step_without_targets_is_skipped_and_nothing_moves(tmp_path, cache, capsys):
+    # Its loss is 0/0: it was a ZeroDivisionError traceback (and, read as non-finite, it would
+    # have met nan_policy=abort). A step with some masked samples trains on the rest as usual.
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=12",
+                                "data.batch_size=2", "train.grad_accum=1", "data.log_ids=true",
+                                "train.ckpt_every=1", "train.keep_last=20", "ema.enabled=true",
+                                "train.nan_policy=abort"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    t.data.train = EvenSamplesMasked(t.data.train)
+    t.run()
+    recs = metrics(out)
+    empty = [r["step"] for r in recs if all(i % 2 == 0 for i in r["ids"])]
+    mixed = [r["step"] for r in recs if any(i % 2 == 0 for i in r["ids"]) and r["step"] not in empty]
+    assert empty == [2, 4, 5, 12] and mixed  # the seed's order: both kinds are met
+    err = capsys.readouterr().err
+    for k in empty:
+        before, after = state(out, k - 1), state(out, k)
+        for part in ("model", "optimizer", "scheduler", "ema"):
+            assert _equal(before[part], after[part]), (k, part)
+        assert after["progress"]["samples"] == 2 * k  # the data moved on
+        assert recs[k - 1]["skipped"] and recs[k - 1]["tokens"] == recs[k - 2]["tokens"]
+        assert k == 12 or recs[k]["lr"] == recs[k - 1]["lr"]  # the schedule did not advance
+        assert f"warning: step {k}: no targets in this step's batches (every y is -100" in err
+    assert not any(recs[k - 1]["skipped"] for k in mixed)
+    assert summary(out)["empty_steps"] == 4 and summary(out)["skipped_steps"] == 0
+    assert summary(out)["steps"] == 12
 
 
 def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache):
