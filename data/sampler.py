@@ -79,6 +79,18 @@ def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_worker
     )
 
 
+def close_loader(batches) -> None:
+    """Stop a train_loader iterator's worker processes now. Dropping the last reference does it
+    too, but an error raised through the iterator (a Dataset that fails in a worker) keeps it
+    referenced by the traceback until the interpreter exits, and there multiprocessing's
+    terminate cannot stop workers that ignore SIGTERM (loop.guards.worker_ignores_stop_signals):
+    the process hung instead of exiting. torch's own exit-time cleanup covers pinned-memory
+    loaders only. `_shutdown_workers` is what the iterator's `__del__` calls; it runs once."""
+    shutdown = getattr(batches, "_shutdown_workers", None)  # none without workers
+    if shutdown:
+        shutdown()
+
+
 def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int | None, rank: int = 0,
                 world: int = 1) -> list[dict]:
     """A fixed validation set drawn by its own generator: the same batches at every evaluation, and

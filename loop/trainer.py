@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from data.sampler import train_loader, val_batches
+from data.sampler import close_loader, train_loader, val_batches
 from loop import checkpoint, evaluate, fsdp, resume, runlock
 from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
@@ -128,7 +128,8 @@ class Trainer:
             preemption.close()
             if profiler:
                 profiler.close()
-            self.batches = None  # shuts the DataLoader workers down
+            close_loader(self.batches)  # the DataLoader workers, even if an error pins them
+            self.batches = None
             # Even on the way out of an error: every finished step is on disk (the file is written
             # before the console line). A console gone with the error (a `tee` ended by the same
             # Ctrl-C) must not replace it, nor keep the checkpoint writer below from finishing.

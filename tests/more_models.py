@@ -1,6 +1,7 @@
 """train.py with two more models, for the tests of what users' own models do under DDP and FSDP:
 `gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient), and
-`gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates).
+`gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates); and one more
+dataset, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
 """
@@ -14,8 +15,29 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import data  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
+
+
+
+class Broken(torch.utils.data.Dataset):
+    def __init__(self, ds):
+        self.ds = ds
+
+    def __len__(self):
+        return len(self.ds)
+
+    def __getitem__(self, i):
+        if i % 100 == 7:  # one in a hundred: the first step meets one within a few steps
+            raise ValueError(f"sample {i} cannot be read")
+        return self.ds[i]
+
+
+def text_broken(cfg) -> data.Data:
+    d = data.BUILDERS["text"](cfg)
+    d.train = Broken(d.train)
+    return d
 
 
 class TokenNorm(nn.BatchNorm1d):
@@ -37,4 +59,5 @@ def gpt_bn(cfg, data) -> nn.Module:
 
 if __name__ == "__main__":
     model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn)
+    data.BUILDERS["text_broken"] = text_broken
     sys.exit(train.main())

@@ -93,6 +93,20 @@ def test_loader_workers_and_start_position(markov):
     assert same(batches(ds, 0, 0, 5), b0[:5])
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dataset_error_ends_the_run_with_its_traceback(tmp_path, cache, workers):
+    # With workers, the error's traceback kept the DataLoader iterator alive to the interpreter's
+    # exit, whose terminate cannot stop workers that ignore SIGTERM: train.py hung forever.
+    from conftest import ROOT, TINY
+
+    cmd = [sys.executable, "tests/more_models.py", f"run.out_dir={tmp_path / 'run'}", *TINY,
+           cache, "data.name=text_broken", "train.max_steps=2000",
+           f"data.num_workers={workers}"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert re.search(r"ValueError: sample \d+ cannot be read$", proc.stderr.rstrip()), proc.stderr[-2000:]
+
+
 def test_val_batches_fixed_and_rng_free(markov):
     ds = markov.val
     assert len(ds) == (400 - 1) // SEQ == 24
