@@ -57,3 +57,20 @@ def check_samples(data: Data, name: str) -> None:
             if np.ndim(item["idx"]) != 0 or int(item["idx"]) != i:
                 raise BadInput(f"{where}'s sample {i} has idx {item['idx']!r}; expected its index, {i} "
                                f"(audits and data.log_ids name the samples a step trained on by it).")
+        if why := unstackable([ds[0], ds[len(ds) - 1]]):  # e.g. a last window cut short
+            raise BadInput(f"{where}'s {why}.")
+
+
+def unstackable(items: list[dict]) -> str | None:
+    """Why these samples cannot be stacked into one batch, if their keys or a key's shape differ."""
+    first = items[0]
+    for item in items[1:]:
+        if item.keys() != first.keys():
+            return (f"samples {int(first['idx'])} and {int(item['idx'])} have different keys: "
+                    f"{', '.join(first)} and {', '.join(item)}; a batch stacks its samples key by key")
+        for key in first:
+            if (a := tuple(np.shape(first[key]))) != (b := tuple(np.shape(item[key]))):
+                return (f"samples {int(first['idx'])} and {int(item['idx'])} differ in the shape of "
+                        f"{key!r}: {a} and {b}; a batch stacks its samples, so each key needs one "
+                        f"shape (pad to one length, with the padded targets -100)")
+    return None

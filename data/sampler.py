@@ -13,6 +13,7 @@ import itertools
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
+from data.bundle import unstackable
 from data.tokens import IGNORE_INDEX
 from loop.errors import BadInput
 
@@ -48,7 +49,12 @@ class StreamSampler(Sampler[int]):
 
 def collate(samples: list[dict]) -> dict:
     """Stack samples; count the real targets here, on the CPU, so the loop needs no device sync."""
-    batch = default_collate(samples)
+    try:
+        batch = default_collate(samples)
+    except (RuntimeError, KeyError):
+        if why := unstackable(samples):  # torch's message names neither the samples nor the key
+            raise ValueError(f"data: {why}.") from None
+        raise
     batch["n_targets"] = int((batch["y"] != IGNORE_INDEX).sum())
     return batch
 

@@ -17,7 +17,7 @@ from data import build_data
 from data.bundle import Data, check_samples
 from data.corpus import prepare_text
 from data.markov import entropy_rate, prepare_markov, transition_matrix
-from data.sampler import StreamSampler, epoch_order, train_loader, val_batches
+from data.sampler import StreamSampler, collate, epoch_order, train_loader, val_batches
 from data.tokens import TokenWindows
 from loop.config import DEFAULT_CONFIG, DataConfig, MarkovConfig, load_config
 from loop.errors import BadInput
@@ -155,6 +155,10 @@ def sample(i: int) -> dict:
     ([sample(0), sample(0)], "the train split's sample 1 has idx 0; expected its index, 1"),
     ([{**sample(0), "x": {"ids": torch.zeros(2)}}],
      "the train split's sample 0 holds a dict under 'x'; expected a tensor"),
+    ([sample(0), {**sample(1), "x": torch.zeros(1)}],  # a last window cut short
+     "the train split's samples 0 and 1 differ in the shape of 'x': (2,) and (1,); a batch stacks"),
+    ([sample(0), {**sample(1), "mask": np.ones(2)}],
+     "the train split's samples 0 and 1 have different keys: x, y, idx and x, y, idx, mask;"),
 ])
 def test_a_dataset_that_breaks_the_sample_contract_is_named(train, said):
     # These were a KeyError or TypeError from inside the loop, or, for a nested input, a device
@@ -162,7 +166,17 @@ def test_a_dataset_that_breaks_the_sample_contract_is_named(train, said):
     data = Data(train, [sample(0)], vocab_size=2, seq_len=1)
     with pytest.raises(BadInput, match=f"data.name=mine: {re.escape(said)}"):
         check_samples(data, "mine")
-    check_samples(Data([sample(0), {**sample(1), "mask": np.ones(2)}], [sample(0)], 2, 1), "mine")
+    check_samples(Data([{**sample(0), "mask": np.ones(2)}, {**sample(1), "mask": np.ones(2)}],
+                       [{**sample(0), "x": torch.zeros(3)}], 2, 1), "mine")  # val: a shape of its own
+
+
+def test_samples_that_cannot_be_stacked_are_named_when_a_batch_meets_them():
+    # torch said "stack expects each tensor to be equal size, but got [2] at entry 0 and [3] at
+    # entry 1" (in a worker: "Trying to resize storage that is not resizable"), naming no sample.
+    with pytest.raises(ValueError, match=re.escape("data: samples 4 and 7 differ in the shape of 'x': "
+                                                   "(2,) and (3,); a batch stacks its samples")):
+        collate([sample(4), sample(5), {**sample(7), "x": torch.zeros(3)}])
+    assert collate([sample(4), sample(5)])["x"].shape == (2, 2)
 
 
 def test_token_windows_shift_by_one(tmp_path):
