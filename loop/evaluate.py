@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 
 from data.sampler import split_batch, val_batches
-from loop.errors import BadInput
+from loop.errors import BadInput, GaveUp
+from loop.guards import oom_in_collectives
 
 
 CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
@@ -112,7 +113,7 @@ def check_model_output(t) -> None:
     # A batch with targets where this rank has one: the probe divides by the count over ranks.
     probe = next((b for b in t.val if b["n_targets"]), t.val[0])
     try:  # a compiled model is built here, at its first forward
-        names = val_metrics(t.raw, [probe], t.precision, t.device, t.dist)
+        names = _probe(t, probe)
     except Exception as e:
         if not (t.cfg.train.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))):
             raise
@@ -123,6 +124,29 @@ def check_model_output(t) -> None:
     if t.monitor.metric not in names:
         raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
                        f"model reports ({', '.join(names)}); got {t.monitor.metric!r}.")
+
+
+def _probe(t, batch: dict) -> dict[str, float]:
+    """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch too
+    big for the card must reach training, whose recovery (train.oom_policy) splits it. Ranks need
+    not agree first: the one collective comes after every forward. Under FSDP, whose forward
+    gathers weights from every rank, an out-of-memory cannot be retried (loop.guards)."""
+    split, n = 1, len(batch["idx"])
+    while True:
+        try:
+            return val_metrics(t.raw, [batch], t.precision, t.device, t.dist, split)
+        except torch.OutOfMemoryError:
+            pass  # retried outside the except block: its traceback pins the tensors
+        if t.sharded:
+            oom_in_collectives(t, "in the first validation forward (the model's contract probe) "
+                                  "under FSDP, which gathers each block's weights from all ranks")
+        if split >= n:
+            raise GaveUp(f"out of memory in the model's first forward (validation, no "
+                         f"gradients), even one sample at a time: the model does not fit "
+                         f"{t.device}; use a smaller model or data.seq_len.")
+        split *= 2
+        if t.device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 def sample(t) -> str | None:

@@ -17,7 +17,7 @@ from loop import checkpoint, guards
 from loop.build import check_with_world, idle_settings
 from loop.config import DEFAULT_CONFIG as DEFAULT, load_config
 from loop.distributed import Dist
-from loop.errors import BadInput
+from loop.errors import BadInput, GaveUp
 from loop.precision import Precision
 
 STEPS = ["train.max_steps=20", "train.ckpt_every=5"]
@@ -179,6 +179,46 @@ def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
     cpu, model = torch.device("cpu"), Sizes()
     got = val_metrics(model, [batch, batch], Precision("fp32", cpu), cpu, Dist(), split=2)
     assert model.seen == [4, 4, 4, 4] and got == {"val_loss": 2.0}
+
+
+def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, cache, capsys):
+    # A card that fits 2 samples at a time (a test double: the forward raises out of memory on
+    # more). The contract probe before training ran the whole validation batch and its out of
+    # memory was a traceback before any step: the recovery below never got its chance.
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=3",
+                                "data.batch_size=8", "train.grad_accum=1", "train.eval_every=0"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    forward, sizes = t.raw.forward, []
+
+    def small_card(batch):
+        sizes.append(len(batch["idx"]))
+        if sizes[-1] > 2:
+            raise torch.OutOfMemoryError("test double: at most 2 samples fit")
+        return forward(batch)
+
+    t.raw.forward = small_card
+    assert t.run()["micro_batch"] == 2
+    err = capsys.readouterr().err
+    assert "step 1: out of memory; micro-batch 8 -> 4" in err and "micro-batch 4 -> 2" in err
+    assert sizes[:3] == [8, 4, 2]  # the probe: halved until it fits (it checks the contract only)
+    assert set(sizes[3:]) <= {8, 4, 2} and sizes[-1] == 2  # the final validation: pieces of 2
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'none'}", "data.batch_size=8"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    sizes.clear()
+
+    def no_card(batch):
+        sizes.append(len(batch["idx"]))
+        raise torch.OutOfMemoryError("test double: nothing fits")
+
+    t.raw.forward = no_card
+    with pytest.raises(GaveUp, match=r"^out of memory in the model's first forward \(validation, no "
+                                     r"gradients\), even one sample at a time: the model does not fit cpu"):
+        t.run()
+    assert sizes == [8, 4, 2, 1] and not (tmp_path / "none").exists()  # nothing written
 
 
 def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
