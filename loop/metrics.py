@@ -33,8 +33,8 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         self.path, self.max_steps = out_dir / "metrics.jsonl", max_steps
-        kept = jsonl.truncate(self.path, start_step)
-        self.last_loss = kept[-1]["loss"] if kept else None
+        last = jsonl.truncate(self.path, start_step)
+        self.last_loss = last["loss"] if last else None
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
         if self.tb:
