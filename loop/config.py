@@ -46,7 +46,7 @@ class OptimConfig:
     lr: float = opt(1e-3, min=0.0)
     weight_decay: float = opt(0.1, min=0.0)
     betas: list[float] = opt([0.9, 0.95], min=0.0, below=1.0)
-    eps: float = opt(1e-8, min=0.0)
+    eps: float = opt(1e-8, above=0.0)  # AdamW divides by sqrt(v) + eps: 0 turns a zero gradient into NaN
 
 
 @dataclass

@@ -22,11 +22,11 @@ import yaml
 from loop.errors import BadInput
 
 
-def opt(default, *, min=None, max=None, below=None, choices=None):
-    """A field with optional bounds (`min` and `max` inclusive, `below` exclusive) or a set of
+def opt(default, *, min=None, max=None, above=None, below=None, choices=None):
+    """A field with optional bounds (`min` and `max` inclusive, `above` and `below` exclusive) or a set of
     allowed values, checked at load time. A list keeps its default's length, and the bounds apply
     to each element."""
-    meta = {"min": min, "max": max, "below": below, "choices": choices}
+    meta = {"min": min, "max": max, "above": above, "below": below, "choices": choices}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -175,7 +175,7 @@ def non_negative(text: str) -> float:
 
 def _bounds(value, meta, key: str) -> None:
     for name, fails, says in (("min", lambda v, b: v < b, ">="), ("max", lambda v, b: v > b, "<="),
-                              ("below", lambda v, b: v >= b, "<")):
+                              ("above", lambda v, b: v <= b, ">"), ("below", lambda v, b: v >= b, "<")):
         bound = meta.get(name)
         if bound is not None and fails(value, bound):
             raise BadInput(f"config key {key}: expected a value {says} {bound}, got {value!r}.")

@@ -119,12 +119,15 @@ def test_upper_bounds_and_list_elements():
     assert bad(["schedule.min_lr_ratio=2"]) == \
         "config key schedule.min_lr_ratio: expected a value <= 1.0, got 2.0."
     assert bad(["optim.betas.1=1"]) == "config key optim.betas.1: expected a value < 1.0, got 1.0."
+    # AdamW divides by sqrt(v) + eps: with eps 0 a weight whose gradient is 0 became NaN at the
+    # first step (any optim.lr, 0 too), and the run skipped every step after it.
+    assert bad(["optim.eps=0"]) == "config key optim.eps: expected a value > 0.0, got 0.0."
     assert bad(["optim.betas=[0.9, -0.1]"]) == \
         "config key optim.betas.1: expected a value >= 0.0, got -0.1."
     assert bad(["optim.betas=[0.9]"]) == \
         "config key optim.betas: expected a list of 2 values, got [0.9] (list)."
-    cfg = load_config(DEFAULT, ["model.dropout=1", "ema.decay=1", "optim.betas=[0, 0.999]"])
-    assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas) == (1.0, 1.0, [0.0, 0.999])
+    cfg = load_config(DEFAULT, ["model.dropout=1", "ema.decay=1", "optim.betas=[0, 0.999]", "optim.eps=1e-30"])
+    assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas, cfg.optim.eps) == (1.0, 1.0, [0.0, 0.999], 1e-30)
 
 
 def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
