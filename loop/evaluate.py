@@ -9,6 +9,9 @@ at the end are the trainer's evaluation step (they take the Trainer, like loop/s
 """
 from __future__ import annotations
 
+import math
+import sys
+
 import torch
 import torch.nn as nn
 
@@ -156,6 +159,11 @@ def sample(t) -> str | None:
     model = t.ema.module if t.ema else t.raw
     if not (t.dist.main or t.sharded) or not hasattr(model, "generate") or t.data.decode is None \
             or t.cfg.train.sample_tokens == 0:
+        return None
+    step, metrics = t.last_eval
+    if not math.isfinite(metrics["val_loss"]):  # diverged weights: no distribution to draw from
+        t.dist.say(f"warning: step {step}: val_loss is {metrics['val_loss']}; no text sample drawn",
+                   file=sys.stderr)
         return None
     prompt = t.data.val[0]["x"][None, :8].to(t.device)  # (1, 8)
     return text_sample(model, prompt, t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode)

@@ -97,6 +97,17 @@ def test_a_step_without_targets_is_skipped_and_nothing_moves(tmp_path, cache, ca
     assert summary(out)["steps"] == 12
 
 
+def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, cache):
+    # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
+    # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
+    out = tmp_path / "run"
+    proc = run_train(out, cache, "train.max_steps=4", "optim.lr=1e30", "schedule.warmup_steps=0")
+    assert [r["skipped"] for r in metrics(out)] == [False, True, True, True]
+    assert "warning: step 4: val_loss is nan; no text sample drawn" in proc.stderr, proc.stderr
+    s = summary(out)
+    assert s["sample"] is None and s["val_loss"] != s["val_loss"] and s["skipped_steps"] == 3
+
+
 def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache):
     args = [cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13"]
     ref, clean = tmp_path / "ref", tmp_path / "clean"
