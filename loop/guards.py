@@ -138,10 +138,12 @@ def describe_non_finite(step: int, micro_losses: torch.Tensor, grad_norm: torch.
 def on_non_finite(t, what: str) -> bool:
     """Apply train.nan_policy to a non-finite step. True: record the step as skipped."""
     tc, p = t.cfg.train, t.progress
-    t.bad_streak += 1
+    t.bad_streak, t.last_bad = t.bad_streak + 1, p.step + 1
     if tc.nan_policy == "abort" or t.bad_streak > tc.max_bad_steps:
         why = "train.nan_policy=abort" if tc.nan_policy == "abort" else \
             f"{t.bad_streak} bad steps in a row (train.max_bad_steps={tc.max_bad_steps})"
+        if tc.nan_policy == "rollback" and t.bad_streak > 1:  # a replay's good steps do not count
+            why += f"; the last {t.bad_streak - 1} rollbacks did not get the run past step {t.last_bad}"
         raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
                      f"or check the data at sample position {p.samples}.")
     who = f"rank {t.dist.rank}: " if t.dist.world > 1 else ""  # each rank saw its own values

@@ -65,7 +65,8 @@ class Trainer:
         self.metadata: dict = {}  # rank 0 only; also goes into every checkpoint
         self.preempted = False
         self.saver = AsyncSaver(self.dist.for_thread()) if cfg.train.async_save else None
-        self.bad_streak = 0  # non-finite steps in a row
+        self.bad_streak = 0  # non-finite steps in a row, with no step past them in between
+        self.last_bad = 0  # the step the last of them was
         self.fired: set[str] = set()  # injected faults already fired in this process
         self.lab = cfg.lab.break_  # a lab switch breaking one concern on purpose (loop/lab.py)
 
@@ -216,7 +217,8 @@ class Trainer:
                 self.scheduler.step()  # the LR advances only on steps actually taken
                 if self.ema:
                     self.ema.update_parameters(self.raw)
-                self.bad_streak = 0
+                if p.step + 1 >= self.last_bad:  # past the bad step, not a replay after a rollback
+                    self.bad_streak = 0
             elif self.scaler.is_enabled() and loss_ok:
                 p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
             elif not on_non_finite(self, describe_non_finite(p.step + 1, losses, grad_norm, self.raw)):

@@ -129,6 +129,19 @@ def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
 
 
+def test_rollback_that_never_gets_past_a_bad_step_gives_up(tmp_path, cache):
+    # Step 1 throws the weights to ~1e30 and step 2 is non-finite, whatever its data: each
+    # rollback replayed step 1 (a good step, which reset the count of bad steps in a row) and met
+    # step 2 again, with the next data window, forever.
+    proc = run_train(tmp_path / "run", cache, "train.max_steps=8", "optim.lr=1e30",
+                     "schedule.warmup_steps=0", "train.nan_policy=rollback", "train.max_bad_steps=2",
+                     check=False)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.count("rolled back to step 0") == 2
+    assert ("Gave up: 3 bad steps in a row (train.max_bad_steps=2); the last 2 rollbacks did not "
+            "get the run past step 2.") in proc.stderr, proc.stderr
+
+
 def test_abort_names_step_and_micro_batch_and_saves_nothing_after(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "train.nan_policy=abort", "faults.nan_at_step=8",
