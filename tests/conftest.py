@@ -42,6 +42,20 @@ def cache(tmp_path_factory) -> str:
     return f"data.cache_dir={tmp_path_factory.mktemp('cache')}"
 
 
+class Mapped:
+    """A dataset (map-style: len and [i]) whose items go through `fn(i, item)`: a user's data gone
+    wrong in one way. `fn` at module level, so DataLoader workers can take it by any start method."""
+
+    def __init__(self, ds, fn):
+        self.ds, self.fn = ds, fn
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> dict:
+        return self.fn(i, dict(self.ds[i]))
+
+
 def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> list[str]:
     """python train.py ...; or, with nproc, the same under torchrun with nproc processes."""
     return jobs.train_cmd([f"run.out_dir={out}", *TINY, *overrides], nproc, restarts)

@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils.data import Dataset
 
+from conftest import Mapped
 from data import build_data
 from data.sampler import collate, train_loader
 from data.tokens import IGNORE_INDEX
@@ -132,22 +132,12 @@ def test_loop_rule_through_model_forward_float32():
 
 
 # ------------------------------------------------------------------------------- the real _step
-class MaskSome(Dataset):
-    """Wraps a token dataset and hides a sample-dependent number of targets, so the micro-batches
-    of one step hold different target counts (the case where only the loop's rule is exact)."""
-
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        item = dict(self.ds[i])
-        y = item["y"].clone()
-        y[: (i * 7) % len(y)] = IGNORE_INDEX
-        item["y"] = y
-        return item
+def mask_some(i: int, item: dict) -> dict:
+    """Hide a sample-dependent number of targets, so the micro-batches of one step hold different
+    target counts (the case where only the loop's rule is exact)."""
+    y = item["y"].clone()
+    y[: (i * 7) % len(y)] = IGNORE_INDEX
+    return {**item, "y": y}
 
 
 def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str, mask: bool):
@@ -173,7 +163,7 @@ def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str,
     scheduler = build_scheduler(opt, cfg.schedule, cfg.train.max_steps)
     precision = Precision(cfg.train.precision, device)
     if mask:
-        data.train = MaskSome(data.train)
+        data.train = Mapped(data.train, mask_some)
     trainer = Trainer(cfg, model, data, opt, scheduler, precision, device)
     records = []
     trainer.log = SimpleNamespace(record=lambda fields, loss, gnorm: records.append(

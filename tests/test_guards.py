@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, metrics, run_and_kill, run_train, summary
+from conftest import ROOT, Mapped, metrics, run_and_kill, run_train, summary
 from data.tokens import IGNORE_INDEX
 from loop import checkpoint, guards
 from loop.build import check_with_world, idle_settings
@@ -50,19 +50,9 @@ def _equal(a, b) -> bool:
     return torch.equal(a, b) if torch.is_tensor(a) else a == b
 
 
-class EvenSamplesMasked(torch.utils.data.Dataset):
+def mask_even(i: int, item: dict) -> dict:
     """Every even-numbered sample has all its targets -100 (say, a prompt with no answer kept)."""
-    def __init__(self, ds):
-        self.ds = ds
-
-    def __len__(self):
-        return len(self.ds)
-
-    def __getitem__(self, i):
-        item = dict(self.ds[i])
-        if i % 2 == 0:
-            item["y"] = torch.full_like(item["y"], IGNORE_INDEX)
-        return item
+    return {**item, "y": torch.full_like(item["y"], IGNORE_INDEX)} if i % 2 == 0 else item
 
 
 def test_a_step_without_targets_is_skipped_and_nothing_moves(tmp_path, cache, capsys):
@@ -77,7 +67,7 @@ def test_a_step_without_targets_is_skipped_and_nothing_moves(tmp_path, cache, ca
                                 "train.ckpt_every=1", "train.keep_last=20", "ema.enabled=true",
                                 "train.nan_policy=abort"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
-    t.data.train = EvenSamplesMasked(t.data.train)
+    t.data.train = Mapped(t.data.train, mask_even)
     t.run()
     recs = metrics(out)
     empty = [r["step"] for r in recs if all(i % 2 == 0 for i in r["ids"])]
