@@ -12,7 +12,9 @@
 #            CPU offload and mixed precision
 #   verify   make verify's audits on the GPU, bf16 and fp16
 #   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
-#            activation checkpointing as a third arm; then the checkpoint stall
+#            activation checkpointing as a third arm: 3 arms x BENCH_REPS fresh processes, each
+#            compiling the model (start with BENCH_REPS=1 inside a 10-minute device call)
+#   stall    GPT-2 124M: the checkpoint stall, synchronous vs async
 #
 # Uses the interpreter in $PYTHON (default python3: a GPU image with torch already in it).
 set -uo pipefail
@@ -26,7 +28,7 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; 
 fi
 mkdir -p "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env tests verify bench)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests verify bench stall)
 failed=()
 
 stage() {  # name, command...: run it, keep its output, remember a failure and go on
@@ -53,10 +55,12 @@ for s in "${stages[@]}"; do
     bench)
         stage bench "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
             --reps "$BENCH_REPS" --variant model.activation_checkpointing=true
+        cp bench/results/*.jsonl "$OUT/" ;;
+    stall)
         stage ckpt_stall "$PYTHON" -m bench.ckpt_stall --config configs/gpt2_124m.yaml --reps "$BENCH_REPS"
         cp bench/results/*.jsonl "$OUT/" ;;
     *)
-        echo "unknown stage $s; expected env, tests, verify or bench" >&2; exit 2 ;;
+        echo "unknown stage $s; expected env, tests, verify, bench or stall" >&2; exit 2 ;;
     esac
 done
 [ ${#failed[@]} -eq 0 ] && echo "all stages passed" || { echo "failed: ${failed[*]}"; exit 1; }
