@@ -1,4 +1,5 @@
-"""Guards around the loop: preemption signals, out-of-memory recovery, the non-finite policy.
+"""Guards around the loop: preemption signals, out-of-memory recovery, the non-finite policy, steps
+without a single target.
 
 SIGTERM and SIGUSR1 (what SLURM and spot machines send before taking the machine) do not kill the
 run: the handler only raises a flag; the loop finishes the current optimizer step, writes a
@@ -133,6 +134,17 @@ def describe_non_finite(step: int, micro_losses: torch.Tensor, grad_norm: torch.
              f"gradients of {', '.join(bad_grads[:5])}{' ...' if len(bad_grads) > 5 else ''}"
              if bad_grads else ""]
     return f"step {step}: non-finite " + "; ".join(p for p in parts if p)
+
+
+def skip_empty_step(t, micro: list[dict], data_ms: float) -> None:
+    """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
+    changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
+    p = t.progress
+    p.empty += 1
+    t.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is -100, "
+               f"at sample position {p.samples}); nothing to learn from, step skipped", file=sys.stderr)
+    nan = torch.tensor(float("nan"), device=t.device)
+    t._advance(micro, 0, t.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
 
 
 def on_non_finite(t, what: str) -> bool:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -29,7 +28,7 @@ from loop.distributed import Dist, check_all_used
 from loop.forward_backward import forward_backward
 from loop.lab import banner
 from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
-                         worker_ignores_stop_signals)
+                         skip_empty_step, worker_ignores_stop_signals)
 from loop.metadata import collect as collect_metadata
 from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
@@ -192,7 +191,8 @@ class Trainer:
         # by a CPU collective, so the GPU stream is never waited on.
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
         if not n_targets:  # every y is -100 on every rank (e.g. a prompt-only sample): no loss
-            return self._empty_step(micro, data_ms)
+            skip_empty_step(self, micro, data_ms)
+            return True
         while (losses := forward_backward(self, micro, n_targets)) is None:
             recover_from_oom(self)  # every rank retries the same batches in smaller pieces
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
@@ -226,18 +226,6 @@ class Trainer:
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         self._advance(micro, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
-        return True
-
-    def _empty_step(self, micro: list[dict], data_ms: float) -> bool:
-        """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
-        changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
-        p = self.progress
-        p.empty += 1
-        self.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is "
-                      f"-100, at sample position {p.samples}); nothing to learn from, step skipped",
-                      file=sys.stderr)
-        nan = torch.tensor(float("nan"), device=self.device)
-        self._advance(micro, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
         return True
 
     def _advance(self, micro: list[dict], n_targets: int, lr: float, skipped: bool, data_ms: float,
