@@ -118,7 +118,7 @@ def check_model_output(t) -> None:
     try:  # a compiled model is built here, at its first forward
         names = _probe(t, probe)
     except Exception as e:
-        if not (t.cfg.train.compile and type(e).__module__.startswith(("torch._dynamo", "torch._inductor"))):
+        if not (t.cfg.train.compile and _cannot_compile(e)):
             raise
         raise BadInput(f"config key train.compile=true: torch.compile could not build this model "
                        f"({str(e).strip().splitlines()[0]}); install what it names (a C++ compiler "
@@ -127,6 +127,16 @@ def check_model_output(t) -> None:
     if t.monitor.metric not in names:
         raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
                        f"model reports ({', '.join(names)}); got {t.monitor.metric!r}.")
+
+
+def _cannot_compile(e: Exception) -> bool:
+    """The compiler itself failed (no C++ compiler, no Triton, a GPU too old for it), not the
+    model: a bug in the model's forward reaches Dynamo's tracing first, as a TorchRuntimeError,
+    and stays the crash it is in eager mode, with its own message."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import GPUTooOldForTriton, TritonMissing
+
+    return isinstance(e, (BackendCompilerFailed, TritonMissing, GPUTooOldForTriton))
 
 
 def _probe(t, batch: dict) -> dict[str, float]:

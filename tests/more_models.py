@@ -1,6 +1,7 @@
 """train.py with two more models, for the tests of what users' own models do under DDP and FSDP:
 `gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient), and
-`gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates); and one more
+`gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates), and
+`gpt_wrong`, the GPT with a bug in its forward (embeddings one feature too wide); and one more
 dataset, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
@@ -50,7 +51,13 @@ def gpt_bn(cfg, data) -> nn.Module:
     return m
 
 
+def gpt_wrong(cfg, data) -> nn.Module:
+    m = model.BUILDERS["gpt"](cfg, data)
+    m.drop = nn.Linear(cfg.n_embd, cfg.n_embd + 1)  # the blocks' first LayerNorm refuses its input
+    return m
+
+
 if __name__ == "__main__":
-    model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn)
+    model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong)
     data.BUILDERS["text_broken"] = text_broken
     sys.exit(train.main())

@@ -62,3 +62,15 @@ def test_a_compile_that_cannot_build_the_model_is_bad_input(tmp_path, cache):
     assert ("error: config key train.compile=true: torch.compile could not build this model "
             "(InvalidCxxCompiler: No working C++ compiler found") in proc.stderr, proc.stderr
     assert proc.stderr.rstrip().endswith("or set train.compile=false.") and not out.exists()
+
+
+def test_a_bug_in_the_model_under_compile_is_its_own_error(tmp_path, cache):
+    # A forward that is wrong whatever compiles it (a LayerNorm handed one feature too many) fails
+    # in Dynamo's tracing; it used to be reported as "torch.compile could not build this model ...
+    # install a C++ compiler", exit 2. It is the crash it is in eager mode: exit 1, its own message.
+    out = tmp_path / "run"
+    cmd = train_cmd(out, cache, "model.name=gpt_wrong", "train.compile=true", "train.max_steps=2")
+    cmd[1] = str(ROOT / "tests" / "more_models.py")  # train.py with the test models registered
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "could not build" not in proc.stderr, proc.stderr
+    assert "normalized_shape=[32]" in proc.stderr and "[4, 32, 33]" in proc.stderr, proc.stderr[-3000:]
