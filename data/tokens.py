@@ -18,7 +18,7 @@ IGNORE_INDEX = -100  # targets equal to this are not counted (PyTorch's cross-en
 class TokenWindows(Dataset):
     def __init__(self, path: Path, seq_len: int):
         self.path, self.seq_len = Path(path), seq_len
-        self.n = (self.path.stat().st_size // 2 - 1) // seq_len
+        self.n = max(0, (self.path.stat().st_size // 2 - 1) // seq_len)  # an empty file: none
         self._tokens = None  # opened lazily so each DataLoader worker maps the file itself
 
     def __len__(self) -> int:

@@ -371,3 +371,16 @@ def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_
         f.write(b"\0")
     with pytest.raises(BadInput, match=r"val.bin has 6001 bytes, an odd number; expected uint16"):
         build_data(cfg.data)
+
+
+def test_an_empty_token_file_is_bad_input(tmp_path):
+    # An empty train.bin (a tokenizer that wrote nothing) was `ValueError: __len__() should return
+    # >= 0`: a window count of (0 - 1) // seq_len.
+    root = tmp_path / "tok"
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 10}))
+    (root / "train.bin").write_bytes(b"")
+    (np.arange(3000, dtype=np.uint16) % 10).tofile(root / "val.bin")
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    with pytest.raises(BadInput, match=r"the train split of .*tok is shorter than data.seq_len=16 \+ 1"):
+        build_data(cfg.data)
