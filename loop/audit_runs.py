@@ -2,8 +2,8 @@
 
     A  N steps straight                              the reference
     B  the same command again                        determinism: B == A
-    R  the same, SIGKILLed at a random step, rerun   resume: every step's loss, grad norm and lr,
-                                                     params_sha256, the final checkpoint's state
+    R  the same, SIGKILLed at a random step once a   resume: every step's loss, grad norm and lr,
+       checkpoint is complete, and rerun             params_sha256, the final checkpoint's state
                                                      data: the same sample ids at every step, none
                                                      twice within an epoch
     E  A with evaluation only at the end             eval: the training losses equal A's
@@ -128,7 +128,10 @@ def _final_state_diff(plan: Plan, a: str, b: str) -> list[str]:
 def resume(plan: Plan) -> Result:
     cmd = jobs.train_cmd(_args(plan, "R"))
     print(f"verify: run R, killed at step {plan.kill_at} ...", file=sys.stderr, flush=True)
-    code, printed = jobs.run_until(cmd, plan.kill_at, timeout=plan.timeout)
+    # Not before a checkpoint is complete: an async write (train.async_save) may still be in flight
+    # at the step after it, and a rerun with nothing to resume from proves nothing about resuming.
+    latest = plan.root / "R" / "checkpoints" / "latest"
+    code, printed = jobs.run_until(cmd, plan.kill_at, timeout=plan.timeout, ready=latest.exists)
     if code != -signal.SIGKILL:
         return Result("resume", False, f"run R was to be killed at step {plan.kill_at} but exited "
                       f"{code}: {printed.strip().splitlines()[-1:]}")
@@ -137,7 +140,8 @@ def resume(plan: Plan) -> Result:
     m = re.search(r"resumed from \S+ at step (\d+)", (plan.root / "R.log").read_text())
     if not m:
         return Result("resume", False, "the rerun did not resume from a checkpoint", HINTS["resume"])
-    where = f"killed at step {plan.kill_at}, resumed at step {m.group(1)}"
+    killed = max(filter(None, map(jobs.reported_step, printed.splitlines())))
+    where = f"killed at step {killed}, resumed at step {m.group(1)}"
     diff = _first_difference(_records(plan, "A"), _records(plan, "R"))
     if diff:
         return Result("resume", False, f"{where}; first difference: {diff}", HINTS["resume"])

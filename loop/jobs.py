@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,10 +34,11 @@ def reported_step(line: str) -> int | None:
 
 def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bool = False,
               repeat: int = 1, tree: bool = False, cwd: Path | None = None, env: dict | None = None,
-              timeout: float = 240) -> tuple[int, str]:
-    """Start a job; once it reports `at_step`, send `sig` (`repeat` times; to the whole process
-    group, as SLURM does, if `group`; to every process of a torchrun job if `tree`). Return its
-    exit code and everything it printed. A job that hangs is killed after `timeout` seconds."""
+              timeout: float = 240, ready: Callable[[], bool] | None = None) -> tuple[int, str]:
+    """Start a job; once it reports `at_step` (or a later step where `ready()` first holds, if
+    given), send `sig` (`repeat` times; to the whole process group, as SLURM does, if `group`; to
+    every process of a torchrun job if `tree`). Return its exit code and everything it printed. A
+    job that hangs is killed after `timeout` seconds."""
     # A shell without job control starts background jobs with SIGINT ignored, and children inherit
     # that: a job sent SIGINT (Ctrl-C) must get Python's default handler back to notice it.
     reset = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sig == signal.SIGINT else None
@@ -47,7 +49,7 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
     for line in proc.stdout:
         seen.append(line)
         step = reported_step(line)
-        if step is not None and step >= at_step:
+        if step is not None and step >= at_step and (ready is None or ready()):
             # torchrun's workers are not in its process group: signal each process of the job.
             pids = [*descendants(proc.pid), proc.pid] if tree else [proc.pid]
             for _ in range(repeat):

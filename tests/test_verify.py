@@ -3,6 +3,7 @@ names every check and its numbers; --nproc 2 compares 2 processes with 1; bad in
 anything runs. tests/test_lab.py shows each check failing for the concern it guards."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -89,3 +90,23 @@ def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, c
     # send the user the wrong way. The run's log is the lead, kept with the runs.
     assert "usual cause" not in out, out
     assert "runs kept in" in out and (next((tmp_path / "verify").iterdir()) / "A.log").exists()
+
+
+def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cache, monkeypatch):
+    # With train.async_save=true the checkpoint of step 2 may still be in flight when step 3 is
+    # reported: a kill there left nothing to resume from, and the check failed with "the rerun did
+    # not resume from a checkpoint" on an honest config (seen with a tiny model). A slow disk
+    # makes that certain here; the kill now waits for the checkpoint's `latest` pointer.
+    from loop import audit_runs, jobs
+    from loop.config import DEFAULT_CONFIG
+
+    slow = str(ROOT / "tests" / "slow_save.py")
+    train_cmd = jobs.train_cmd
+    monkeypatch.setattr(jobs, "train_cmd", lambda args, *a: [train_cmd(args, *a)[0], slow, *args])
+    plan = audit_runs.Plan(DEFAULT_CONFIG, [*TINY, cache, "train.async_save=true"], steps=10,
+                           every=2, kill_at=3, nproc=0, root=tmp_path, timeout=300)
+    assert audit_runs.run(plan, "A") is None
+    result = audit_runs.resume(plan)
+    assert result.ok, result
+    killed, resumed = map(int, re.match(r"killed at step (\d+), resumed at step (\d+)", result.numbers).groups())
+    assert killed > 3 and resumed in (2, 4), result.numbers  # 4's write may have ended before the kill
