@@ -52,14 +52,17 @@ def _trainer(config: str, overrides: list[str], accum: int, batch: int):
 
 def _step_batches(t, k: int, b: int) -> list[dict]:
     """The first k*b training samples in the loop's order, as k micro-batches of b; every
-    micro-batch after the first keeps only its first target (when targets are ids)."""
+    micro-batch after the first keeps only its first real target (when targets are ids; not its
+    first position, which a masked prompt leaves without one)."""
     batch = next(iter(train_loader(t.data.train, k * b, t.cfg.run.seed, 0, 0, 2, False)))
     micro = split_batch(batch, k)
     if not torch.is_floating_point(batch["y"]):
         for m in micro[1:]:
-            m["y"] = m["y"].clone()
-            m["y"].view(-1)[1:] = IGNORE_INDEX
-            m["n_targets"] = int((m["y"] != IGNORE_INDEX).sum())
+            y = m["y"].flatten()
+            first = (y != IGNORE_INDEX).nonzero()[:1, 0]
+            kept = torch.full_like(y, IGNORE_INDEX)
+            kept[first] = y[first]
+            m["y"], m["n_targets"] = kept.view_as(m["y"]), len(first)
     return micro
 
 

@@ -1,6 +1,7 @@
 """Gradient accumulation with the loop's rule (sum / step target count) equals one big batch, exactly."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import Mapped
+import data
 from data import build_data
 from data.sampler import collate, train_loader
 from data.tokens import IGNORE_INDEX
@@ -204,3 +206,34 @@ def test_trainer_step_accum4x2_equals_accum1x8(tmp_path, optimizer, mask):
     assert rec4[1] == pytest.approx(rec1[1], rel=1e-6)  # logged step loss (mean per target)
     assert rec4[2] == pytest.approx(rec1[2], rel=1e-5)  # grad norm before clipping
     assert rec4[0]["lr"] == rec1[0]["lr"]
+
+
+def prompt_masked(i: int, item: dict) -> dict:
+    """A prompt-and-answer sample: the first half of its targets are the prompt, not trained on."""
+    y = item["y"].clone()
+    y[: len(y) // 2] = IGNORE_INDEX
+    return {**item, "y": y}
+
+
+def markov_prompted(cfg):
+    d = build_data(replace(cfg, name="markov"))
+    d.train = Mapped(d.train, prompt_masked)
+    return d
+
+
+@pytest.mark.parametrize("lab_break", ["", "mean_loss_per_microbatch"])
+def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_path, monkeypatch, lab_break):
+    # make verify hides all but one target in each micro-batch after the first, so the counts
+    # differ. It kept the first *position*: with masked prompts that is -100 already, so those
+    # micro-batches held no target at all ([64, 0]), and the naive per-micro-batch mean the audit
+    # is there to catch divided 0 by 0: "no optimizer step was taken", pointing at the learning rate.
+    from loop.audit_grads import gradient_audits
+
+    monkeypatch.setitem(data.BUILDERS, "markov_prompted", markov_prompted)
+    overrides = ["data.name=markov_prompted", f"data.cache_dir={tmp_path}", "data.markov.tokens=4000",
+                 "data.seq_len=32", "data.batch_size=4", "train.grad_accum=2", "model.n_layer=1",
+                 "model.n_head=2", "model.n_embd=16", "train.device=cpu", f"run.out_dir={tmp_path / 'run'}",
+                 f"lab.break={lab_break}"]
+    [result] = gradient_audits(str(ROOT / "configs" / "default.yaml"), overrides, {"accumulation"})
+    assert "2 x 4 vs 1 x 8 (targets per micro-batch [64, 1])" in result.numbers, result
+    assert result.ok == (not lab_break) and "gradient rel. difference" in result.numbers, result
