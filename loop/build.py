@@ -68,6 +68,13 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
         if step == 0 or step > t.max_steps:  # steps count from 1
             notes.append(f"faults.{key}={step} will not fire: this run's steps are 1 to "
                          f"train.max_steps={t.max_steps}")
+    k = cfg.faults.kill_in_ckpt_at_step
+    if 0 < k < t.max_steps and not (t.ckpt_every and k % t.ckpt_every == 0):  # loop/trainer.py saves
+        best = " its evaluation is a new best or" if t.eval_every and k % t.eval_every == 0 else ""
+        notes.append(f"faults.kill_in_ckpt_at_step={k} may not fire: step {k} is neither a multiple "
+                     f"of train.ckpt_every={t.ckpt_every} nor the last step, so it writes a "
+                     f"checkpoint only if{best} the run stops there (early stopping, a preemption "
+                     f"signal)")
     return notes
 
 

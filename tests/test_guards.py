@@ -333,6 +333,20 @@ def test_a_fault_at_a_step_the_run_does_not_reach_says_it_will_not_fire():
         f"faults.nan_at_step=11 {steps}", f"faults.oom_at_step=0 {steps}"]
 
 
+@pytest.mark.parametrize("step, when", [(7, ""), (5, " its evaluation is a new best or"), (8, None),
+                                        (10, None)])
+def test_a_kill_in_a_checkpoint_at_a_step_that_writes_none_says_so(step, when):
+    # faults.kill_in_ckpt_at_step=7 with checkpoints every 4 steps of 10 did nothing, silently: a
+    # fire drill that passes because nothing happened. Steps 8 (a multiple) and 10 (the last) save.
+    cfg = load_config(DEFAULT, ["train.max_steps=10", "train.ckpt_every=4", "train.eval_every=5",
+                                f"faults.kill_in_ckpt_at_step={step}"])
+    notes = idle_settings(cfg, Precision("fp32", torch.device("cpu")))
+    assert notes == ([] if when is None else [
+        f"faults.kill_in_ckpt_at_step={step} may not fire: step {step} is neither a multiple of "
+        f"train.ckpt_every=4 nor the last step, so it writes a checkpoint only if{when} the run "
+        f"stops there (early stopping, a preemption signal)"])
+
+
 def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
