@@ -34,14 +34,29 @@ def worker_ignores_stop_signals(_worker_id: int) -> None:
 
 class Preemption:
     def __init__(self):
-        self.signal: int | None = None
+        self.reason: str | None = None
+        # A worker started by torchrun (RANK set) whose torchrun is gone has nobody left to stop
+        # it, restart it or read its exit code: torchrun dies at once of a signal it does not
+        # handle (SIGUSR1, which its workers do) or of SIGKILL, and its workers trained on to the
+        # end unsupervised. They stop as if preempted instead. Not plain python: `nohup python
+        # train.py &` outlives its shell on purpose.
+        self._launcher = os.getppid() if "RANK" in os.environ else None
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
 
+    def _stop(self, reason: str) -> None:
+        if self.reason is None:
+            self.reason = reason
+            print(f"{reason}: finishing this step, then saving a checkpoint and exiting with "
+                  f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
+
     def _handle(self, signum: int, _frame) -> None:
-        if self.signal is None:
-            self.signal = signum
-            print(f"received {signal.Signals(signum).name}: finishing this step, then saving a "
-                  f"checkpoint and exiting with {EXIT_PREEMPTED}", file=sys.stderr, flush=True)
+        self._stop(f"received {signal.Signals(signum).name}")
+
+    def requested(self) -> bool:
+        """A stop signal came, or (under torchrun) the launcher is gone; checked once a step."""
+        if self._launcher is not None and os.getppid() != self._launcher:
+            self._stop(f"torchrun (pid {self._launcher}) is gone")
+        return self.reason is not None
 
     def close(self) -> None:
         for s, handler in self._previous.items():

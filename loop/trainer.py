@@ -111,7 +111,7 @@ class Trainer:
                     continue  # rolled back to a checkpoint
                 if profiler:
                     profiler.step()
-                stop = self.dist.sum_host([float(preemption.signal is not None)])[0] > 0  # all agree
+                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # all agree
                 step, best = self.progress.step, False
                 if tc.eval_every and step % tc.eval_every == 0:
                     best = evaluate.evaluate(self, step)

@@ -17,6 +17,7 @@ import torch
 
 from conftest import DIST as STEPS
 from conftest import ROOT, TINY, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
+from loop import jobs
 
 
 @pytest.fixture(scope="module")
@@ -169,6 +170,24 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     # by then on a loaded machine, so the restart resumes from 10 or 15.
     resumed = re.search(r"resumed from \S+ at step (\d+)", printed)
     assert resumed and resumed[1] in ("10", "15"), printed
+    assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
+
+
+def test_workers_whose_torchrun_is_gone_save_and_stop(tmp_path, cache, two_proc):
+    # SIGUSR1 to torchrun itself (not its workers): torchrun does not handle it and dies at once.
+    # Its workers used to train on to the end unsupervised, with nobody to stop or restart them or
+    # read their exit codes. Now they notice at the next step, checkpoint and exit as preempted.
+    out = tmp_path / "run"
+    code, printed = jobs.run_until(train_cmd(out, cache, *STEPS, nproc=2), 5, signal.SIGUSR1, cwd=ROOT)
+    # run_until read to the end of the output: the workers, which hold the pipe, have exited too.
+    assert code == -signal.SIGUSR1, printed
+    assert re.search(r"torchrun \(pid \d+\) is gone: finishing this step, then saving a checkpoint "
+                     r"and exiting with 143", printed), printed
+    stopped = re.search(r"preempted at step (\d+); checkpoint written", printed)
+    assert stopped and 5 <= int(stopped[1]) < 20 and not (out / "summary.json").exists(), printed
+    rerun = run_train(out, cache, *STEPS, nproc=2)
+    assert f"at step {stopped[1]}" in rerun.stdout, rerun.stdout
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
 
