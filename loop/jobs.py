@@ -54,7 +54,10 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
             pids = [*descendants(proc.pid), proc.pid] if tree else [proc.pid]
             for _ in range(repeat):
                 for pid in pids:
-                    os.killpg(pid, sig) if group and pid == proc.pid else os.kill(pid, sig)
+                    try:
+                        os.killpg(pid, sig) if group and pid == proc.pid else os.kill(pid, sig)
+                    except ProcessLookupError:  # a worker that ended since it was listed
+                        pass
             break
     seen.append(proc.stdout.read())
     proc.wait(timeout=60)

@@ -4,6 +4,7 @@ anything runs. tests/test_lab.py shows each check failing for the concern it gua
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
 
@@ -110,3 +111,16 @@ def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cac
     assert result.ok, result
     killed, resumed = map(int, re.match(r"killed at step (\d+), resumed at step (\d+)", result.numbers).groups())
     assert killed > 3 and resumed in (2, 4), result.numbers  # 4's write may have ended before the kill
+
+
+def test_a_job_process_that_ended_before_its_signal_is_passed_over(monkeypatch):
+    # run_until lists a torchrun job's processes, then signals each: a worker that ended in
+    # between was a ProcessLookupError out of run_until (seen in a 2-process kill at a run's end).
+    from loop import jobs
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()  # a process that has ended and been reaped
+    monkeypatch.setattr(jobs, "descendants", lambda pid: [int(gone)])
+    job = [sys.executable, "-c", "import time; print('step 1/9', flush=True); time.sleep(60)"]
+    code, printed = jobs.run_until(job, 1, tree=True)
+    assert code == -signal.SIGKILL and printed == "step 1/9\n"
