@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from data.sampler import split_batch, val_batches
+from loop import fsdp
 from loop.errors import BadInput, GaveUp
 from loop.guards import oom_in_collectives
 
@@ -66,6 +67,7 @@ def val_metrics(model: nn.Module, batches: list[dict], precision, device: torch.
         sums = values if sums is None else sums + values
         count += batch["n_targets"]
     model.train(was_training)
+    fsdp.reshard(model)
     totals = dist.sum_(torch.cat([sums, torch.tensor([float(count)], device=device)])).tolist()
     return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals)}
 
@@ -78,6 +80,7 @@ def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decod
     g = torch.Generator(prompt.device).manual_seed(seed)
     ids = model.generate(prompt, n, g)[0].tolist()
     model.train(was_training)
+    fsdp.reshard(model)
     return decode(ids)
 
 

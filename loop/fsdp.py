@@ -90,6 +90,15 @@ def is_sharded(model: nn.Module) -> bool:
     return isinstance(model, FSDPModule)
 
 
+def reshard(model: nn.Module) -> None:
+    """After a forward with no backward (evaluation, sampling): FSDP leaves the root module's
+    weights whole after its forward, for the backward that follows in training, and only a
+    backward or a state_dict shards them again. The EMA copy never has a backward, and its update
+    needs its shards (loop/ema.py)."""
+    if is_sharded(model):
+        model.reshard()
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a parameter or gradient shard); other tensors as they are."""
     return t.to_local() if isinstance(t, DTensor) else t

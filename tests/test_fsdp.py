@@ -263,6 +263,22 @@ def test_fsdp_ema_async_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsd
             assert a[shard]["sha256"] == b[shard]["sha256"], (step, shard)
 
 
+def test_fsdp_ema_survives_evaluations_that_write_no_checkpoint(tmp_path, cache, fsdp_ema):
+    # FSDP keeps the root module's weights unsharded after a forward (for the backward that
+    # follows in training); the EMA copy has no backward, so after its evaluation they stayed
+    # whole, and the next EMA update met whole tensors against the model's shards: "The size of
+    # tensor a (4) must match the size of tensor b (2)". Only a checkpoint (its state_dict)
+    # resharded them, so the crash came at the first evaluation that was neither a checkpoint
+    # step nor a new best (found with the CNN, whose weights are all in the root). best_mode=max
+    # on a falling val_loss: the evaluations at 2, 4, 6, 8, 12, ... write none.
+    out = tmp_path / "run"
+    run_train(out, cache, *FSDP, *EMA, "train.eval_every=2", "train.best_mode=max", nproc=2)
+    # Evaluating changes nothing in training, nor in the average.
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(fsdp_ema)]
+    for key in ("params_sha256", "ema_params_sha256", "val_loss"):
+        assert summary(out)[key] == summary(fsdp_ema)[key], key
+
+
 MIXED = [*FSDP, "train.precision=bf16", "train.fsdp_mixed_precision=true"]
 
 
