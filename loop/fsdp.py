@@ -159,8 +159,16 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) 
         load_weights(model, path, "model")
         return
     msd, osd = get_state_dict(model, optimizer)
+    # get_state_dict gives a fresh optimizer state for every parameter, but a parameter that never
+    # had a gradient (never used yet, e.g. an unrouted expert) has none in the checkpoint: load
+    # what was saved, and leave the rest without state, as in the run that saved it.
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    osd["state"] = {name: v for name, v in osd["state"].items()
+                    if any(f"optimizer.state.{name}.{k}" in saved for k in v)}
     dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    # strict=False for those parameters without state; dcp.load above was strict about the rest.
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd,
+                   options=StateDictOptions(strict=False))
 
 
 def load_weights(module: nn.Module, path: Path, key: str) -> None:
