@@ -13,7 +13,9 @@ from loop.config_check import opt
 @dataclass
 class MarkovConfig:
     """Synthetic data with a known answer: a random Markov chain whose entropy rate is the best loss."""
-    vocab_size: int = opt(32, min=2)
+    # The chain is a dense vocab x vocab matrix: 1024 takes ~20 s to prepare on a laptop core, and
+    # beyond a few thousand minutes and gigabytes (100000 was numpy's ValueError, after the checks).
+    vocab_size: int = opt(32, min=2, max=1024)
     branching: int = opt(4, min=1)  # next-token support per state
     tokens: int = opt(200_000, min=1000)
     seed: int = opt(0, min=0)

@@ -127,6 +127,9 @@ def test_upper_bounds_and_list_elements():
     assert bad(["optim.betas=[0.9]"]) == \
         "config key optim.betas: expected a list of 2 values, got [0.9] (list)."
     cfg = load_config(DEFAULT, ["model.dropout=1", "ema.decay=1", "optim.betas=[0, 0.999]", "optim.eps=1e-30"])
+    # The Markov chain is a dense vocab x vocab matrix: 10**20 was numpy's ValueError after the checks.
+    assert bad(["data.markov.vocab_size=99999999999999999999"]) == \
+        "config key data.markov.vocab_size: expected a value <= 1024, got 99999999999999999999."
     assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas, cfg.optim.eps) == (1.0, 1.0, [0.0, 0.999], 1e-30)
 
 
