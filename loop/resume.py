@@ -3,7 +3,8 @@
     run.resume=auto   newest valid checkpoint in out_dir/checkpoints (or, if that dir holds none,
                       the newest valid one in run.mirror); none at all -> a fresh start
     run.resume=never  fresh start; refused if out_dir already holds checkpoints it would overwrite
-    run.resume=PATH   that checkpoint dir, which must verify
+    run.resume=PATH   that checkpoint dir, which must verify (checkpoints/latest or /best: the
+                      one it names)
     run.init_from=PATH (fresh starts only) model weights from that checkpoint (or exported
                       model.pt), nothing else
 """
@@ -25,12 +26,21 @@ def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
                            f"fresh run would overwrite; use a new run.out_dir.")
         return None
     if resume != "auto":
-        return verified(Path(resume), "run.resume")
+        return verified(followed(Path(resume)), "run.resume")
     if not checkpoint.step_dirs(ckpt_root) and mirror:
         from loop.mirror import fetch_latest
 
         return fetch_latest(mirror, ckpt_root)
     return checkpoint.newest_valid(ckpt_root)
+
+
+def followed(path: Path) -> Path:
+    """checkpoints/latest and checkpoints/best are files holding a checkpoint's name: that one."""
+    if path.name in ("latest", "best") and path.is_file():
+        target = path.parent / path.read_text().strip()
+        if target.is_dir():
+            return target
+    return path
 
 
 def verified(path: Path, key: str) -> Path:

@@ -162,6 +162,7 @@ def _note_later_checkpoints(t, path: Path) -> None:
 
 def warm_start(t, path: Path) -> None:
     """run.init_from: model weights only; optimizer, schedule and step start fresh."""
+    path = resume.followed(path)
     if path.is_file():  # a model.pt: train.py's export, or one given to you
         resume.load_export(path, t.raw)
     else:

@@ -176,6 +176,29 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
         "model:\n  " in wider.stderr, wider.stderr
 
 
+def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, reference):
+    # checkpoints/latest and /best are what one sees in a run directory, and what one names: they
+    # were read as checkpoint files (an IndexError traceback from the unpickler for init_from, and
+    # "manifest.json is missing" for resume). They stand for the checkpoint they name.
+    ckpts = reference / "checkpoints"
+    zero = tmp_path / "zero"
+    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpts / 'latest'}")
+    assert f"initialised model weights from {ckpts / 'step_00000040'}\n" in proc.stdout, proc.stdout
+    assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
+    best = ckpts / (ckpts / "best").read_text()
+    proc = run_train(tmp_path / "best", cache, "train.max_steps=0", f"run.init_from={ckpts / 'best'}")
+    assert f"initialised model weights from {best}\n" in proc.stdout, proc.stdout
+    proc = run_train(tmp_path / "on", cache, "train.max_steps=40", f"run.resume={ckpts / 'latest'}")
+    assert f"resumed from {ckpts / 'step_00000040'} at step 40" in proc.stdout, proc.stdout
+    # Any other file that torch.save did not write: named, exit 2, nothing written.
+    out = tmp_path / "text"
+    proc = run_train(out, cache, f"run.init_from={reference / 'summary.json'}", check=False)
+    assert proc.returncode == 2 and not out.exists(), proc.stderr
+    assert proc.stderr.endswith(f"error: checkpoint file {reference / 'summary.json'}: not a file "
+                                f"torch.save wrote (it starts with b'{{\\n \"'); expected a "
+                                f"checkpoint's state.pt or an exported model.pt.\n"), proc.stderr
+
+
 @pytest.mark.parametrize("named", ["", "checkpoints"])
 def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache, reference, named):
     # A finished run is what one warm-starts from, and its directory what one names. The error
