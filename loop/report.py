@@ -226,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else Path("reports") / "_vs_".join(d.name for d in a.run_dirs))
     try:
+        for d in a.run_dirs:  # else a file named as RUN_DIR is blamed on --out, which was not given
+            if d.is_file():
+                raise BadInput(f"{d}: a file; expected a run directory (such as {d.parent}, if it "
+                               f"holds metrics.jsonl).")
         writable_dir("option --out", str(out))
         path = write_report(a.run_dirs, out, a.price_per_hour, a.co2_g_per_kwh)
     except (FileNotFoundError, BadInput) as e:

@@ -157,6 +157,10 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
             (["--out", str(under_file)], f"error: option --out={under_file}: {tmp_path / 'file'} is a file")]:
         assert code([str(run), *args]) == 2
         assert said in capsys.readouterr().err, args
+    # A file named as the run (its metrics.jsonl): that was blamed on an --out nobody gave.
+    assert code([str(run / "metrics.jsonl")]) == 2
+    assert capsys.readouterr().err == f"error: {run / 'metrics.jsonl'}: a file; expected a run " \
+        f"directory (such as {run}, if it holds metrics.jsonl).\n"
     assert (run / "report.md").read_bytes() == before and (tmp_path / "file").read_text() == "mine"
 
 
