@@ -38,13 +38,17 @@ class StepProfiler:
                             schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1))
         self.prof.start()
         self.result: dict[str, float] | None = None
+        self.window, self.taken = (warmup + 1, warmup + active), 0  # the profiled steps; steps seen
 
     def step(self) -> None:
         """Call once per optimizer step; stops itself after the profiled steps."""
         if self.result is None:
-            self.prof.step()
+            self.taken += 1
+            self.prof.step()  # calls _ready at the end of the window
 
     def _ready(self, prof: profile) -> None:
+        if self.taken < self.window[1]:  # stopped early: the steps profiled so far plus the run's end
+            return
         self.result = breakdown(prof)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.out_dir / "trace.json"))
@@ -55,5 +59,8 @@ class StepProfiler:
         print(f"  trace: {self.out_dir / 'trace.json'} (open in ui.perfetto.dev)")
 
     def close(self) -> None:
-        if self.result is None:  # the run ended before the profiled steps did
+        if self.result is None:  # the run ended before the profiled steps did: nothing whole to show
             self.prof.stop()
+            print(f"note: train.profile: the run ended {self.taken} step(s) in, before the profiled "
+                  f"steps did ({self.window[0]}-{self.window[1]} of this session); nothing to report. "
+                  f"Raise train.max_steps.")

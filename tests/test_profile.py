@@ -21,3 +21,13 @@ def test_profile_breakdown_names_every_region_and_sums_to_one(tmp_path, cache):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert set(REGIONS) <= names
     assert "step time breakdown" in proc.stdout
+
+
+def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cache):
+    # It printed a breakdown of "other 100.0%" (3 steps: no profiled step) or one whose "other"
+    # held the run's final evaluation and checkpoint (7 steps), as if measured.
+    out = tmp_path / "run"
+    proc = run_train(out, cache, "train.max_steps=7", "train.profile=true")
+    assert "note: train.profile: the run ended 7 step(s) in, before the profiled steps did (4-8 of " \
+        "this session); nothing to report. Raise train.max_steps.\n" in proc.stdout, proc.stdout
+    assert "step time breakdown" not in proc.stdout and not (out / "profile").exists()
