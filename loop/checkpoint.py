@@ -95,8 +95,9 @@ def load(path: Path, name: str) -> dict:
         raise BadInput(f"checkpoint file {f}: cannot read it ({e.strerror}).")
     if head[:4] != b"PK\x03\x04" and head[:1] != b"\x80":  # torch.save: a zip, or a legacy pickle
         # Unpickling text reads its bytes as opcodes: IndexError or 'Unsupported operand 123'.
-        raise BadInput(f"checkpoint file {f}: not a file torch.save wrote (it starts with "
-                       f"{head!r}); expected a checkpoint's state.pt or an exported model.pt.")
+        what = f"it starts with {head!r}" if head else "it is empty"
+        raise BadInput(f"checkpoint file {f}: not a file torch.save wrote ({what}); expected a "
+                       f"checkpoint's state.pt or an exported model.pt.")
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only met something other than tensors/primitives

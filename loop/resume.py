@@ -37,7 +37,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
 def followed(path: Path) -> Path:
     """checkpoints/latest and checkpoints/best are files holding a checkpoint's name: that one."""
     if path.name in ("latest", "best") and path.is_file():
-        target = path.parent / path.read_text().strip()
+        target = path.parent / path.read_text(errors="replace").strip()
         if target.is_dir():
             return target
     return path

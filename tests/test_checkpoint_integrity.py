@@ -374,3 +374,16 @@ def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
     assert not leftovers, leftovers
     from loop import checkpoint
     assert all(checkpoint.verify(ckpts / n) is None for n in ckpt_names(out))
+
+
+def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
+    # Unpickled as opcodes, text was an IndexError traceback or "a pickle that would run code".
+    from loop import checkpoint
+    from loop.errors import BadInput
+
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "notes.pt").write_text("step_00000010")
+    with pytest.raises(BadInput, match=r"empty.pt: not a file torch.save wrote \(it is empty\)"):
+        checkpoint.load(tmp_path, "empty.pt")
+    with pytest.raises(BadInput, match=r"notes.pt: not a file torch.save wrote \(it starts with b'step'\)"):
+        checkpoint.load(tmp_path, "notes.pt")
