@@ -30,6 +30,14 @@ from loop.evaluate import loss_and_sums
 # different order (float32: ~1e-7 seen) or rounded differently by autocast (bf16 keeps 8 bits of
 # mantissa, fp16 11): far below what a wrong normalisation or a wrong clip does (~1e-1 and up).
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
+HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def arithmetic(precision: str, model: torch.nn.Module) -> str:
+    """The coarsest arithmetic a step's gradients see: autocast's (train.precision), or the weights'
+    own when the model keeps them in 16 bits (a model built in bf16 computes in bf16 under fp32)."""
+    return max([precision, *(HALF[p.dtype] for p in model.parameters() if p.dtype in HALF)],
+               key=TOLERANCE.__getitem__)
 
 
 @dataclass
@@ -119,7 +127,8 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
     whole = _trainer(config, overrides, 1, k * b)
     micro = _step_batches(accum, k, b)
     counts = [m["n_targets"] for m in micro]
-    tol = TOLERANCE[whole.precision.name]
+    kind = arithmetic(whole.precision.name, whole.raw)
+    tol, kind = TOLERANCE[kind], kind if kind == whole.precision.name else f"{kind} weights"
     start = copy.deepcopy(whole.raw)  # the weights before the step, for the reference
     g_whole, norm_whole = _applied(whole, [_join(micro)])
     out = []
@@ -134,7 +143,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
                 "mean would go unnoticed"
             out.append(Result("accumulation", diff <= tol,
                               f"{k} x {b} vs 1 x {k * b} (targets per micro-batch {counts}): gradient "
-                              f"rel. difference {diff:.1e} (tolerance {tol:g}, {whole.precision.name}){same}",
+                              f"rel. difference {diff:.1e} (tolerance {tol:g}, {kind}){same}",
                               "each micro-batch's loss must be divided by the target count of the whole "
                               "step (not averaged per micro-batch), so the model's forward must return "
                               "the loss summed over its targets (reduction=\"sum\"), not their mean"))
@@ -149,7 +158,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
             out.append(Result("clipping", ok,
                               f"applied gradient vs a plain float32 reference: rel. difference "
                               f"{diff:.1e}; gradient norm logged {norm_whole:.4g}, reference {norm:.4g}"
-                              f" (train.clip_grad={whole.cfg.train.clip_grad:g}, {whole.precision.name})",
+                              f" (train.clip_grad={whole.cfg.train.clip_grad:g}, {kind})",
                               "unscale the gradients (GradScaler.unscale_) before clipping and before "
                               "measuring their norm; clip after the last micro-batch only"))
     return out

@@ -34,13 +34,14 @@ from pathlib import Path
 
 from data import build_data
 from loop import audit_runs, determinism
-from loop.audit_grads import TOLERANCE, Result, gradient_audits
+from loop.audit_grads import TOLERANCE, Result, arithmetic, gradient_audits
 from loop.config import DEFAULT_CONFIG, load_config
 from loop.config_check import writable_dir
 from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.lab import banner
 from loop.precision import resolve
+from model import build_model
 
 CHECKS = ("resume", "determinism", "accumulation", "clipping", "data", "eval", "ddp")
 
@@ -93,11 +94,12 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     every = ckpt_every(a.steps)
     kill_at = a.kill_at or random.Random().randint(every + 1, a.steps - 1)
     plan = audit_runs.Plan(a.config, a.overrides, a.steps, every, kill_at, a.nproc, root, a.timeout)
-    tolerance = TOLERANCE[resolve(cfg.train.precision, pick_device(cfg.train.device))]
     results = gradient_audits(a.config, a.overrides, set(checks))
     results += single_process_runs(plan, cfg, checks)
     if "ddp" in checks:  # its own runs: it does not need run A
-        results.append(audit_runs.ddp(plan, cfg.data.batch_size, tolerance))
+        precision = resolve(cfg.train.precision, pick_device(cfg.train.device))
+        kind = arithmetic(precision, build_model(cfg.model, build_data(cfg.data)))
+        results.append(audit_runs.ddp(plan, cfg.data.batch_size, TOLERANCE[kind]))
     return sorted(results, key=lambda r: CHECKS.index(r.check))
 
 
