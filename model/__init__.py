@@ -33,4 +33,9 @@ BUILDERS = {"gpt": build_gpt, "cnn": build_cnn}
 def build_model(cfg, data) -> nn.Module:
     if cfg.name not in BUILDERS:
         raise BadInput(f"config key model.name: expected one of {', '.join(BUILDERS)}; got {cfg.name!r}.")
-    return BUILDERS[cfg.name](cfg, data)
+    model = BUILDERS[cfg.name](cfg, data)
+    if not any(p.requires_grad for p in model.parameters()):  # else blamed on the loss being detached
+        frozen = sum(p.numel() for p in model.parameters())
+        raise BadInput(f"config key model.name={cfg.name}: the model has no parameter to train "
+                       f"({frozen:,} parameters, none with requires_grad=True); expected at least one.")
+    return model

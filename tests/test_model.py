@@ -15,7 +15,7 @@ from loop.device import pick_device
 from loop.errors import BadInput
 from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
-from model import build_model
+from model import BUILDERS, build_model
 from model.gpt import GPT
 
 
@@ -110,6 +110,16 @@ def test_n_embd_not_divisible_by_n_head():
     with pytest.raises(BadInput) as e:
         build_model(ModelConfig(n_head=3, n_embd=32), SimpleNamespace(vocab_size=8, seq_len=4))
     assert str(e.value) == "config key model.n_embd: expected a multiple of model.n_head=3; got 32."
+
+
+def test_a_model_with_nothing_to_train_is_named(monkeypatch):
+    # Every parameter frozen (requires_grad_(False) on the whole model): the run stopped at its
+    # first step blaming the model's loss for being detached from the weights.
+    monkeypatch.setitem(BUILDERS, "frozen", lambda cfg, data: BUILDERS["gpt"](cfg, data).requires_grad_(False))
+    with pytest.raises(BadInput) as e:
+        build_model(ModelConfig(name="frozen", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4))
+    assert str(e.value) == ("config key model.name=frozen: the model has no parameter to train (888 "
+                            "parameters, none with requires_grad=True); expected at least one.")
 
 
 def test_unknown_model_name():
