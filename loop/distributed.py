@@ -148,6 +148,7 @@ def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None,
     if t.strategy == "fsdp" and dist.is_initialized():
         from loop import fsdp
 
+        fsdp.check_shardable(model)
         weights = fsdp.host_weights(model) if dist.get_rank() == 0 else {}  # handed out by shard
         shard = partial(fsdp.shard, whole_weights=weights, cpu_offload=t.fsdp_cpu_offload,
                         param_dtype=param_dtype if t.fsdp_mixed_precision else None, device=device)

@@ -30,7 +30,29 @@ from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecision
                                     fully_shard, register_fsdp_forward_method)
 from torch.distributed.tensor import DTensor
 
+from loop.errors import BadInput
+
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+
+
+def check_shardable(model: nn.Module) -> None:
+    """Refuse, as bad input naming the parameter or module, the two things of a user's model that
+    FSDP cannot take, which were PyTorch's traceback on every rank: a parameter of shape ()
+    (`fully_shard` splits along the first dimension), and one module at two places (weights shared
+    across layers: the distributed state dict cannot load it into the sharded model)."""
+    why = "; make it a tensor of shape (1,), or use train.strategy=ddp."
+    scalars = [name for name, p in model.named_parameters() if p.dim() == 0]
+    if scalars:
+        raise BadInput(f"config key train.strategy=fsdp: FSDP cannot shard a parameter of shape (): "
+                       f"{', '.join(scalars)}{why}")
+    first: dict[int, str] = {}
+    for name, m in model.named_modules(remove_duplicate=False):  # top-down: the outermost first
+        if id(m) in first and any(True for _ in m.parameters()):
+            raise BadInput(f"config key train.strategy=fsdp: the module {name} is {first[id(m)]} (one "
+                           f"module at two places, its weights shared), which FSDP cannot load a "
+                           f"state dict into; share parameters instead of the module, or use "
+                           f"train.strategy=ddp.")
+        first.setdefault(id(m), name)
 
 
 def shard(model: nn.Module, whole_weights: dict[str, torch.Tensor], param_dtype: torch.dtype | None,

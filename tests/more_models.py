@@ -1,7 +1,9 @@
 """train.py with two more models, for the tests of what users' own models do under DDP and FSDP:
 `gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient), and
 `gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates), and
-`gpt_wrong`, the GPT with a bug in its forward (embeddings one feature too wide); and one more
+`gpt_wrong`, the GPT with a bug in its forward (embeddings one feature too wide), and two that FSDP
+cannot shard: `gpt_scalar`, with a parameter of shape (), and `gpt_shared`, its second block the
+first one again (weights shared across layers); and one more
 dataset, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
@@ -57,7 +59,20 @@ def gpt_wrong(cfg, data) -> nn.Module:
     return m
 
 
+def gpt_scalar(cfg, data) -> nn.Module:
+    m = model.BUILDERS["gpt"](cfg, data)
+    m.temperature = nn.Parameter(torch.tensor(1.0))
+    return m
+
+
+def gpt_shared(cfg, data) -> nn.Module:
+    m = model.BUILDERS["gpt"](cfg, data)
+    m.blocks[1] = m.blocks[0]
+    return m
+
+
 if __name__ == "__main__":
-    model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong)
+    model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar,
+                          gpt_shared=gpt_shared)
     data.BUILDERS["text_broken"] = text_broken
     sys.exit(train.main())

@@ -204,6 +204,21 @@ def test_train_py_refuses_it_with_exit_2_before_writing(tmp_path, cache):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.parametrize("model, said", [
+    ("gpt_scalar", "FSDP cannot shard a parameter of shape (): temperature; make it a tensor of shape (1,)"),
+    ("gpt_shared", "the module blocks.1 is blocks.0 (one module at two places, its weights shared)")])
+def test_what_fsdp_cannot_shard_is_exit_2_naming_it_before_writing(tmp_path, cache, model, said):
+    # Both were PyTorch's traceback on every rank, from inside fully_shard (a parameter of shape ())
+    # or from the distributed state dict loading rank 0's weights (one module at two places).
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, *FSDP,
+                           f"model.name={model}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.stderr.count(f"error: config key train.strategy=fsdp: {said}") == 2, proc.stderr  # each rank
+    assert "exitcode  : 2" in proc.stderr and not re.search(r"\[rank\d\]: Traceback", proc.stderr)
+    assert not out.exists()
+
+
 def test_compiled_fsdp_trains_like_uncompiled(tmp_path, cache, fsdp_run):
     # module.compile() before fully_shard: the compiled root traces FSDP2's hooks. Compiled kernels
     # fuse and order float operations differently, so agreement is to float32 rounding.
