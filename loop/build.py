@@ -16,7 +16,7 @@ from loop.distributed import Dist
 from loop.ema import build_ema
 from loop.errors import BadInput
 from loop.optim import build_optimizer
-from loop.precision import Precision
+from loop.precision import Precision, check_weights
 from loop.rng import rank_seed, seed_everything
 from loop.schedule import build_scheduler
 from loop.trainer import Trainer
@@ -37,6 +37,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     deferred = fsdp.deferred(cfg, dist.world)
     with torch.device("meta") if deferred and not dist.main else nullcontext():
         model = build_model(cfg.model, data)
+    check_weights(model, precision, cfg.train.precision)
     if cfg.train.compile:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")

@@ -12,6 +12,8 @@ from contextlib import nullcontext
 
 import torch
 
+from loop.errors import BadInput
+
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": None}
 
 
@@ -34,3 +36,19 @@ class Precision:
         if self.dtype is None:
             return nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
+
+
+def check_weights(model: torch.nn.Module, precision: Precision, asked: str) -> None:
+    """Weights the model keeps in 16 bits, under autocast: bf16 ones under bf16 compute as they are;
+    any other pairing was a traceback: fp16's GradScaler refuses to unscale float16 gradients (at
+    the first step, after the run directory was written), and autocast to one 16-bit type over
+    weights of the other breaks layers such as LayerNorm (on CPU, in the first forward)."""
+    for name, p in model.named_parameters():
+        if p.dtype in (torch.float16, torch.bfloat16) and precision.dtype is not None \
+                and (p.dtype != precision.dtype or precision.scaler.is_enabled()):
+            key = asked if asked == precision.name else f"{asked} ({precision.name} on this device)"
+            why = "its GradScaler does not unscale float16 gradients" if p.dtype == precision.dtype \
+                else f"autocast to {precision.dtype} does not mix with {p.dtype} weights"
+            raise BadInput(f"config key train.precision={key}: the model keeps {name} in {p.dtype}, and "
+                           f"{why}; expected float32 weights (autocast computes in {precision.name} "
+                           f"where it pays), or train.precision=fp32 to train them in their own dtype.")

@@ -79,3 +79,47 @@ def test_grad_scaler_state_round_trips(tmp_path):
     assert fresh.get_scale() == 65536.0
     fresh.load_state_dict(loaded)
     assert fresh.state_dict() == state and fresh.get_scale() == 32768.0
+
+
+@pytest.mark.parametrize("weights, precision, said", [
+    (torch.float16, "fp16", "keeps wte.weight in torch.float16, and its GradScaler does not unscale "
+                            "float16 gradients; expected float32 weights"),
+    (torch.bfloat16, "fp16", "keeps wte.weight in torch.bfloat16, and autocast to torch.float16 does "
+                             "not mix with torch.bfloat16 weights"),
+    (torch.float16, "bf16", "keeps wte.weight in torch.float16, and autocast to torch.bfloat16 does "
+                            "not mix with torch.float16 weights")])
+def test_16_bit_weights_autocast_cannot_train_are_refused(tmp_path, cache, monkeypatch, weights, precision, said):
+    # Tracebacks: fp16's GradScaler at the first step, after the run directory was written
+    # ("Attempting to unscale FP16 gradients."), the two mixes from LayerNorm in the first forward.
+    import model
+    from conftest import TINY
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+    from loop.errors import BadInput
+
+    monkeypatch.setitem(model.BUILDERS, "gpt16", lambda cfg, data: model.build_gpt(cfg, data).to(weights))
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt16", f"train.precision={precision}",
+                                       f"run.out_dir={tmp_path / 'run'}"])
+    with pytest.raises(BadInput) as e:
+        build_trainer(cfg, Dist(), CPU)
+    assert str(e.value).startswith(f"config key train.precision={precision}: the model {said}"), e.value
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_weights_kept_in_bf16_train_under_fp32_and_bf16(tmp_path, cache, monkeypatch, precision):
+    # The weights' own dtype (fp32: no autocast), or bf16 autocast over bf16 weights: nothing to cast.
+    import model
+    from conftest import TINY
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    monkeypatch.setitem(model.BUILDERS, "gpt16", lambda cfg, data: model.build_gpt(cfg, data).bfloat16())
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt16", f"train.precision={precision}",
+                                       f"run.out_dir={tmp_path / 'run'}", "train.max_steps=3"])
+    t = build_trainer(cfg, Dist(), CPU)
+    before = t.raw.wte.weight.detach().clone()
+    t.run()
+    assert t.raw.wte.weight.dtype is torch.bfloat16 and not torch.equal(t.raw.wte.weight, before)
