@@ -192,7 +192,15 @@ def evaluation(plan: Plan) -> Result:
                   f"{plan.every} steps and only at the end")
 
 
-def ddp(plan: Plan, batch: int, tolerance: float) -> Result:
+def batch_norms(model: torch.nn.Module) -> list[str]:
+    """Modules that normalise by the batch in training (batch norm, not SyncBatchNorm): their
+    statistics are each rank's micro-batch's, so n processes x b cannot equal 1 x n*b."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
+
+
+def ddp(plan: Plan, batch: int, tolerance: float, norms: list[str]) -> Result:
+    """`norms`: the model's batch_norms, which the hint names: the usual cause is then the model's."""
     n = plan.nproc
     why = run(plan, "P", "model.dropout=0", f"data.batch_size={batch}", nproc=n) or \
         run(plan, "P1", "model.dropout=0", f"data.batch_size={n * batch}")
@@ -205,4 +213,7 @@ def ddp(plan: Plan, batch: int, tolerance: float) -> Result:
     return Result("ddp", ok, f"{n} processes x micro-batch {batch} vs 1 x {n * batch} (dropout 0): "
                   f"per-step losses within rel. {worst:.1e} (tolerance {tolerance:g}, sums over ranks "
                   f"add in another order); sample ids {'identical' if same_ids else 'DIFFER'}",
-                  HINTS["ddp"])
+                  f"the model's batch norm ({', '.join(norms)}) normalises by each rank's micro-batch in "
+                  f"training, so {n} processes cannot equal one with {n} times the batch (on GPUs, "
+                  f"torch.nn.SyncBatchNorm.convert_sync_batchnorm shares the statistics over ranks)"
+                  if norms and same_ids else HINTS["ddp"])

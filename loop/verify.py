@@ -98,8 +98,9 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     results += single_process_runs(plan, cfg, checks)
     if "ddp" in checks:  # its own runs: it does not need run A
         precision = resolve(cfg.train.precision, pick_device(cfg.train.device))
-        kind = arithmetic(precision, build_model(cfg.model, build_data(cfg.data)))
-        results.append(audit_runs.ddp(plan, cfg.data.batch_size, TOLERANCE[kind]))
+        model = build_model(cfg.model, build_data(cfg.data))
+        results.append(audit_runs.ddp(plan, cfg.data.batch_size, TOLERANCE[arithmetic(precision, model)],
+                                      audit_runs.batch_norms(model)))
     return sorted(results, key=lambda r: CHECKS.index(r.check))
 
 

@@ -1,6 +1,7 @@
 """Bring your own model and data, as README.md tells a user to: copy the scaffold into a new project,
 add a model and a dataset (about 40 lines) in files of their own, one line each to register them,
-and a config; nothing in loop/ changes. The new project trains and passes `make verify`."""
+and a config; nothing in loop/ changes. The new project trains and passes `make verify` (but for its
+two-process check, which batch norm fails by nature: the table says so)."""
 from __future__ import annotations
 
 import json
@@ -106,3 +107,12 @@ def test_a_copied_project_with_its_own_model_and_data_passes_make_verify(tmp_pat
     assert verify.returncode == 0, verify.stdout + verify.stderr
     for check in ("resume", "determinism", "accumulation", "clipping", "data", "eval"):
         assert any(line.split()[:2] == [check, "PASS"] for line in verify.stdout.splitlines()), verify.stdout
+    # Two processes with batch norm cannot equal one with twice the batch: each rank normalises by
+    # its own micro-batch. The check fails, as it should, but its usual cause blamed the loop
+    # ("losses averaged per rank"); it now names the model's batch norm.
+    ddp = subprocess.run([sys.executable, "-m", "loop.verify", "--config", "configs/blobs.yaml", "--steps", "8",
+                          "--nproc", "2", "--checks", "ddp"], cwd=project, capture_output=True, text=True,
+                         timeout=600)
+    assert ddp.returncode == 1 and "ddp           FAIL" in ddp.stdout, ddp.stdout + ddp.stderr
+    assert "ddp: usual cause: the model's batch norm (net.1, net.5) normalises by each rank's micro-batch " \
+           "in training, so 2 processes cannot equal one with 2 times the batch" in ddp.stdout, ddp.stdout
