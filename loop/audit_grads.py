@@ -25,12 +25,13 @@ from loop.config import load_config
 from loop.device import pick_device
 from loop.distributed import Dist
 from loop.evaluate import loss_and_sums
+from loop.precision import DTYPES
 
 # Relative L2 difference allowed between two gradients of the same step that were summed in a
 # different order (float32: ~1e-7 seen) or rounded differently by autocast (bf16 keeps 8 bits of
 # mantissa, fp16 11): far below what a wrong normalisation or a wrong clip does (~1e-1 and up).
 TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
-HALF = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+HALF = {dtype: name for name, dtype in DTYPES.items() if dtype is not None}  # torch.bfloat16: "bf16", ...
 
 
 def arithmetic(precision: str, model: torch.nn.Module) -> str:
