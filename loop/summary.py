@@ -15,6 +15,19 @@ from loop.config import to_dict
 from loop.report import write_report
 
 
+def close_sinks(t) -> None:
+    """Close what rank 0 writes besides checkpoints, at the end of a run and on the way out of an
+    error or Ctrl-C: the mirror first (it waits for its queued copies, so the newest checkpoint is
+    mirrored before a run that gave up exits), the GPU sampler's thread, then the metrics file and
+    TensorBoard's writer thread (a run called again in the same process, as from a notebook, leaves
+    no thread behind)."""
+    if t.mirror:
+        t.mirror.close()
+    if t.telemetry:
+        t.telemetry.close()
+    t.log.close()
+
+
 def finish(t) -> dict:  # t: loop.trainer.Trainer
     p, m = t.progress, t.monitor.state
     if not t.preempted and not (t.last_eval and t.last_eval[0] == p.step):
@@ -25,10 +38,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     if not t.dist.main:
         return {"steps": p.step, "preempted": t.preempted}
     if t.preempted:  # exit fast: the checkpoint is written, the rerun finishes the job
-        t.log.close()
-        t.telemetry.close()
-        if t.mirror:
-            t.mirror.close()
+        close_sinks(t)
         print(f"preempted at step {p.step}; checkpoint written to {t.ckpt_root}")
         return {"steps": p.step, "preempted": True}
     val = t.last_eval[1]["val_loss"]
@@ -48,11 +58,8 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
         summary["ema_params_sha256"] = checkpoint.params_sha256(ema)
     summary.update({k: v for k, v in t.telemetry.read().items()  # this session's energy and peak memory
                     if k in ("energy_j", "cuda_max_alloc_gb")})
-    t.telemetry.close()
     t.log.text(p.step, "sample", summary["sample"] or "")
-    t.log.close()
-    if t.mirror:
-        t.mirror.close()
+    close_sinks(t)
     export = {"model": weights, "config": to_dict(t.cfg)}  # FSDP: the consolidated model
     if ema is not None:
         export["ema"] = ema

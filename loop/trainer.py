@@ -34,7 +34,7 @@ from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
 from loop.profile import StepProfiler
 from loop.state import Progress, restore, save, warm_start
-from loop.summary import finish
+from loop.summary import close_sinks, finish
 from loop.telemetry import Telemetry
 
 
@@ -103,6 +103,7 @@ class Trainer:
             save(self, 0)  # something to roll back to before the first periodic checkpoint
         self.batches, preemption = self._batches(), Preemption()
         profiler = StepProfiler(self.out / "profile") if tc.profile and self.dist.main else None
+        ended = False  # the loop ran to its end (done, early stop, preempted): finish() follows
         try:
             self.model.train()
             while self.progress.step < tc.max_steps and not self.monitor.state.stop_reason:
@@ -124,6 +125,7 @@ class Trainer:
                 if stop:
                     self.preempted = True
                     break
+            ended = True
         finally:
             preemption.close()
             if profiler:
@@ -135,8 +137,13 @@ class Trainer:
             # Ctrl-C) must not replace it, nor keep the checkpoint writer below from finishing.
             with contextlib.suppress(BrokenPipeError):
                 self.log.flush()
-            if self.saver:
-                self.saver.close()  # the last checkpoint is on disk before anything else
+            try:
+                if self.saver:
+                    self.saver.close()  # the last checkpoint is on disk before anything else
+            finally:
+                if not ended:  # an error or Ctrl-C on its way out, which it reports, not this
+                    with contextlib.suppress(OSError):  # (a full disk again, closing the log)
+                        close_sinks(self)
         return finish(self)
 
     def _lock_then_choose(self) -> Path | None:

@@ -4,6 +4,7 @@ one, skipping incomplete or corrupt copies."""
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -11,6 +12,8 @@ import fsspec
 import pytest
 import torch
 
+import train
+from conftest import TINY
 from loop import checkpoint
 from loop.errors import BadInput
 from loop.mirror import Mirror, fetch_latest
@@ -221,3 +224,21 @@ def test_copy_cut_short_is_never_fetched(tmp_path, monkeypatch, capsys):
     assert got is not None and got.name == "step_00000001"
     err = capsys.readouterr().err
     assert "could not copy" in err and "step_00000002: incomplete" in err
+
+
+def test_a_run_that_gives_up_mirrors_its_newest_checkpoint_and_leaves_no_thread(
+        tmp_path, cache, monkeypatch):
+    """Exit 3 one step after a checkpoint, on a mirror whose copies take a second (an upload): the
+    copy is finished before the run returns, as at a run's end, so a machine given back after the
+    failure keeps it. Its thread, TensorBoard's writer and the metrics file are closed, so train.main
+    called again in the same process (a notebook) has no thread of the failed run beside it."""
+    copy = Mirror._copy
+    monkeypatch.setattr(Mirror, "_copy", lambda self, ckpt: (time.sleep(1), copy(self, ckpt)))
+    before = set(threading.enumerate())
+    code = train.main([f"run.out_dir={tmp_path / 'run'}", f"run.mirror={tmp_path / 'mirror'}", *TINY,
+                       cache, "train.max_steps=20", "train.ckpt_every=5", "train.nan_policy=abort",
+                       "faults.nan_at_step=6"])
+    assert code == 3
+    assert checkpoint.verify(tmp_path / "mirror" / "step_00000005") is None
+    assert (tmp_path / "mirror" / "latest").read_text() == "step_00000005"
+    assert set(threading.enumerate()) == before
