@@ -33,17 +33,24 @@ def read_text(path: str) -> str:
         raise BadInput(f"data.path {path}: cannot read it as UTF-8 text ({e}).")
 
 
+def held_out(n: int, val_fraction: float) -> int:
+    """How many of `n` tokens the last `val_fraction` holds for validation; BadInput unless each
+    side gets at least 2."""
+    n_val = int(n * val_fraction)
+    if n_val < 2 or n - n_val < 2:
+        fix = "raise it" if n_val < 2 else "lower it"
+        raise BadInput(f"data: data.val_fraction={val_fraction} splits {n} tokens into "
+                       f"{n - n_val} for training and {n_val} for validation; expected at "
+                       f"least 2 in each (every run validates, at its end at least): {fix}, or "
+                       f"give more data.")
+    return n_val
+
+
 def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict) -> Path:
     """Split `ids` (last `val_fraction` is validation) and write the three files atomically."""
     if (out_dir / "meta.json").exists():
         return out_dir
-    n_val = int(len(ids) * val_fraction)
-    if n_val < 2 or len(ids) - n_val < 2:
-        fix = "raise it" if n_val < 2 else "lower it"
-        raise BadInput(f"data: data.val_fraction={val_fraction} splits {len(ids)} tokens into "
-                       f"{len(ids) - n_val} for training and {n_val} for validation; expected at "
-                       f"least 2 in each (every run validates, at its end at least): {fix}, or "
-                       f"give more data.")
+    n_val = held_out(len(ids), val_fraction)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -70,6 +77,7 @@ def prepare_text(text: str, source: str, cache_dir: str, val_fraction: float) ->
     out = Path(cache_dir) / f"text-{sha[:16]}-val{val_fraction:g}"
     if (out / "meta.json").exists():
         return out
+    held_out(len(text), val_fraction)  # a split that cannot work is refused before "preparing"
     chars = sorted(set(text))
     if len(chars) > 65535:
         raise BadInput(f"data: {source} has {len(chars)} distinct characters; uint16 holds 65535.")

@@ -242,6 +242,7 @@ def test_prepare_command_prints_the_corpus_dir_and_exits_2_on_bad_input(tmp_path
                          f"validates, at its end at least): lower it, or give more data.")]:
         bad = prepare(*args)
         assert bad.returncode == 2 and bad.stderr.startswith("error: ") and named in bad.stderr, bad.stderr
+        assert bad.stdout == "", bad.stdout  # not "preparing ..." first, as if it had begun
     assert [p.name for p in cache.iterdir()] == [ok.stdout.splitlines()[-1].rsplit("/", 1)[1]]
 
 
