@@ -102,9 +102,22 @@ BUILDERS = {"text": build_text, "markov": build_markov, "random": build_random, 
             "shakespeare": build_shakespeare, "mnist": build_mnist}
 
 
+# The keys each built-in data set does not read. One set there was meant for another data set:
+# `data.path=DIR` with configs/gpt2_124m.yaml (data.name=random, where data.name=tokens reads DIR)
+# trained on random tokens without a word. A builder of your own is not checked.
+UNREAD = {"text": ("url",), "markov": ("path", "url"), "random": ("path", "url"), "tokens": ("url",),
+          "shakespeare": ("path",)}
+
+
 def build_data(cfg) -> Data:
     if cfg.name not in BUILDERS:
         raise BadInput(f"config key data.name: expected one of {', '.join(BUILDERS)}; got {cfg.name!r}.")
+    for key in UNREAD.get(cfg.name, ()):
+        if value := getattr(cfg, key):
+            readers = ", ".join(n for n in BUILDERS if key not in UNREAD.get(n, ()))
+            raise BadInput(f"config key data.{key}={value}: data.name={cfg.name} does not read it "
+                           f"(data.{key} is for {readers}); set data.name to the data set it is "
+                           f"for, or data.{key}= (empty).")
     data = BUILDERS[cfg.name](cfg)
     check_samples(data, cfg.name)
     return data

@@ -385,3 +385,26 @@ def test_an_empty_token_file_is_bad_input(tmp_path):
     cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
     with pytest.raises(BadInput, match=r"the train split of .*tok is shorter than data.seq_len=16 \+ 1"):
         build_data(cfg.data)
+
+
+@pytest.mark.parametrize("config, key, name, readers", [
+    ("gpt2_124m.yaml", "data.path=my_tokens", "random", "text, tokens, mnist"),  # forgot data.name=tokens
+    ("shakespeare_char.yaml", "data.path=my.txt", "shakespeare", "text, tokens, mnist"),
+    ("default.yaml", "data.url=http://127.0.0.1:9/m", "text", "shakespeare, mnist"),
+])
+def test_a_path_or_url_the_data_set_does_not_read_is_exit_2(tmp_path, capsys, config, key, name, readers):
+    # Was ignored: the random stream (or TinyShakespeare) trained in place of the files named.
+    import train  # in this process: interpreters take seconds to start
+
+    out = tmp_path / "run"
+    root = Path(DEFAULT_CONFIG).parent
+    small = ["model.n_layer=1", "model.n_head=2", "model.n_embd=32", "data.seq_len=8",  # if it trains
+             "data.synthetic.vocab_size=64", "data.synthetic.tokens=1000", "train.max_steps=1",
+             "train.compile=false", "train.device=cpu", "report.plots=false"]
+    assert train.main(["--config", str(root / config), key, f"run.out_dir={out}", *small,
+                       f"data.cache_dir={tmp_path / 'cache'}"]) == 2
+    given, _, value = key.partition("=")
+    assert capsys.readouterr().err == (
+        f"error: config key {given}={value}: data.name={name} does not read it ({given} is for "
+        f"{readers}); set data.name to the data set it is for, or {given}= (empty).\n")
+    assert not out.exists() and not (tmp_path / "cache").exists()
