@@ -25,6 +25,7 @@ from loop.async_save import AsyncSaver
 from loop.atomic import atomic_write
 from loop.config import Config, save as save_config
 from loop.distributed import Dist, check_all_used
+from loop.ema import update as update_ema
 from loop.forward_backward import forward_backward
 from loop.lab import banner
 from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
@@ -223,7 +224,7 @@ class Trainer:
                 self.scaler.step(self.optimizer)
                 self.scheduler.step()  # the LR advances only on steps actually taken
                 if self.ema:
-                    self.ema.update_parameters(self.raw)
+                    update_ema(self.ema, self.raw, self.cfg.ema)
                 if p.step + 1 >= self.last_bad:  # past the bad step, not a replay after a rollback
                     self.bad_streak = 0
             elif self.scaler.is_enabled() and loss_ok:

@@ -3,7 +3,8 @@
 `gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates), and
 `gpt_wrong`, the GPT with a bug in its forward (embeddings one feature too wide), and two that FSDP
 cannot shard: `gpt_scalar`, with a parameter of shape (), and `gpt_shared`, its second block the
-first one again (weights shared across layers); and one more
+first one again (weights shared across layers); `gpt_bf16`, the GPT with its weights in bfloat16 (a
+checkpoint loaded in bf16 to fine-tune); and one more
 dataset, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
@@ -71,8 +72,12 @@ def gpt_shared(cfg, data) -> nn.Module:
     return m
 
 
+def gpt_bf16(cfg, data) -> nn.Module:
+    return model.BUILDERS["gpt"](cfg, data).to(torch.bfloat16)
+
+
 if __name__ == "__main__":
     model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar,
-                          gpt_shared=gpt_shared)
+                          gpt_shared=gpt_shared, gpt_bf16=gpt_bf16)
     data.BUILDERS["text_broken"] = text_broken
     sys.exit(train.main())

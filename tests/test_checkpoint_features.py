@@ -65,6 +65,28 @@ def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
     assert not all(torch.equal(exported["ema"][k], exported["model"][k]) for k in exported["model"])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
+    # Kept in bf16, the default decay 0.999 rounded to 1.0: the average stayed the first weights,
+    # validation through it never improved, and early stopping stopped a run that was learning.
+    from loop.config import EmaConfig
+    from loop.ema import build_ema, update
+
+    m, cfg = torch.nn.Linear(8, 8).to(dtype), EmaConfig(enabled=True, decay=0.999, warmup=1)
+    ema = build_ema(m, cfg)  # warmup 1: d = 0.999 from the first average on
+    assert ema.module.weight.dtype == torch.float32 and m.weight.dtype == dtype
+    w0 = m.weight.float()
+    update(ema, m, cfg)  # the first update copies the weights
+    with torch.no_grad():
+        m.weight.add_(1)
+    w1 = m.weight.float()
+    for _ in range(100):
+        update(ema, m, cfg)
+    # 100 updates from w0 towards w1: w1 + (w0 - w1) * 0.999**100, up to float32 sums and each
+    # (1 - d) * w1 term rounded to 16 bits (an error under 1e-5 here); the bf16 average moved 0.
+    torch.testing.assert_close(ema.module.weight, w1 + (w0 - w1) * 0.999 ** 100, rtol=0, atol=1e-4)
+
+
 def expected_stop(vals: list[tuple[int, float]], patience: int, delta: float) -> int:
     best, bad = None, 0
     for step, v in vals:

@@ -128,7 +128,7 @@ def test_fsdp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_run):
     assert summary(out)["params_sha256"] == summary(fsdp_run)["params_sha256"]
 
 
-@pytest.mark.parametrize("model", ["gpt_bn", "gpt_spare"])
+@pytest.mark.parametrize("model", ["gpt_bn", "gpt_spare", "gpt_bf16"])
 def test_fsdp_users_models_sigkill_then_rerun_is_bit_identical(tmp_path, cache, model):
     # gpt_bn: FSDP shards parameters only: each rank's BatchNorm running statistics drifted its
     # own way, and the sharded checkpoint kept one copy, so after a resume rank 1 evaluated with
@@ -138,9 +138,14 @@ def test_fsdp_users_models_sigkill_then_rerun_is_bit_identical(tmp_path, cache, 
     # checkpoint holds none for it, and the resume failed: "Missing key in checkpoint state_dict:
     # optimizer.state.spare.weight.step" (the optimizer torch builds to load into has state for
     # every parameter). It now loads what was saved and no more: the final shards are byte-equal.
+    # gpt_bf16, with EMA: its average is float32 (loop/ema.py), sharded from rank 0's bf16 weights,
+    # saved and loaded beside the bf16 shards of the model.
+    ema = ["ema.enabled=true"] if model == "gpt_bf16" else []
+
     def cmd(out: Path) -> list[str]:
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, *FSDP, f"model.name={model}"]
+                "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, *FSDP, f"model.name={model}",
+                *ema]
 
     whole, out = tmp_path / "whole", tmp_path / "run"
     assert subprocess.run(cmd(whole), cwd=ROOT, capture_output=True, timeout=300).returncode == 0
@@ -155,6 +160,11 @@ def test_fsdp_users_models_sigkill_then_rerun_is_bit_identical(tmp_path, cache, 
             for run in (out, whole))
     for shard in ("__0_0.distcp", "__1_0.distcp"):
         assert a[shard]["sha256"] == b[shard]["sha256"], shard
+    if ema:
+        assert summary(out)["ema_params_sha256"] == summary(whole)["ema_params_sha256"]
+        exported = torch.load(out / "model.pt", weights_only=True)
+        assert {t.dtype for t in exported["model"].values()} == {torch.bfloat16}
+        assert {t.dtype for t in exported["ema"].values()} == {torch.float32}
 
 
 def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache):
