@@ -1,4 +1,4 @@
-"""EMA of the weights via `torch.optim.swa_utils.AveragedModel`.
+"""EMA of the weights: a copy in a `torch.optim.swa_utils.AveragedModel`, averaged by `update`.
 
 The decay warms up as min(decay, (1+n)/(warmup+n)) after n updates, so early averages are not
 dominated by the random initial weights. It is updated only after optimizer steps actually taken.
