@@ -7,6 +7,7 @@ checkpoint, so a resumed run stops at the same evaluation an uninterrupted one w
 """
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 
@@ -25,15 +26,18 @@ class Monitor:
 
     def update(self, step: int, value: float) -> bool:
         s = self.state
-        better = s.best is None or (value < s.best - self.min_delta if self.mode == "min"
-                                    else value > s.best + self.min_delta)
+        # A non-finite value is never the best: NaN compares false with everything, so one taken as
+        # the first best was never beaten, and `checkpoints/best` kept that evaluation's step.
+        better = math.isfinite(value) and (s.best is None or (
+            value < s.best - self.min_delta if self.mode == "min" else value > s.best + self.min_delta))
         if better:
             s.best, s.best_step, s.bad_evals = value, step, 0
         else:
             s.bad_evals += 1
             if self.patience and s.bad_evals >= self.patience:
+                best = "none finite" if s.best is None else f"best {s.best:.6g} at step {s.best_step}"
                 s.stop_reason = (f"{self.metric} did not improve by {self.min_delta} for "
-                                 f"{self.patience} evaluations (best {s.best:.6g} at step {s.best_step})")
+                                 f"{self.patience} evaluations ({best})")
         return better
 
     def state_dict(self) -> dict:

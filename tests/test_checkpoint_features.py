@@ -113,6 +113,20 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
 
 
+def test_a_non_finite_evaluation_is_never_the_best():
+    # Was: a NaN first evaluation became the best, no later value compared below it, so the best
+    # checkpoint stayed that step and early stopping counted every later improvement as none.
+    from loop.monitor import Monitor
+
+    m = Monitor("val_loss", "min", patience=2, min_delta=0.0)
+    assert m.update(10, float("nan")) is False
+    assert m.update(20, 3.0) is True and (m.state.best, m.state.best_step) == (3.0, 20)
+    assert m.update(30, float("-inf")) is False and m.state.best_step == 20
+    m = Monitor("val_accuracy", "max", patience=2, min_delta=0.0)
+    assert not m.update(10, float("nan")) and not m.update(20, float("nan"))
+    assert m.state.stop_reason == "val_accuracy did not improve by 0.0 for 2 evaluations (none finite)"
+
+
 def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cache):
     # train.eval_every=0 evaluates once, at the end: a patience counting evaluations never fires.
     proc = run_train(tmp_path / "run", cache, "train.max_steps=2", "train.eval_every=0",
