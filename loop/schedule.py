@@ -32,6 +32,8 @@ def cosine_restarts(s: int, cfg, max_steps: int) -> float:
     if w is not None:
         return w
     t, period = s - cfg.warmup_steps, cfg.restart_period
+    if cfg.restart_mult == 1:  # equal cycles; the loop below took s/period turns (5 ms at step 1M)
+        t %= period
     while t >= period:  # SGDR: cycles of period, period*mult, period*mult^2, ...
         t, period = t - period, period * cfg.restart_mult
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t / period))
