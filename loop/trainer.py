@@ -47,8 +47,7 @@ class Trainer:
         self.raw = getattr(model, "module", model)  # unwrapped (DDP keeps it as .module)
         self.sharded = fsdp.is_sharded(model)  # FSDP: every rank holds a shard of each weight
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
-        self.scaler = precision.scaler
-        self.out = Path(cfg.run.out_dir)
+        self.scaler, self.out = precision.scaler, Path(cfg.run.out_dir)
         self.ckpt_root = self.out / "checkpoints"
         self.progress = Progress()
         tc = cfg.train
@@ -133,9 +132,8 @@ class Trainer:
                 profiler.close()
             close_loader(self.batches)  # the DataLoader workers, even if an error pins them
             self.batches = None
-            # Even on the way out of an error: every finished step is on disk (the file is written
-            # before the console line). A console gone with the error (a `tee` ended by the same
-            # Ctrl-C) must not replace it, nor keep the checkpoint writer below from finishing.
+            # Even on the way out of an error every finished step is on disk (written before its console
+            # line); a console gone with it (a `tee` ended by the same Ctrl-C) must not stop that.
             with contextlib.suppress(BrokenPipeError):
                 self.log.flush()
             try:
