@@ -8,8 +8,8 @@
     mirror.close()                        # end of run: waits for the queued copies
     fetch_latest(cfg.run.mirror, root)    # no local checkpoint (new machine): get the newest valid
 Object stores have no atomic rename, so the manifest is copied after the data files (then `latest`):
-a copy cut short has no manifest and is never fetched. A copy that still fails after its retries
-prints one warning and is dropped; nothing here raises into training.
+a copy cut short has no manifest, is never fetched and is deleted by the next prune. A copy that
+still fails after its retries prints one warning and is dropped; nothing here raises into training.
 """
 from __future__ import annotations
 
@@ -99,9 +99,11 @@ class Mirror:
             if reason := verify(ckpt_dir):  # also fails if local retention already deleted it
                 print(f"warning: mirror {self.target}: not copying {ckpt_dir}, it does not verify "
                       f"({reason})", file=sys.stderr)
-            elif self._retrying(self._copy, ckpt_dir, f"could not copy {ckpt_dir}"):
-                # Prune only after a good copy, so a failing mirror keeps its older checkpoints.
-                self._retrying(self._prune, keep | {ckpt_dir.name}, "could not delete old checkpoints")
+            else:  # pruned before the copy too: a full mirror would refuse every copy from then on
+                keep |= {ckpt_dir.name}
+                self._retrying(self._prune, keep, "could not delete old checkpoints")
+                self._retrying(self._copy, ckpt_dir, f"could not copy {ckpt_dir}")
+                self._retrying(self._prune, keep, "could not delete old checkpoints")
 
     def _retrying(self, fn, arg, what: str) -> bool:
         for attempt in range(self.retries + 1):
@@ -127,10 +129,16 @@ class Mirror:
         fs.pipe_file(posixpath.join(self.root, "latest"), ckpt_dir.name.encode())
 
     def _prune(self, keep: frozenset[str]) -> None:
-        for _, path in _mirrored(self.fs, self.root):
-            if _name(path) not in keep:
-                if self.fs.exists(manifest := posixpath.join(path, MANIFEST)):
-                    self.fs.rm_file(manifest)  # first: a delete cut short leaves no valid-looking dir
+        """Delete the mirrored checkpoints not in `keep` except the newest complete one (a failing
+        mirror keeps something to resume from), and every copy cut short: it holds space and is never
+        fetched (no manifest; this thread is the only writer, so none is in progress)."""
+        mirrored = [(path, self.fs.exists(posixpath.join(path, MANIFEST)))
+                    for _, path in _mirrored(self.fs, self.root)]
+        newest = next((_name(path) for path, whole in reversed(mirrored) if whole), None)
+        for path, whole in mirrored:
+            if not whole or _name(path) not in keep | {newest}:
+                if whole:  # manifest first: a delete cut short leaves no valid-looking dir
+                    self.fs.rm_file(posixpath.join(path, MANIFEST))
                 self.fs.rm(path, recursive=True)
 
 

@@ -205,25 +205,47 @@ def test_a_mirror_that_cannot_be_listed_is_bad_input(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-def test_copy_cut_short_is_never_fetched(tmp_path, monkeypatch, capsys):
+def test_copy_cut_short_is_never_fetched_and_the_next_copy_deletes_it(tmp_path, capsys):
     target, root = mem_target(), tmp_path / "ckpt"
     run_with_mirror(Mirror(target), root, [1])
-    mirror = Mirror(target, retries=0)
-    real = mirror.fs.put_file
-
-    def dies_on_rng(lpath, rpath, **kwargs):  # state.pt lands, then the connection drops
-        if rpath.endswith("rng_rank0.pt"):
-            raise OSError("connection reset")
-        return real(lpath, rpath, **kwargs)
-    monkeypatch.setattr(mirror.fs, "put_file", dies_on_rng)
-    run_with_mirror(mirror, root, [2])
     fs, _ = fsspec.core.url_to_fs(target)
-    assert fs.exists(remote(target, "step_00000002", "state.pt"))
-    assert not fs.exists(remote(target, "step_00000002", "manifest.json"))
+    # What a run killed while copying step 2 leaves: its state.pt, not yet the rest and the manifest.
+    fs.pipe_file(remote(target, "step_00000002", "state.pt"), (save(root, 2) / "state.pt").read_bytes())
     got = fetch_latest(target, tmp_path / "fresh")
     assert got is not None and got.name == "step_00000001"
-    err = capsys.readouterr().err
-    assert "could not copy" in err and "step_00000002: incomplete" in err
+    assert "step_00000002: incomplete" in capsys.readouterr().err
+    run_with_mirror(Mirror(target), root, [3])  # the rerun's first copy
+    assert mirrored_names(target) == {"step_00000001", "step_00000003", "latest"}
+
+
+@pytest.mark.parametrize("room", [2.5, 1.5])  # checkpoints' worth
+def test_a_full_mirror_makes_room_and_keeps_its_newest_whole_checkpoint(tmp_path, monkeypatch,
+                                                                        capsys, room):
+    # A mirror with room for 2 checkpoints and keep_last=2 used to fill up at the third: pruning came
+    # only after a good copy, so every copy from then on failed, each leaving a part copy, and the
+    # mirror stayed at step 2 for the rest of the run. Room for only one: the part copies are deleted,
+    # the newest whole checkpoint stays.
+    target, root = str(tmp_path / "bucket"), tmp_path / "ckpt"
+    mirror = Mirror(target, retries=0)
+    size = sum(f.stat().st_size for f in save(tmp_path / "probe", 1).iterdir())
+    real = mirror.fs.put_file
+
+    def quota(lpath, rpath, **kwargs):  # a disk of `room` checkpoints: ENOSPC midway through a file
+        used = sum(f.stat().st_size for f in Path(target).rglob("*") if f.is_file())
+        if used + Path(lpath).stat().st_size > room * size:
+            Path(rpath).write_bytes(Path(lpath).read_bytes()[:10])
+            raise OSError(28, "No space left on device")
+        return real(lpath, rpath, **kwargs)
+    monkeypatch.setattr(mirror.fs, "put_file", quota)
+    run_with_mirror(mirror, root, range(1, 7), keep_last=2)
+    if room == 2.5:
+        assert mirrored_names(target) == {"step_00000005", "step_00000006", "latest"}
+        assert "could not copy" not in capsys.readouterr().err
+    else:
+        assert mirrored_names(target) == {"step_00000001", "latest"}
+        assert capsys.readouterr().err.count("No space left on device") == 5
+    got = fetch_latest(target, tmp_path / "fresh")
+    assert got.name == ("step_00000006" if room == 2.5 else "step_00000001")
 
 
 def test_a_run_that_gives_up_mirrors_its_newest_checkpoint_and_leaves_no_thread(
