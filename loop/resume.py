@@ -16,7 +16,10 @@ import torch
 import torch.nn as nn
 
 from loop import checkpoint, fsdp
+from loop.config import Config, flat, to_dict
 from loop.errors import BadInput
+
+LISTED = 10  # mismatched tensors named in the error; GPT-2 has 150, every one of them at a new width
 
 
 def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
@@ -62,7 +65,7 @@ def checkpoints_near(path: Path) -> str:
     return ""
 
 
-def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:
+def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None) -> dict:
     """Load a checkpoint's state.pt and put its weights (and, if given, the optimizer state) into
     `model`, refusing a mismatch. Weights alone load across strategies: an FSDP checkpoint's
     shards into a plain model and a whole state_dict into an FSDP one."""
@@ -75,16 +78,19 @@ def load_model_state(path: Path, model: nn.Module, optimizer=None) -> dict:
                        f"with (any number of processes, `torchrun --nproc_per_node=1` included), or "
                        f"start a new run.out_dir with run.init_from={path} (weights only).")
     if was_sharded:
-        refuse_mismatch(model, fsdp.saved_shapes(path), f"checkpoint {path}")
+        refuse_mismatch(model, fsdp.saved_shapes(path), f"checkpoint {path}", state.get("config"), cfg,
+                        resuming=optimizer is not None)
         fsdp.load(model, optimizer, path)
     else:
-        load_whole(model, state["model"], f"checkpoint {path}")
+        refuse_mismatch(model, state["model"], f"checkpoint {path}", state.get("config"), cfg,
+                        resuming=optimizer is not None)
+        load_whole(model, state["model"])
     if optimizer is not None and not was_sharded:
         optimizer.load_state_dict(state["optimizer"])
     return state
 
 
-def load_export(path: Path, model: nn.Module) -> None:
+def load_export(path: Path, model: nn.Module, cfg: Config) -> None:
     """run.init_from=FILE: the weights of an exported model.pt (loop/summary.py: {"model",
     "config"}, "ema" too with EMA on; FSDP runs export it whole), or of a bare state_dict
     (`torch.save(model.state_dict(), PATH)`), into `model`."""
@@ -94,20 +100,38 @@ def load_export(path: Path, model: nn.Module) -> None:
         raise BadInput(f"run.init_from={path}: expected a checkpoint directory, a model.pt as "
                        f"train.py exports it (a dict whose \"model\" is a state_dict), or a "
                        f"state_dict saved with torch.save(model.state_dict(), PATH).")
-    load_whole(model, weights, f"model file {path}")
+    refuse_mismatch(model, weights, f"model file {path}", export.get("config"), cfg, resuming=False)
+    load_whole(model, weights)
 
 
-def load_whole(model: nn.Module, weights: dict, source: str) -> None:
-    """A whole (unsharded) state_dict into a plain or an FSDP model, refusing a mismatch."""
-    refuse_mismatch(model, weights, source)
+def load_whole(model: nn.Module, weights: dict) -> None:
+    """A whole (unsharded) state_dict into a plain or an FSDP model."""
     if fsdp.is_sharded(model):
         fsdp.load_full(model, weights)
     else:
         model.load_state_dict(weights)
 
 
-def refuse_mismatch(model: nn.Module, saved: dict, source: str) -> None:
+def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: Config,
+                    resuming: bool) -> None:
+    """BadInput naming the tensors that differ (the first LISTED) and the keys that size a model,
+    model.* and data.seq_len (its context), that its run set otherwise (`saved_cfg`: the config dict
+    saved with it; None for a bare state_dict)."""
     bad = checkpoint.shape_mismatches(model, saved)
-    if bad:
-        raise BadInput(f"{source} does not fit the configured model:\n  " + "\n  ".join(bad)
-                       + "\nUse the config and model code it was trained with, or a new run.out_dir.")
+    if not bad:
+        return
+    shown = bad[:LISTED] + ([f"... and {len(bad) - LISTED} more"] if len(bad) > LISTED else [])
+    why = ""
+    if isinstance(saved_cfg, dict):
+        old, new = flat(saved_cfg), flat(to_dict(cfg))
+        keys = sorted(k for k in old.keys() | new.keys()
+                      if (k.startswith("model.") or k == "data.seq_len") and old.get(k) != new.get(k))
+        why = (f"It was trained with {', '.join(f'{k}={old.get(k)}' for k in keys)} (this config: "
+               f"{', '.join(f'{k}={new.get(k)}' for k in keys)}). " if keys else
+               "It was trained with this config's model.* keys and data.seq_len: the data's "
+               "vocabulary or the model code differs. ")
+    advice = ("Use the config and model code it was trained with, or a new run.out_dir." if resuming
+              else "Set the model.* keys it was trained with, or leave run.init_from empty to start "
+                   "from random weights.")
+    raise BadInput(f"{source} does not fit the configured model ({len(bad)} tensor(s)):\n  "
+                   + "\n  ".join(shown) + f"\n{why}{advice}")

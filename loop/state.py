@@ -61,7 +61,7 @@ def capture(t) -> dict[str, object]:  # t: loop.trainer.Trainer
 def restore(t, path: Path) -> None:
     t.dist.say(f"loading checkpoint {path} ...")
     hyper = optim.config_hyperparameters(t.optimizer)
-    state = resume.load_model_state(path, t.raw, t.optimizer)
+    state = resume.load_model_state(path, t.raw, t.cfg, t.optimizer)
     for note in what_changed(state, t.cfg, t.dist.world, t.metadata):
         t.dist.say(f"note: {note}")
     t.scheduler.load_state_dict(state["scheduler"])
@@ -164,9 +164,9 @@ def warm_start(t, path: Path) -> None:
     """run.init_from: model weights only; optimizer, schedule and step start fresh."""
     path = resume.followed(path)
     if path.is_file():  # a model.pt: train.py's export, or one given to you
-        resume.load_export(path, t.raw)
+        resume.load_export(path, t.raw, t.cfg)
     else:
-        resume.load_model_state(resume.verified(path, "run.init_from"), t.raw)
+        resume.load_model_state(resume.verified(path, "run.init_from"), t.raw, t.cfg)
     if t.ema:  # the average starts from the warm-start weights
         t.ema.module.load_state_dict(t.raw.state_dict())
     t.dist.say(f"initialised model weights from {path}")
