@@ -19,7 +19,6 @@ from loop import checkpoint, fsdp
 from loop.config import Config, flat, to_dict
 from loop.errors import BadInput
 
-LISTED = 10  # mismatched tensors named in the error; GPT-2 has 150, every one of them at a new width
 
 
 def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
@@ -114,13 +113,12 @@ def load_whole(model: nn.Module, weights: dict) -> None:
 
 def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: Config,
                     resuming: bool) -> None:
-    """BadInput naming the tensors that differ (the first LISTED) and the keys that size a model,
+    """BadInput naming every tensor that differs and the keys that size a model,
     model.* and data.seq_len (its context), that its run set otherwise (`saved_cfg`: the config dict
     saved with it; None for a bare state_dict)."""
     bad = checkpoint.shape_mismatches(model, saved)
     if not bad:
         return
-    shown = bad[:LISTED] + ([f"... and {len(bad) - LISTED} more"] if len(bad) > LISTED else [])
     why = ""
     if isinstance(saved_cfg, dict):
         old, new = flat(saved_cfg), flat(to_dict(cfg))
@@ -134,4 +132,4 @@ def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: 
               else "Set the model.* keys it was trained with, or leave run.init_from empty to start "
                    "from random weights.")
     raise BadInput(f"{source} does not fit the configured model ({len(bad)} tensor(s)):\n  "
-                   + "\n  ".join(shown) + f"\n{why}{advice}")
+                   + "\n  ".join(bad) + f"\n{why}{advice}")
