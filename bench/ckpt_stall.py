@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, at_least, command, device_label, sync_device
+from bench.common import RESULTS, append_result, command, device_label, sync_device
 from loop import build, checkpoint, determinism
 from loop.async_save import AsyncSaver
 from loop.config import DEFAULT_CONFIG, config_hash, load_config
+from loop.config_check import at_least
 from loop.device import pick_device
 from loop.distributed import Dist
 from loop.metrics import NullLog

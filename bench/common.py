@@ -1,7 +1,6 @@
 """What the benchmarks share: the command line, naming the device, waiting for it, and the results record."""
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -13,18 +12,6 @@ import torch
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def at_least(low: int):
-    """An argparse type: an int >= `low`. Anything else is a usage error that names the option
-    (exit 2), not a ZeroDivisionError after the runs."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-    parse.__name__ = "integer"  # argparse names the type in its message for int("x")
-    return parse
 
 
 def command(main) -> None:

@@ -33,10 +33,11 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, at_least, command, device_label, sync_device
+from bench.common import RESULTS, append_result, command, device_label, sync_device
 from data import build_data
 from data.sampler import collate
 from loop.config import DEFAULT_CONFIG, load_config
+from loop.config_check import at_least
 from loop.device import pick_device, use_tf32
 from loop.optim import build_optimizer
 from loop.precision import Precision

@@ -173,6 +173,18 @@ def non_negative(text: str) -> float:
     return value
 
 
+def at_least(low: int):
+    """An argparse type: an int >= `low`. Anything else is a usage error that names the option
+    (exit 2), not a ZeroDivisionError after the runs."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in its message for int("x")
+    return parse
+
+
 def _bounds(value, meta, key: str) -> None:
     for name, fails, says in (("min", lambda v, b: v < b, ">="), ("max", lambda v, b: v > b, "<="),
                               ("above", lambda v, b: v <= b, ">"), ("below", lambda v, b: v >= b, "<")):

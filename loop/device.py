@@ -6,7 +6,7 @@ import torch
 from loop.errors import BadInput
 
 
-def pick_device(name: str) -> torch.device:
+def pick_device(name: str, key: str = "config key train.device") -> torch.device:
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -16,11 +16,11 @@ def pick_device(name: str) -> torch.device:
     try:
         device = torch.device(name)
     except RuntimeError:
-        raise BadInput(f"config key train.device: expected auto, cpu, cuda, cuda:N or mps; got {name!r}.")
+        raise BadInput(f"{key}: expected auto, cpu, cuda, cuda:N or mps; got {name!r}.")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise BadInput(f"config key train.device: {name!r} asked for, but this machine has no CUDA.")
+        raise BadInput(f"{key}: {name!r} asked for, but this machine has no CUDA.")
     if device.type == "mps" and not torch.backends.mps.is_available():
-        raise BadInput(f"config key train.device: {name!r} asked for, but this machine has no MPS.")
+        raise BadInput(f"{key}: {name!r} asked for, but this machine has no MPS.")
     return device
 
 

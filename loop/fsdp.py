@@ -14,6 +14,7 @@ way and saved with the model's shards under the key "ema".
 """
 from __future__ import annotations
 
+import warnings
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -196,7 +197,9 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) 
 def load_weights(module: nn.Module, path: Path, key: str) -> None:
     """Weights saved under `key` ("model" or "ema") in checkpoint `path` into `module`."""
     sd = get_model_state_dict(module)
-    dcp.load({key: sd}, checkpoint_id=path)
+    with warnings.catch_warnings():  # a plain process (init_from, loop.sample) reads them all, as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load({key: sd}, checkpoint_id=path)
     set_model_state_dict(module, sd)
 
 

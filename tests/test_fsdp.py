@@ -22,7 +22,7 @@ import torch
 from conftest import DIST, ROOT, TINY, metrics, run_and_signal, run_train, summary
 from data import build_data
 from data.sampler import val_batches
-from loop import jobs
+from loop import jobs, sample
 from loop.build import build_trainer
 from loop.config import DEFAULT_CONFIG, load_config
 from loop.distributed import Dist, check_supported
@@ -178,6 +178,15 @@ def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache):
     batches = val_batches(data.val, cfg.data.batch_size * 2, cfg.train.eval_batches, cfg.run.seed, 0, 1)
     got = val_metrics(model, batches, Precision("fp32", torch.device("cpu")), torch.device("cpu"), Dist())["val_loss"]
     assert got == pytest.approx(summary(fsdp_run)["val_loss"], rel=1e-5)
+
+
+def test_the_sample_command_reads_the_sharded_checkpoint_and_the_export(fsdp_run, capsys):
+    # python -m loop.sample in one plain process: the final sharded checkpoint and the consolidated
+    # model.pt both draw the text the 2-process run drew at its end (same prompt, seed, length).
+    text = summary(fsdp_run)["sample"]
+    for source in (fsdp_run / "checkpoints" / "latest", fsdp_run):
+        assert sample.main([str(source), "--prompt", text[:8], "--tokens", "16", "--seed", "1337"]) == 0
+        assert capsys.readouterr().out == text + "\n", source
 
 
 def test_fsdp_checkpoint_needs_fsdp_to_resume_but_warm_starts_anything(tmp_path, cache, fsdp_run):

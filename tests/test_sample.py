@@ -1,0 +1,61 @@
+"""Proves `python -m loop.sample` rebuilds the trained model from what a run leaves: from model.pt
+(its weights or its EMA) and from a checkpoint, it draws the very text the run drew at its end
+(summary.json's sample: same prompt, seed and length), and bad input is exit 2 naming it."""
+from __future__ import annotations
+
+import pytest
+
+from conftest import run_train, summary
+from loop import sample
+
+SAMPLE = ["--tokens", "16", "--seed", "1337"]  # the run's: train.sample_tokens (TINY), run.seed
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, cache):
+    out = tmp_path_factory.mktemp("sample") / "run"
+    run_train(out, cache, "train.max_steps=20", "train.ckpt_every=20", "ema.enabled=true")
+    return out
+
+
+def drawn(capsys, *argv: str) -> tuple[int, str, str]:
+    code = sample.main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_the_exported_ema_and_the_checkpoint_draw_the_runs_own_text(run, capsys):
+    text = summary(run)["sample"]  # drawn from the EMA weights (validation's), after 8 prompt characters
+    code, out, _ = drawn(capsys, run, "--ema", "--prompt", text[:8], *SAMPLE)
+    assert code == 0 and out == text + "\n"
+    # The raw weights, then the step-20 checkpoint's (the same): 300 tokens, as 16 drawn from two
+    # near-random models with one generator can be the same.
+    longer = ["--prompt", text[:8], "--tokens", "300"]
+    code, ema, _ = drawn(capsys, run, "--ema", *longer)
+    code, from_model, _ = drawn(capsys, run / "model.pt", *longer)
+    assert code == 0 and from_model.startswith(text[:8]) and len(from_model) == 309 and from_model != ema
+    code, from_ckpt, _ = drawn(capsys, run / "checkpoints" / "latest", *longer)
+    assert code == 0 and from_ckpt == from_model
+    assert drawn(capsys, run, *longer, "--seed", "1")[1] != from_model
+    assert drawn(capsys, run, *longer, "--temperature", "0.3")[1] != from_model
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--prompt", "☃"], "error: option --prompt: '☃' not in the model's vocabulary (the 103 characters "
+                        "of its training text).\n"),
+    (["--device", "nope"], "error: option --device: expected auto, cpu, cuda, cuda:N or mps; got 'nope'.\n"),
+])
+def test_bad_input_is_exit_2_naming_it(run, capsys, argv, says):
+    assert drawn(capsys, run, *argv) == (2, "", says)
+
+
+def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
+    code, out, err = drawn(capsys, run / "checkpoints" / "latest", "--ema")
+    assert (code, out) == (2, "") and "--ema reads a finished run's model.pt" in err
+    code, out, err = drawn(capsys, tmp_path)
+    assert (code, out, err) == (2, "", f"error: {tmp_path}: expected a run directory with model.pt, "
+                                       f"a model.pt, or a checkpoint directory.\n")
+    for bad in (["--tokens", "0"], ["--temperature", "0"]):
+        with pytest.raises(SystemExit) as e:
+            sample.main([str(run), *bad])
+        assert e.value.code == 2
