@@ -19,6 +19,11 @@ from loop import checkpoint, fsdp
 from loop.config import Config, flat, to_dict
 from loop.errors import BadInput
 
+# What to do about weights that do not fit: when resuming, and when only the weights are taken.
+RESUME = "Use the config and model code it was trained with, or a new run.out_dir."
+WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from empty to start from "
+              "random weights.")
+
 
 
 def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
@@ -64,11 +69,13 @@ def checkpoints_near(path: Path) -> str:
     return ""
 
 
-def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None) -> dict:
+def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
+                     advice: str = "") -> dict:
     """Load a checkpoint's state.pt and put its weights (and, if given, the optimizer state) into
     `model`, refusing a mismatch. Weights alone load across strategies: an FSDP checkpoint's
     shards into a plain model and a whole state_dict into an FSDP one."""
     state = checkpoint.load(path, "state.pt")
+    advice = advice or (RESUME if optimizer is not None else WARM_START)
     was_sharded = bool(state.get("sharded"))
     if optimizer is not None and was_sharded != fsdp.is_sharded(model):
         how = {True: "train.strategy=fsdp under torchrun", False: "plain python or train.strategy=ddp"}
@@ -78,11 +85,11 @@ def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None) 
                        f"start a new run.out_dir with run.init_from={path} (weights only).")
     if was_sharded:
         refuse_mismatch(model, fsdp.saved_shapes(path), f"checkpoint {path}", state.get("config"), cfg,
-                        resuming=optimizer is not None)
+                        advice)
         fsdp.load(model, optimizer, path)
     else:
         refuse_mismatch(model, state["model"], f"checkpoint {path}", state.get("config"), cfg,
-                        resuming=optimizer is not None)
+                        advice)
         load_whole(model, state["model"])
     if optimizer is not None and not was_sharded:
         optimizer.load_state_dict(state["optimizer"])
@@ -99,7 +106,7 @@ def load_export(path: Path, model: nn.Module, cfg: Config) -> None:
         raise BadInput(f"run.init_from={path}: expected a checkpoint directory, a model.pt as "
                        f"train.py exports it (a dict whose \"model\" is a state_dict), or a "
                        f"state_dict saved with torch.save(model.state_dict(), PATH).")
-    refuse_mismatch(model, weights, f"model file {path}", export.get("config"), cfg, resuming=False)
+    refuse_mismatch(model, weights, f"model file {path}", export.get("config"), cfg, WARM_START)
     load_whole(model, weights)
 
 
@@ -112,10 +119,10 @@ def load_whole(model: nn.Module, weights: dict) -> None:
 
 
 def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: Config,
-                    resuming: bool) -> None:
-    """BadInput naming every tensor that differs and the keys that size a model,
-    model.* and data.seq_len (its context), that its run set otherwise (`saved_cfg`: the config dict
-    saved with it; None for a bare state_dict)."""
+                    advice: str) -> None:
+    """BadInput naming every tensor that differs, the keys that size a model (model.*, and
+    data.seq_len, its context) that its run set otherwise (`saved_cfg`: the config dict saved with
+    it; None for a bare state_dict), and what to do (`advice`)."""
     bad = checkpoint.shape_mismatches(model, saved)
     if not bad:
         return
@@ -128,8 +135,5 @@ def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: 
                f"{', '.join(f'{k}={new.get(k)}' for k in keys)}). " if keys else
                "It was trained with this config's model.* keys and data.seq_len: the data's "
                "vocabulary or the model code differs. ")
-    advice = ("Use the config and model code it was trained with, or a new run.out_dir." if resuming
-              else "Set the model.* keys it was trained with, or leave run.init_from empty to start "
-                   "from random weights.")
     raise BadInput(f"{source} does not fit the configured model ({len(bad)} tensor(s)):\n  "
                    + "\n  ".join(bad) + f"\n{why}{advice}")

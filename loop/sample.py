@@ -30,6 +30,8 @@ from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from model import build_model
 
+CODE = "Use the model code it was trained with."  # the config is its own: only the code can differ
+
 
 def load(path: Path, ema: bool, device: torch.device):
     """(model in eval mode, its data) from a run dir, a model.pt or a checkpoint dir."""
@@ -55,11 +57,13 @@ def load(path: Path, ema: bool, device: torch.device):
     if path.is_file():
         if ema and saved.get("ema") is None:
             raise BadInput(f"{path}: --ema, but it holds no EMA weights (ema.enabled was off).")
-        resume.load_whole(model, saved["ema" if ema else "model"])
+        weights = saved["ema" if ema else "model"]
+        resume.refuse_mismatch(model, weights, f"model file {path}", saved["config"], cfg, CODE)
+        resume.load_whole(model, weights)
     elif ema:
         raise BadInput(f"{path}: --ema reads a finished run's model.pt; a checkpoint's is not loaded here.")
     else:
-        resume.load_model_state(path, model, cfg)
+        resume.load_model_state(path, model, cfg, advice=CODE)
     return model.to(device).eval(), data
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from conftest import run_train, summary
 from loop import sample
@@ -59,3 +60,14 @@ def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
         with pytest.raises(SystemExit) as e:
             sample.main([str(run), *bad])
         assert e.value.code == 2
+
+
+def test_weights_that_do_not_fit_their_own_config_blame_the_code(run, capsys, tmp_path):
+    # Its config rebuilds the model; if the model code changed since, the shapes say so (exit 2).
+    export = torch.load(run / "model.pt", weights_only=True)
+    export["config"]["model"]["n_layer"] = 3  # what a builder that now makes one block more would do
+    torch.save(export, tmp_path / "model.pt")
+    code, out, err = drawn(capsys, tmp_path / "model.pt")
+    assert (code, out) == (2, "") and "blocks.2.attn.qkv.weight: missing from checkpoint" in err
+    assert err.endswith("\nIt was trained with this config's model.* keys and data.seq_len: the data's "
+                        "vocabulary or the model code differs. Use the model code it was trained with.\n")
