@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, metrics, run_and_kill, run_and_signal, run_train, summary
+from conftest import ROOT, TINY, metrics, run_and_kill, run_and_signal, run_train, summary
 from loop import checkpoint
 from loop.guards import EXIT_PREEMPTED
 
@@ -85,6 +85,35 @@ def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
     # 100 updates from w0 towards w1: w1 + (w0 - w1) * 0.999**100, up to float32 sums and each
     # (1 - d) * w1 term rounded to 16 bits (an error under 1e-5 here); the bf16 average moved 0.
     torch.testing.assert_close(ema.module.weight, w1 + (w0 - w1) * 0.999 ** 100, rtol=0, atol=1e-4)
+
+
+def test_the_ema_averages_the_weights_each_step_ends_with(tmp_path, cache):
+    # The trainer's average against the formula applied to the weights recorded after every step
+    # (float64 here, float32 there: 1e-6). One updated before the optimizer step, a step behind,
+    # passed every other test; so would an average of the wrong weights or a wrong warmup.
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={tmp_path / 'run'}", cache, "train.max_steps=12",
+                                       "train.eval_every=0", "train.ckpt_every=0", "ema.enabled=true",
+                                       "ema.decay=0.9", "ema.warmup=3"])
+    trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
+    step, seen = trainer._step, []
+
+    def recorded() -> bool:
+        taken = step()
+        seen.append({k: v.detach().double().clone() for k, v in trainer.raw.state_dict().items()})
+        return taken
+    trainer._step = recorded
+    trainer.run()
+    expected = seen[0]  # the first update copies the weights
+    for n, weights in enumerate(seen[1:], 1):  # n updates before this one
+        d = min(0.9, (1 + n) / (3 + n))
+        expected = {k: d * expected[k] + (1 - d) * w for k, w in weights.items()}
+    assert len(seen) == 12 and trainer.ema.n_averaged == 12
+    for k, v in trainer.ema.module.state_dict().items():
+        torch.testing.assert_close(v.double(), expected[k], rtol=0, atol=1e-6, msg=k)
 
 
 def expected_stop(vals: list[tuple[int, float]], patience: int, delta: float) -> int:
