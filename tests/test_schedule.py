@@ -1,4 +1,5 @@
-"""Every LR schedule, driven through LambdaLR, gives the closed-form LR at each step and resumes exactly."""
+"""Every LR schedule, driven through LambdaLR, gives the closed-form LR at each step and resumes exactly;
+the trainer applies each step with the LR the schedule gives it and the log shows."""
 from __future__ import annotations
 
 import io
@@ -160,3 +161,27 @@ def test_state_dict_resumes_identical_lrs(name):
     assert a == b  # bit-identical, not approximately
     reference = lrs(cfg, 0.5, max_steps, k + n)[k:]
     assert a == reference
+
+
+def test_the_trainer_steps_with_the_lr_it_logs(tmp_path, cache):
+    # The LR the optimizer holds as it applies each step (a step pre-hook) is the schedule's and the
+    # one metrics.jsonl shows. A scheduler stepped before the optimizer shifted every step's LR by
+    # one while the log still showed the right one, and every other test passed. A skipped step
+    # (the NaN at step 6) applies nothing and does not advance the schedule.
+    from conftest import TINY, metrics
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={out}", cache, "train.max_steps=12",
+                                       "schedule.warmup_steps=4", "faults.nan_at_step=6",
+                                       "train.eval_every=0", "train.ckpt_every=0"])
+    trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
+    applied = []
+    trainer.optimizer.register_step_pre_hook(lambda opt, args, kwargs: applied.append(opt.param_groups[0]["lr"]))
+    trainer.run()
+    expected = lrs(cfg.schedule, cfg.optim.lr, 12, 11)  # the 11 steps taken
+    assert applied == expected
+    assert [r["lr"] for r in metrics(out)] == expected[:5] + expected[5:6] + expected[5:]
+    assert [r["skipped"] for r in metrics(out)] == [False] * 5 + [True] + [False] * 6
