@@ -87,13 +87,14 @@ def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
     torch.testing.assert_close(ema.module.weight, w1 + (w0 - w1) * 0.999 ** 100, rtol=0, atol=1e-4)
 
 
-def test_the_ema_averages_the_weights_each_step_ends_with(tmp_path, cache):
+def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(tmp_path, cache):
     # The trainer's average against the formula applied to the weights recorded after every step
     # (float64 here, float32 there: 1e-6). One updated before the optimizer step, a step behind,
     # passed every other test; so would an average of the wrong weights or a wrong warmup.
     from loop.build import build_trainer
     from loop.config import DEFAULT_CONFIG, load_config
     from loop.distributed import Dist
+    from loop.evaluate import val_metrics
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={tmp_path / 'run'}", cache, "train.max_steps=12",
                                        "train.eval_every=0", "train.ckpt_every=0", "ema.enabled=true",
@@ -114,6 +115,11 @@ def test_the_ema_averages_the_weights_each_step_ends_with(tmp_path, cache):
     assert len(seen) == 12 and trainer.ema.n_averaged == 12
     for k, v in trainer.ema.module.state_dict().items():
         torch.testing.assert_close(v.double(), expected[k], rtol=0, atol=1e-6, msg=k)
+    # And validation is the average's (the same batches again: the same float sums), not the raw
+    # weights', which nothing else checked.
+    val = {m: val_metrics(m, trainer.val, trainer.precision, trainer.device, trainer.dist)["val_loss"]
+           for m in (trainer.ema.module, trainer.raw)}
+    assert summary(tmp_path / "run")["val_loss"] == val[trainer.ema.module] != val[trainer.raw]
 
 
 def expected_stop(vals: list[tuple[int, float]], patience: int, delta: float) -> int:
