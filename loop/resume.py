@@ -25,7 +25,6 @@ WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from 
               "random weights.")
 
 
-
 def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
     if resume == "never":
         if checkpoint.step_dirs(ckpt_root):
