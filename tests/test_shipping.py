@@ -1,7 +1,7 @@
 """Shipping: the `.env` loader (loop/dotenv.py) and what it promises end to end (the variables reach
 train.py, their values reach no file of the run, a malformed line exits 2 with nothing written), and
 static checks of the Dockerfile, .dockerignore, .env.example and the CI workflow; scripts/gpu_checks.sh
-refuses to run without a GPU.
+refuses to run without a GPU; scripts/slurm.sbatch forwards the time-limit signal and requeues.
 
     .venv/bin/python -m pytest tests/test_shipping.py -q
 """
@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -219,3 +221,43 @@ def test_gpu_checks_refuse_without_a_gpu_and_write_nothing(tmp_path):
                           text=True, env={**os.environ, "OUT": str(out), "PYTHON": sys.executable})
     assert proc.returncode == 2 and "no CUDA GPU visible" in proc.stderr, proc.stderr
     assert not out.exists()
+
+
+STUBS = {  # SLURM's commands, each recording how it was called in $LOG
+    "scontrol": 'echo "scontrol $*" >> "$LOG"; [ "$1" = show ] && printf "gpu-a\\ngpu-b\\n"; exit 0',
+    "srun": 'echo "srun $*" >> "$LOG"; trap \'kill $!; exit 143\' TERM; sleep 60 & echo $$ > "$LOG.pid"; wait',
+    "scancel": 'echo "scancel $*" >> "$LOG"; kill -TERM "$(cat "$LOG.pid")"',
+}
+
+
+def test_slurm_script_forwards_the_time_limit_signal_and_requeues(tmp_path):
+    # scripts/slurm.sbatch with SLURM's commands stubbed: its torchrun line (a GPU type in
+    # SLURM_GPUS_PER_NODE, "h100:8", used to reach --nproc_per_node as it was), and USR1 before the
+    # time limit -> TERM to the job's steps, then a requeue, with the step's exit code.
+    for name, body in STUBS.items():
+        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    log = tmp_path / "log"
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "LOG": str(log),
+           "SLURM_JOB_NODELIST": "gpu-[a-b]", "SLURM_NNODES": "2", "SLURM_GPUS_PER_NODE": "h100:8",
+           "SLURM_JOB_ID": "42"}
+    job = subprocess.Popen(["bash", str(ROOT / "scripts" / "slurm.sbatch"), "run.out_dir=/shared/r1"],
+                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        for _ in range(200):  # until the stub srun is waiting (the script's trap is set by then)
+            if (tmp_path / "log.pid").exists():
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        job.send_signal(signal.SIGUSR1)
+        out, _ = job.communicate(timeout=30)
+    finally:
+        job.kill()
+    calls = log.read_text().splitlines()
+    assert calls == [
+        "scontrol show hostnames gpu-[a-b]",
+        "srun --kill-on-bad-exit=0 torchrun --nnodes=2 --nproc_per_node=8 --rdzv_backend=c10d "
+        "--rdzv_endpoint=gpu-a:29500 --rdzv_id=42 --max-restarts=3 train.py run.out_dir=/shared/r1",
+        "scancel --signal=TERM 42",
+        "scontrol requeue 42"], calls
+    assert job.returncode == 143 and "time limit near: checkpoint written, requeueing 42" in out, out
