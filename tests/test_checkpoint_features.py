@@ -162,6 +162,20 @@ def test_a_non_finite_evaluation_is_never_the_best():
     assert m.state.stop_reason == "val_accuracy did not improve by 0.0 for 2 evaluations (none finite)"
 
 
+def test_an_improvement_must_beat_the_best_by_more_than_min_delta_in_either_mode():
+    # "Did not improve by min_delta": an equal value, or one better by min_delta or less, is no
+    # improvement and counts towards patience, in max mode as in min mode.
+    from loop.monitor import Monitor
+
+    m = Monitor("val_accuracy", "max", patience=3, min_delta=0.125)
+    assert m.update(10, 0.5) is True
+    assert [m.update(20, 0.625), m.update(30, 0.5), m.update(40, 0.75)] == [False, False, True]
+    assert (m.state.best, m.state.best_step, m.state.bad_evals) == (0.75, 40, 0)
+    m = Monitor("val_loss", "min", patience=2, min_delta=0.0)
+    assert m.update(10, 2.0) is True and m.update(20, 2.0) is False and m.update(30, 2.0) is False
+    assert m.state.stop_reason == "val_loss did not improve by 0.0 for 2 evaluations (best 2 at step 10)"
+
+
 def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cache):
     # train.eval_every=0 evaluates once, at the end: a patience counting evaluations never fires.
     proc = run_train(tmp_path / "run", cache, "train.max_steps=2", "train.eval_every=0",

@@ -87,6 +87,34 @@ def test_a_step_without_targets_is_skipped_and_nothing_moves(tmp_path, cache, ca
     assert summary(out)["steps"] == 12
 
 
+def test_an_fp16_overflow_is_skipped_and_counted_apart_from_non_finite_steps(tmp_path, cache):
+    # The GradScaler starts at 2**20 instead of 2**16, so that this small model overflows in fp16
+    # on the CPU (at the default scale it never does): steps 1, 4 and 11 of the seed's run. Each
+    # is the scaler's to skip (nothing moves, the LR does not advance, the scale halves), is not
+    # a non-finite step for train.nan_policy (abort here), and is counted as overflow_steps.
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.precision=fp16",
+                                "train.max_steps=12", "train.ckpt_every=1", "train.keep_last=20",
+                                "ema.enabled=true", "train.nan_policy=abort"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    t.scaler = t.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    t.run()
+    recs = metrics(out)
+    assert [r["step"] for r in recs if r["skipped"]] == [1, 4, 11]
+    for k in (4, 11):
+        before, after = state(out, k - 1), state(out, k)
+        for part in ("model", "optimizer", "scheduler", "ema"):
+            assert _equal(before[part], after[part]), (k, part)
+        assert after["scaler"]["scale"] == before["scaler"]["scale"] / 2
+        assert recs[k]["lr"] == recs[k - 1]["lr"]  # the step after trains with the same LR
+    assert state(out, 12)["scaler"]["scale"] == 2.0 ** 17
+    s = summary(out)
+    assert (s["overflow_steps"], s["skipped_steps"], s["steps"]) == (3, 0, 12)
+
+
 def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, cache):
     # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
     # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
@@ -150,6 +178,61 @@ def test_too_many_bad_steps_in_a_row_gives_up(tmp_path, cache):
                      "train.max_bad_steps=3", check=False)
     assert proc.returncode == 3
     assert "4 bad steps in a row (train.max_bad_steps=3)" in proc.stderr
+
+
+def trainer_with_bad_windows(out, cache, windows: set[int], *overrides):
+    """An in-process trainer (TINY, 20 steps, a checkpoint every 5) whose training loss is NaN on
+    the data windows starting at the sample positions in `windows`: bad data, bad again whenever
+    its window is drawn again (unlike faults.nan_at_step, which fires once)."""
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", *STEPS, *overrides])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    met = []
+
+    def hook(module, _inputs, loss):
+        if not (module.training and t.progress.samples in windows):
+            return loss
+        met.append(t.progress.samples)  # once per micro-batch, 2 a window (default grad_accum)
+        # Met again after a rollback, a window can be met forever (each rollback the other's
+        # replay): fail instead of hanging.
+        assert len(met) <= 2 * len(windows), f"a bad window was met again: {met}"
+        return loss * float("nan")
+
+    t.raw.register_forward_hook(hook)
+    return t
+
+
+def test_bad_steps_that_are_not_in_a_row_never_give_up(tmp_path, cache):
+    # max_bad_steps counts bad steps in a row: a good step in between starts the count again.
+    t = trainer_with_bad_windows(tmp_path / "run", cache, {2 * GB, 4 * GB, 6 * GB},
+                                 "train.max_bad_steps=1")
+    s = t.run()
+    assert [r["step"] for r in metrics(tmp_path / "run") if r["skipped"]] == [3, 5, 7]
+    assert (s["skipped_steps"], s["steps"]) == (3, 20)
+
+
+def test_every_window_rolled_back_from_stays_passed_over(tmp_path, cache):
+    # Two bad windows after the same checkpoint (step 10): the second rollback goes back to it
+    # too, and must pass over the first window as well, or it meets it again (and again...).
+    out = tmp_path / "run"
+    s = trainer_with_bad_windows(out, cache, {12 * GB, 14 * GB}, "train.nan_policy=rollback").run()
+    recs = metrics(out)
+    assert [r["step"] for r in recs] == list(range(1, 21)) and not any(r["skipped"] for r in recs)
+    final = state(out, 20)["progress"]
+    assert final["skip_windows"] == [12 * GB, 14 * GB] and final["samples"] == 22 * GB
+    assert (s["rollbacks"], s["skipped_steps"]) == (2, 0)
+
+
+def test_a_rollback_keeps_the_micro_batch_an_oom_split_to(tmp_path, cache):
+    # Out of memory at step 12 (micro-batch 8 -> 4), then a NaN at step 14 rolls back to step 10,
+    # saved before the split: the replay keeps micro-batch 4, which is known to fit.
+    out = tmp_path / "run"
+    run_train(out, cache, *STEPS, "data.batch_size=8", "train.grad_accum=1",
+              "train.nan_policy=rollback", "faults.oom_at_step=12", "faults.nan_at_step=14")
+    assert [r["micro_batch"] for r in metrics(out)] == [8] * 10 + [4] * 10
+    assert state(out, 20)["progress"]["micro_split"] == 2 and summary(out)["rollbacks"] == 1
 
 
 def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
