@@ -3,7 +3,8 @@
 The order of training samples is a pure function of (seed, epoch, index): global sample g is
 `order(seed, g // n)[g % n]`. Position is g, counted in samples consumed by *optimizer steps*
 (the trainer's counter), not what the DataLoader prefetched; starting a fresh stream at g gives
-exactly the samples the uninterrupted run saw from there on, for any `num_workers`.
+exactly the samples the uninterrupted run saw from there on, for any `num_workers`, and each is
+fetched with its random draws seeded from g (data/seeded.py).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler, default_collate
 
 from data.bundle import unstackable
+from data.seeded import SeededSamples
 from data.tokens import IGNORE_INDEX
 from loop.errors import BadInput
 
@@ -24,8 +26,9 @@ def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
     return torch.randperm(n, generator=g)  # (n,)
 
 
-class StreamSampler(Sampler[int]):
-    """Endless dataset indices from global sample `start` on, epoch after epoch. With several
+class StreamSampler(Sampler[tuple[int, int]]):
+    """Endless `(position, dataset index)` pairs from global sample `start` on, epoch after epoch,
+    the position counting global samples (what data/seeded.py seeds from). With several
     processes, each global micro-batch of `batch * world` samples is cut in `world` slices and
     rank r takes slice r, so the samples of a step do not depend on how many processes share it."""
 
@@ -33,7 +36,7 @@ class StreamSampler(Sampler[int]):
         self.n, self.seed, self.start = n, seed, start
         self.batch, self.rank, self.world = batch, rank, world
 
-    def _global(self):
+    def _indices(self):
         epoch, i = divmod(self.start, self.n)
         while True:
             # Handed out a slice at a time: one list of an epoch's ids took 46 bytes a sample
@@ -43,9 +46,10 @@ class StreamSampler(Sampler[int]):
             epoch, i = epoch + 1, 0
 
     def __iter__(self):
+        stream = enumerate(self._indices(), self.start)
         if self.world == 1:
-            yield from self._global()  # endless: never falls through
-        stream, lo = self._global(), self.rank * self.batch
+            yield from stream  # endless: never falls through
+        lo = self.rank * self.batch
         while True:
             yield from list(itertools.islice(stream, self.batch * self.world))[lo : lo + self.batch]
 
@@ -79,7 +83,7 @@ def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_worker
                  world: int = 1) -> DataLoader:
     sampler = StreamSampler(len(ds), seed, start, batch_size, rank, world)
     return DataLoader(
-        ds, batch_size=batch_size, sampler=sampler, collate_fn=collate,
+        SeededSamples(ds, seed), batch_size=batch_size, sampler=sampler, collate_fn=collate,
         num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor if num_workers > 0 else None, worker_init_fn=worker_init_fn,
         # Without its own generator the DataLoader draws a worker seed from the global torch RNG

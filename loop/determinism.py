@@ -4,8 +4,8 @@ What it sets, before CUDA initialises: `CUBLAS_WORKSPACE_CONFIG=:4096:8` (cuBLAS
 deterministic matmuls), `torch.use_deterministic_algorithms(True)` (an op with no deterministic
 kernel raises instead of silently varying), `cudnn.benchmark=False` and `cudnn.deterministic=True`,
 and scaled-dot-product attention pinned to the math kernel (the fused kernels' backward passes may
-accumulate in a varying order). DataLoader workers are already seeded from the loader's own
-generator (data/sampler.py), so per-worker RNG is fixed too.
+accumulate in a varying order). A Dataset's random draws need nothing from it: each training sample
+is fetched with the streams seeded from its position (data/seeded.py), in workers or not.
 
 What that guarantees: identical results on the same machine, with the same versions of everything
 and the same world size. Not across GPU models, driver/CUDA/torch versions, or process counts.

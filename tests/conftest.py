@@ -56,6 +56,22 @@ class Mapped:
         return self.fn(i, dict(self.ds[i]))
 
 
+def augment(i: int, item: dict) -> dict:
+    """Random augmentation as users write it, drawing from all three global streams: each input
+    token is masked to 0 with probability 0.2 (torch) or 0.1 (NumPy), the first one half the time
+    (`random`)."""
+    import random
+
+    import numpy as np
+    import torch  # here, not at the top: torch must start after OMP_NUM_THREADS is set
+
+    x = item["x"].clone()
+    drop = (torch.rand(x.shape) < 0.2) | torch.from_numpy(np.random.rand(*x.shape) < 0.1)
+    drop[0] |= random.random() < 0.5
+    item["x"] = x.masked_fill(drop, 0)
+    return item
+
+
 def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> list[str]:
     """python train.py ...; or, with nproc, the same under torchrun with nproc processes."""
     return jobs.train_cmd([f"run.out_dir={out}", *TINY, *overrides], nproc, restarts)

@@ -4,8 +4,9 @@
 `gpt_wrong`, the GPT with a bug in its forward (embeddings one feature too wide), and two that FSDP
 cannot shard: `gpt_scalar`, with a parameter of shape (), and `gpt_shared`, its second block the
 first one again (weights shared across layers); `gpt_bf16`, the GPT with its weights in bfloat16 (a
-checkpoint loaded in bf16 to fine-tune); and one more
-dataset, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug).
+checkpoint loaded in bf16 to fine-tune); and two more
+datasets, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug),
+and `text_augmented`, the text corpus with random augmentation (conftest.augment).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
 """
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import data  # noqa: E402
 import model  # noqa: E402
 import train  # noqa: E402
-from conftest import Mapped  # noqa: E402 (this file's directory is on sys.path)
+from conftest import Mapped, augment  # noqa: E402 (this file's directory is on sys.path)
 
 
 def broken(i: int, item: dict) -> dict:
@@ -34,6 +35,12 @@ def broken(i: int, item: dict) -> dict:
 def text_broken(cfg) -> data.Data:
     d = data.BUILDERS["text"](cfg)
     d.train = Mapped(d.train, broken)
+    return d
+
+
+def text_augmented(cfg) -> data.Data:
+    d = data.BUILDERS["text"](cfg)
+    d.train = Mapped(d.train, augment)
     return d
 
 
@@ -79,5 +86,5 @@ def gpt_bf16(cfg, data) -> nn.Module:
 if __name__ == "__main__":
     model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar,
                           gpt_shared=gpt_shared, gpt_bf16=gpt_bf16)
-    data.BUILDERS["text_broken"] = text_broken
+    data.BUILDERS.update(text_broken=text_broken, text_augmented=text_augmented)
     sys.exit(train.main())

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from data.bundle import Data, check_samples
 from data.corpus import prepare_text
 from data.markov import entropy_rate, prepare_markov, transition_matrix
 from data.sampler import StreamSampler, collate, epoch_order, train_loader, val_batches
+from data.seeded import SeededSamples
 from data.tokens import TokenWindows
 from loop.config import DEFAULT_CONFIG, DataConfig, MarkovConfig, load_config
 from loop.errors import BadInput
@@ -34,7 +36,9 @@ def markov(tmp_path_factory):
 
 # ------------------------------------------------------------------------------- sampler
 def take(n: int, seed: int, start: int, count: int) -> list[int]:
-    return list(islice(iter(StreamSampler(n, seed, start)), count))
+    pairs = list(islice(iter(StreamSampler(n, seed, start)), count))
+    assert [g for g, _ in pairs] == list(range(start, start + count))  # global positions
+    return [i for _, i in pairs]
 
 
 def test_stream_from_g_is_the_tail_of_the_stream_from_0():
@@ -91,6 +95,36 @@ def test_loader_workers_and_start_position(markov):
     # ...and the global stream does not steer the order either.
     torch.manual_seed(12345)
     assert same(batches(ds, 0, 0, 5), b0[:5])
+
+
+def test_augmentation_is_a_function_of_the_sample_position(markov):
+    # A Dataset that augments from the global streams: before data/seeded.py, DataLoader workers drew
+    # from streams reseeded at every iterator start and dealt round-robin, so workers=2 and a start
+    # mid-stream each gave other masks than workers=0 from the top (and a resumed run other ones).
+    from conftest import Mapped, augment
+
+    ds = Mapped(markov.train, augment)
+    streams = random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state()
+    b0 = batches(ds, 0, 0, 12)
+    # num_workers=0 fetches in this process: its own streams (dropout's) are left as they were.
+    assert random.getstate() == streams[0]
+    assert np.array_equal(np.random.get_state()[1], streams[1])
+    assert torch.equal(torch.get_rng_state(), streams[2])
+    masked = [float((b["x"] == 0).float().mean()) for b in b0]
+    assert all(0.2 < m < 0.4 for m in masked), masked  # ~0.28 masked: the augmentation does run
+    assert same(batches(ds, 0, 2, 12), b0)
+    assert same(batches(ds, 5 * BS, 2, 7), b0[5:])
+    assert same(batches(ds, 5 * BS, 0, 7), b0[5:])
+    # Whatever the process count: rank r's slice of a global batch gets the same draws.
+    for k in range(3):
+        halves = [next(iter(train_loader(ds, BS // 2, 5, k * BS, 0, 2, False, rank=r, world=2)))
+                  for r in (0, 1)]
+        assert torch.equal(torch.cat([h["x"] for h in halves]), b0[k]["x"]), k
+    # The same sample draws anew at another position (its next epoch) and with another run.seed.
+    g, i = 3, int(b0[0]["idx"][3])
+    assert torch.equal(SeededSamples(ds, 5)[(g, i)]["x"], b0[0]["x"][3])
+    assert not torch.equal(SeededSamples(ds, 5)[(g + len(ds), i)]["x"], b0[0]["x"][3])
+    assert not torch.equal(SeededSamples(ds, 6)[(g, i)]["x"], b0[0]["x"][3])
 
 
 @pytest.mark.parametrize("workers", [0, 2])

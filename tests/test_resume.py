@@ -12,7 +12,7 @@ import pytest
 
 from conftest import (ROOT, metrics, run_and_kill, run_and_signal, run_train, summary, train_cmd,
                       watchdog)
-from loop.jobs import reported_step
+from loop.jobs import reported_step, run_until
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 RNG = random.Random()  # a fresh draw each session; every assertion message carries the steps
@@ -51,6 +51,26 @@ def test_kill_at_random_step_then_rerun(tmp_path, cache, reference, workers):
     rerun = run_train(out, cache, *STEPS, f"data.num_workers={workers}")
     assert 10 <= resumed_at(rerun.stdout) <= kill
     assert_identical(reference, out, f"num_workers={workers}, killed at step {kill}")
+
+
+def test_a_dataset_that_augments_resumes_bit_for_bit_whatever_the_workers(tmp_path, cache):
+    # Random augmentation in a user's Dataset (conftest.augment: torch, random and NumPy draws).
+    # DataLoader workers' streams restarted at every iterator start, so a resumed run with
+    # num_workers=2 masked other tokens than the uninterrupted one; now each sample's draws are
+    # seeded from its position (data/seeded.py). The reference fetches in-process (num_workers=0).
+    def cmd(out, workers):
+        c = train_cmd(out, cache, *STEPS, "data.name=text_augmented", f"data.num_workers={workers}")
+        c[1] = str(ROOT / "tests" / "more_models.py")  # train.py with the test dataset registered
+        return c
+
+    ref, out, kill = tmp_path / "ref", tmp_path / "run", RNG.randint(12, 38)
+    subprocess.run(cmd(ref, 0), cwd=ROOT, check=True, capture_output=True, timeout=300)
+    code, printed = run_until(cmd(out, 2), kill, signal.SIGKILL, cwd=ROOT)
+    assert code == -signal.SIGKILL, printed
+    rerun = subprocess.run(cmd(out, 2), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert 10 <= resumed_at(rerun.stdout) <= kill
+    assert_identical(ref, out, f"augmented, num_workers=2, killed at step {kill}")
 
 
 def test_async_save_kill_then_rerun(tmp_path, cache, reference):
