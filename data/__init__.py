@@ -42,7 +42,9 @@ def _token_data(root: Path, seq_len: int) -> Data:
 
 def build_text(cfg) -> Data:
     text, source = (read_text(cfg.path), cfg.path) if cfg.path else (embedded_text(), "pydoc_data.topics")
-    return _token_data(prepare_text(text, source, cfg.cache_dir, cfg.val_fraction), cfg.seq_len)
+    data = _token_data(prepare_text(text, source, cfg.cache_dir, cfg.val_fraction), cfg.seq_len)
+    data.meta["source"] = source  # the cache's meta.json names the path that prepared it first
+    return data
 
 
 def build_markov(cfg) -> Data:

@@ -123,6 +123,15 @@ def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+def assert_wall_time_sums_the_steps(s: dict, recs: list[dict]) -> None:
+    """summary.json's wall_s is every step's time added up (checkpoint writes left out): at most the
+    metrics' time between log lines (log_every=1 here), which holds the writes too, and most of it
+    (0.8 of it here: TINY's checkpoint writes take about as long as a few of its 20 ms steps).
+    The last step's time alone falls far below."""
+    total = sum(r["ms_per_step"] for r in recs) / 1000
+    assert 0.4 * total <= s["wall_s"] <= total, (s["wall_s"], total)
+
+
 def ids(out: Path) -> list[list[int]]:
     """The global sample ids of each step, in order (runs with data.log_ids=true)."""
     return [r["ids"] for r in metrics(out)]

@@ -116,6 +116,8 @@ def test_the_data_is_recorded_and_a_resume_on_other_data_says_so(tmp_path, cache
     again = run_train(out, cache, f"data.path={moved}", "train.ckpt_every=5", "train.max_steps=6")
     assert "note: config differs from the checkpoint's in: data.path" in again.stdout, again.stdout
     assert "the data differs" not in again.stdout, again.stdout
+    # The path this run read, not the cached corpus's first one (its meta.json names that).
+    assert json.loads((out / "metadata.json").read_text())["data"]["source"] == str(moved)
     corpus.write_text(text.replace("dog", "god"))  # the same characters: the model still fits
     other = run_train(out, *args, "train.max_steps=7")
     new = hashlib.sha256(text.replace("dog", "god").encode()).hexdigest()

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from conftest import (ROOT, metrics, run_and_kill, run_and_signal, run_train, summary, train_cmd,
-                      watchdog)
+from conftest import (ROOT, assert_wall_time_sums_the_steps, metrics, run_and_kill, run_and_signal,
+                      run_train, summary, train_cmd, watchdog)
 from loop.jobs import reported_step, run_until
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
@@ -34,6 +34,29 @@ def assert_identical(ref, out, note: str) -> None:
     assert summary(out)["val_loss"] == summary(ref)["val_loss"], note
 
 
+def test_every_random_stream_is_captured_and_restored():
+    # A resumed run draws on where the checkpoint's streams stood: Python's, NumPy's (the Gaussian
+    # it holds back from its last pair included) and torch's, through a weights_only file.
+    import io
+
+    import numpy as np
+    import torch
+
+    from loop import rng
+
+    rng.seed_everything(3)
+    random.random(), torch.rand(3), np.random.standard_normal()  # one Gaussian of a pair held back
+    buf = io.BytesIO()
+    torch.save(rng.capture(), buf)
+    draw = lambda: (random.random(), np.random.standard_normal(), np.random.rand(), torch.rand(3))  # noqa: E731
+    want = draw()
+    rng.seed_everything(4)
+    assert draw()[0] != want[0]
+    rng.restore(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    got = draw()
+    assert got[:3] == want[:3] and torch.equal(got[3], want[3])
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("ref") / "run"
@@ -51,6 +74,7 @@ def test_kill_at_random_step_then_rerun(tmp_path, cache, reference, workers):
     rerun = run_train(out, cache, *STEPS, f"data.num_workers={workers}")
     assert 10 <= resumed_at(rerun.stdout) <= kill
     assert_identical(reference, out, f"num_workers={workers}, killed at step {kill}")
+    assert_wall_time_sums_the_steps(summary(out), metrics(out))  # both sessions' steps
 
 
 def test_a_dataset_that_augments_resumes_bit_for_bit_whatever_the_workers(tmp_path, cache):

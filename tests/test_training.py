@@ -8,7 +8,7 @@ import math
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import metrics, run_and_kill, run_train, summary
+from conftest import assert_wall_time_sums_the_steps, metrics, run_and_kill, run_train, summary
 from loop.config import load_config
 
 MARKOV = ["data.name=markov", "model.n_embd=64", "model.dropout=0", "data.batch_size=16",
@@ -30,6 +30,8 @@ def test_run_directory_contract(tmp_path, cache):
     assert {"steps", "final_loss", "val_loss", "params_sha256", "wall_s", "tokens_per_s"} <= s.keys()
     assert s["steps"] == 20 and s["final_loss"] == recs[-1]["loss"] and s["val_loss"] == recs[-1]["val_loss"]
     assert s["tokens"] == 20 * 8 * 32 and isinstance(s["sample"], str) and len(s["sample"]) == 24
+    assert s["tokens_per_s"] == s["tokens"] / s["wall_s"]  # tokens, not samples, over training time
+    assert_wall_time_sums_the_steps(s, recs)
 
     # TensorBoard holds the same losses (TB stores float32; our losses are float32 values).
     ea = EventAccumulator(str(out / "tb"))
