@@ -1,0 +1,34 @@
+"""The log interval's rates, on a clock the test sets: exact numbers, nothing timed."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+from loop import metrics
+
+
+def test_interval_rates_cover_every_step_since_the_last_flush(tmp_path, monkeypatch):
+    # data_wait_pct taken from the interval's last step alone (not all of its steps) passed every
+    # other test: their runs log every step, where the two agree.
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    log = metrics.MetricsLog(tmp_path, 0, 0, 0, max_steps=5, tensorboard=False)
+
+    def step(n: int, data_ms: float) -> None:
+        log.record({"step": n, "lr": 1e-3, "tokens": 256 * n, "samples": 8 * n, "data_ms": data_ms},
+                   torch.tensor(2.0), torch.tensor(1.0))
+
+    for n, wait in zip(range(1, 5), (10.0, 20.0, 30.0, 40.0)):
+        step(n, wait)
+    now[0] = 102.0  # 4 steps in 2 s, 100 ms of them waiting for data
+    log.flush()
+    step(5, 50.0)
+    now[0] = 103.0  # 1 step in the next 1 s
+    log.close()
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3, 4, 5]
+    assert all("ms_per_step" not in r for r in recs[:3])  # rates go on an interval's last record
+    rates = ("tokens_per_s", "samples_per_s", "ms_per_step", "data_wait_pct")
+    assert [recs[3][k] for k in rates] == [512.0, 16.0, 500.0, 5.0]
+    assert [recs[4][k] for k in rates] == [256.0, 8.0, 1000.0, 5.0]
