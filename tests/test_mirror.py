@@ -3,6 +3,7 @@ follows local retention, never blocks or breaks training, and fetch_latest resto
 one, skipping incomplete or corrupt copies."""
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 import uuid
@@ -98,6 +99,22 @@ def test_fetch_latest_skips_incomplete_and_corrupt(tmp_path, capsys):
     assert "step_00000003" in err and "incomplete" in err
     assert "step_00000002" in err and "state.pt does not match its sha256" in err
     assert sorted(p.name for p in fresh.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_a_run_with_local_checkpoints_resumes_from_them_not_the_mirror(tmp_path):
+    # The mirror is for a machine that lost its disk. Its copies lag (they run in the background):
+    # one with checkpoints of its own resumes from its newest, and the mirror's copy of step 2 does
+    # not replace the local one.
+    from loop.resume import choose
+
+    target, root = mem_target(), tmp_path / "out" / "checkpoints"
+    run_with_mirror(Mirror(target), root, [1, 2])
+    save(root, 3)  # written; the run was killed before the mirror had it
+    before = (root / "step_00000002" / "state.pt").stat().st_mtime_ns
+    assert choose("auto", root, target) == root / "step_00000003"
+    assert (root / "step_00000002" / "state.pt").stat().st_mtime_ns == before
+    shutil.rmtree(root)  # the disk lost: now the mirror's newest
+    assert choose("auto", root, target) == root / "step_00000002"
 
 
 def test_fetch_latest_none_when_mirror_empty(tmp_path):
