@@ -85,7 +85,8 @@ def load_run(run_dir: Path) -> dict:
 
 def _price(price_per_hour: float | dict[str, float], device: str) -> float:
     """A price per device-hour; a dict prices each device name (e.g. {"NVIDIA H100 80GB HBM3": 2.5,
-    "cpu": 0.05}), so runs on different hardware compared in one report are each costed right."""
+    "cpu": 0.05}), so runs on different hardware compared in one report are each costed right;
+    its "default" prices devices it does not name (else they are not costed)."""
     if isinstance(price_per_hour, dict):
         return float(price_per_hour.get(device, price_per_hour.get("default", 0.0)))
     return float(price_per_hour)

@@ -120,6 +120,10 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     assert row["energy kWh"] == f"{kwh:.4f}" and row["CO2 kg"] == f"{kwh * 250 / 1000:.4f}"
     assert row["peak memory GB"] == "2.00" and row["MFU"] == "25.0%"
     assert row["cost $"] == f"{s['wall_s'] / 3600 * 2 * 2.0:,.4f}"
+    for prices, cost in (({"H100": 9.0, "default": 3.0}, f"{s['wall_s'] / 3600 * 2 * 3.0:,.4f}"),
+                         ({"H100": 9.0}, "n/a")):  # a device the prices do not name
+        got = rows(write_report([run], tmp_path / "out2", price_per_hour=prices).read_text())["gpu_run"]
+        assert got["cost $"] == cost, prices
     assert_png(tmp_path / "out" / "gpu_memory.png")
 
 
