@@ -33,7 +33,9 @@ from loop.jsonl import read_records
 # compared, and the run's own log (named in the result) is the lead.
 HINTS = {
     "resume": "a piece of state is not saved or not restored: RNG streams, the data position, the "
-              "GradScaler, the scheduler, the optimizer",
+              "GradScaler, the scheduler, the optimizer; or a random generator your Dataset or model "
+              "keeps itself (np.random.default_rng(), random.Random()), which starts over at a "
+              "resume: draw from the global streams, which the loop saves and seeds per sample",
     "determinism": "nondeterministic kernels (set run.deterministic=true), or randomness not seeded "
                    "from run.seed (e.g. a DataLoader worker seeding itself from the clock)",
     "data": "the sampler does not resume from the saved position (or counts prefetched batches as "
