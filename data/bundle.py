@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, IterableDataset
 
 from loop.errors import BadInput
 
@@ -39,6 +39,11 @@ def check_samples(data: Data, name: str) -> None:
     only, where it is not moved to the device)."""
     for split, ds in (("train", data.train), ("val", data.val)):
         where = f"data.name={name}: the {split} split"
+        if isinstance(ds, IterableDataset) or not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            raise BadInput(f"{where} is a {type(ds).__name__}, without len() and [i]; expected a "
+                           f"map-style dataset: a run resumes at a sample position and draws each "
+                           f"epoch's order over every index (write a stream into token files for "
+                           f"data.name=tokens, or index its shards).")
         if len(ds) == 0:
             raise BadInput(f"{where} is empty; expected samples in it.")
         for i in sorted({0, len(ds) - 1}):

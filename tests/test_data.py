@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from torch.utils.data import IterableDataset
 
 from data import build_data
 from data.bundle import Data, check_samples
@@ -182,7 +183,14 @@ def sample(i: int) -> dict:
     return {"x": torch.zeros(2), "y": 1, "idx": i}
 
 
+class Stream(IterableDataset):
+    def __iter__(self):
+        return (sample(i) for i in range(4))
+
+
 @pytest.mark.parametrize("train, said", [
+    (Stream(), "the train split is a Stream, without len() and [i]; expected a map-style dataset"),
+    ((sample(i) for i in range(4)), "the train split is a generator, without len() and [i];"),
     ([], "the train split is empty"),
     ([(torch.zeros(2), 1)], "the train split's sample 0 is a tuple; expected a dict with x"),
     ([{"x": torch.zeros(2), "y": 1}], "the train split's sample 0 is a dict with keys x, y; expected a dict with x"),
