@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -90,8 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", type=Path, help="a run dir, a model.pt or a checkpoint dir")
     p.add_argument("--prompt", default="", help="text (or token ids) to continue; default: token 0")
     p.add_argument("--tokens", type=at_least(1), default=200, help="tokens to generate (200)")
-    p.add_argument("--temperature", type=non_negative, default=0.8,
-                   help="> 0 (0.8): lower draws the likelier tokens more often")
+    p.add_argument("--temperature", type=non_negative, default=None,
+                   help="> 0: lower draws the likelier tokens more often (default: the model's "
+                        "generate() default, 0.8 for the GPT)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ema", action="store_true", help="the EMA weights of model.pt")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
@@ -104,8 +106,14 @@ def main(argv: list[str] | None = None) -> int:
             model, data = load(a.path, a.ema, device)
         prompt = torch.tensor([encode(a.prompt, data)], device=device)  # (1, T)
         g = torch.Generator(device).manual_seed(a.seed)
+        # The loop's own sample calls generate(prompt, n, generator): a model of yours need not
+        # take a temperature, and then only this option asks for one.
+        options = {} if a.temperature is None else {"temperature": a.temperature}
+        if options and "temperature" not in inspect.signature(model.generate).parameters:
+            raise BadInput(f"option --temperature: this model's generate() ({type(model).__name__}) "
+                           f"takes no temperature; leave the option out.")
         with torch.no_grad():
-            ids = model.generate(prompt, a.tokens, g, temperature=a.temperature)[0].tolist()
+            ids = model.generate(prompt, a.tokens, g, **options)[0].tolist()
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -41,6 +41,20 @@ def test_the_exported_ema_and_the_checkpoint_draw_the_runs_own_text(run, capsys)
     assert drawn(capsys, run, *longer, "--temperature", "0.3")[1] != from_model
 
 
+def test_a_model_whose_generate_takes_no_temperature(run, capsys, monkeypatch):
+    # The trainer's sample calls generate(prompt, n, generator), so a model of yours may have no
+    # temperature; this command passed one always: a TypeError traceback for such a model.
+    from model.gpt import GPT
+
+    text = summary(run)["sample"]
+    own = GPT.generate
+    monkeypatch.setattr(GPT, "generate", lambda self, idx, n, generator: own(self, idx, n, generator))
+    assert drawn(capsys, run, "--ema", "--prompt", text[:8], *SAMPLE)[:2] == (0, text + "\n")
+    assert drawn(capsys, run, "--temperature", "0.5") == (
+        2, "", "error: option --temperature: this model's generate() (GPT) takes no temperature; "
+               "leave the option out.\n")
+
+
 @pytest.mark.parametrize("argv, says", [
     (["--prompt", "☃"], "error: option --prompt: '☃' not in the model's vocabulary (the 103 characters "
                         "of its training text).\n"),
