@@ -278,6 +278,30 @@ def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
     assert model.seen == [4, 4, 4, 4] and got == {"val_loss": 2.0}
 
 
+def test_a_split_into_uneven_pieces_records_the_largest(tmp_path, cache, capsys):
+    # 6 samples on a card that fits 2: halves of 3 fail, quarters are 2, 2, 1 and 1. The recorded
+    # micro-batch (the log's and the summary's) is the largest piece, 2; rounded down it said 1.
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=2",
+                                "data.batch_size=6", "train.grad_accum=1", "train.eval_every=0"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    forward = t.raw.forward
+
+    def small_card(batch):
+        if len(batch["idx"]) > 2:
+            raise torch.OutOfMemoryError("test double: at most 2 samples fit")
+        return forward(batch)
+
+    t.raw.forward = small_card
+    assert t.run()["micro_batch"] == 2
+    assert [r["micro_batch"] for r in metrics(out)] == [2, 2]
+    err = capsys.readouterr().err
+    assert "micro-batch 6 -> 3" in err and "micro-batch 3 -> 2" in err, err
+
+
 def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, cache, capsys):
     # A card that fits 2 samples at a time (a test double: the forward raises out of memory on
     # more). The contract probe before training ran the whole validation batch and its out of

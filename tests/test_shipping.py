@@ -70,6 +70,8 @@ def test_load_environment_wins_and_nothing_is_set_from_a_malformed_file(tmp_path
     assert dotenv.load(path, environ) == ["NEW"]
     assert environ == {"ALREADY": "from the environment", "NEW": "from the file"}
     assert dotenv.FROM_FILE == {"NEW"}
+    path.write_bytes("\ufeffFIRST=1\n".encode())  # the byte-order mark some editors write first
+    assert dotenv.load(path, environ) == ["FIRST"] and environ["FIRST"] == "1"
     path.write_text("LATER=1\nnot an assignment\n")
     with pytest.raises(BadInput, match=r"\.env line 2:"):
         dotenv.load(path, environ)

@@ -80,3 +80,16 @@ def test_fp16_grad_scaler_state_survives_resume(tmp_path, cache):
     assert summary(out)["precision"] == "fp16"
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
+
+
+def test_the_summary_validates_the_final_weights(tmp_path, cache):
+    # Evaluations at steps 10 and 20 of a 25-step run: summary.json's val_loss is measured again on
+    # the weights the run ends with, equal to a run that evaluates at step 25 (evaluating does not
+    # change training), not step 20's.
+    every10, every5 = tmp_path / "every10", tmp_path / "every5"
+    run_train(every10, cache, "train.max_steps=25", "train.eval_every=10")
+    run_train(every5, cache, "train.max_steps=25", "train.eval_every=5")
+    at = {r["step"]: r["val_loss"] for r in metrics(every10) if "val_loss" in r}
+    assert sorted(at) == [10, 20]
+    assert summary(every10)["val_loss"] == metrics(every5)[-1]["val_loss"] != at[20]
+    assert summary(every10)["params_sha256"] == summary(every5)["params_sha256"]
