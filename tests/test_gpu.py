@@ -203,3 +203,34 @@ def test_real_pynvml_on_this_machine(capsys):
         assert len(off_lines(err)) == 1 and got == {}
     else:
         assert got["energy_j"] >= 0 and "gpu0/mem_used_gb" in got
+
+
+def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monkeypatch):
+    # The sampler wired into a run (on the CPU; NVML a fake with one GPU whose energy counter gains
+    # 1 J at every read): each log interval carries its readings, summary.json the run's energy.
+    import torch
+
+    from conftest import TINY, metrics, summary
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    class Counting(FakeNvml):
+        def nvmlDeviceGetTotalEnergyConsumption(self, h):
+            self.energy_mj[0] += 1000
+            return self.energy_mj[0]
+
+    fake = Counting(n=1)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=6",
+                                       "train.log_every=2"])
+    s = build_trainer(cfg, Dist(), torch.device("cpu")).run()
+    logged = [r for r in metrics(out) if "ms_per_step" in r]
+    assert [r["step"] for r in logged] == [2, 4, 6]
+    for r in logged:
+        assert (r["gpu0/util_pct"], r["gpu0/mem_used_gb"], r["gpu0/power_w"], r["gpu0/temp_c"]) == \
+            (97.0, 61.2, 612.4, 71.0)
+    energy = [r["energy_j"] for r in logged]
+    assert 0 < energy[0] <= energy[1] <= energy[2] <= s["energy_j"] == summary(out)["energy_j"]
+    assert fake.shutdowns == 1  # the sampler closed with the run
