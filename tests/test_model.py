@@ -77,6 +77,30 @@ def test_causal_prefix_logits_do_not_see_the_future():
     assert not torch.allclose(a[0, 5:], b[0, 5:])
 
 
+def test_generate_continues_from_the_last_position_within_the_context():
+    # Near temperature 0 a draw is the most likely next token: the argmax of the logits at the
+    # prompt's last position, seeing only the last seq_len (8) tokens. Drawing from position 0's
+    # distribution passed every other test (the run's sample and loop.sample used the same code).
+    model = gpt(V=16, T=8).eval()
+    g = torch.Generator().manual_seed(0)
+    for length in (3, 8, 13):  # shorter than, as long as, and longer than the context
+        for seed in range(4):
+            prompt = torch.randint(0, 16, (1, length), generator=torch.Generator().manual_seed(seed))
+            out = model.generate(prompt, 1, g, temperature=1e-6)
+            assert out.shape == (1, length + 1) and torch.equal(out[:, :length], prompt)
+            assert out[0, -1] == model.logits(prompt[:, -8:])[0, -1].argmax(), (length, seed)
+
+
+def test_residual_projections_start_smaller_with_depth():
+    # GPT-2's init: each block's two residual output projections have std 0.02 / sqrt(2 * n_layer),
+    # so the residual stream's variance does not grow with depth; every other matrix 0.02.
+    model = gpt(V=64, T=8, L=8, C=256)
+    for name, p in model.named_parameters():
+        if p.dim() == 2:
+            want = 0.02 / 4 if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
+            assert p.std().item() == pytest.approx(want, rel=0.05), name  # 2k to 262k draws each
+
+
 # ------------------------------------------------------------------------------- parameter count
 def expected_params(V, T, L, C, bias):
     n = V * C + T * C  # wte (tied with lm_head, counted once) + wpe
