@@ -29,12 +29,12 @@ LOST = ("the steps since the newest checkpoint are lost, the checkpoints are who
 
 
 def main(argv: list[str] | None = None) -> int:
-    cfg = None
+    cfg, undo = None, None
     try:
         dotenv.load()  # ./.env first (loop/dotenv.py): the config and the loop see its variables
         cfg = load_config(*parse_args(argv))
         if cfg.run.deterministic:
-            determinism.enable()
+            undo = determinism.enable()  # process-wide: put back at the end (a notebook's next run)
         if pick_device(cfg.train.device).type == "cuda":
             print(f"CUDA allocator: {configure_allocator()}")  # before CUDA initialises
         dist, device = distributed.init(cfg.train.device)
@@ -62,6 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         distributed.close()
         mute_dead_console()
+        if undo:
+            undo()
     return EXIT_PREEMPTED if summary["preempted"] else 0
 
 

@@ -15,26 +15,46 @@ CUDA too, at some cost in speed.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 
 from loop.errors import BadInput
 
 
-def enable() -> None:
-    """Turn determinism mode on. Call before anything touches the GPU."""
+def enable() -> Callable[[], None]:
+    """Turn determinism mode on. Call before anything touches the GPU. Returns what puts every
+    setting back as it was: the flags are the process's, so a notebook calling train.main again
+    with the mode off got it still on (math-only attention, and an error from any op without a
+    deterministic kernel)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise BadInput("run.deterministic=true must be applied before CUDA initialises.")
+    had_workspace = "CUBLAS_WORKSPACE_CONFIG" in os.environ
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     if os.environ["CUBLAS_WORKSPACE_CONFIG"] not in (":4096:8", ":16:8"):
         raise BadInput(f"run.deterministic=true needs CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8; "
                        f"the environment has {os.environ['CUBLAS_WORKSPACE_CONFIG']!r}.")
+    cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(), cudnn.benchmark,
+             cudnn.deterministic, cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
+             cuda.cudnn_sdp_enabled())
     torch.use_deterministic_algorithms(True)
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.backends.cuda.enable_flash_sdp(False)
-    torch.backends.cuda.enable_mem_efficient_sdp(False)
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    cudnn.benchmark, cudnn.deterministic = False, True
+    cuda.enable_flash_sdp(False)
+    cuda.enable_mem_efficient_sdp(False)
+    cuda.enable_cudnn_sdp(False)
+
+    def restore() -> None:
+        on, warn_only, cudnn.benchmark, cudnn.deterministic, flash, efficient, cudnn_sdp = saved
+        torch.use_deterministic_algorithms(on, warn_only=warn_only)
+        cuda.enable_flash_sdp(flash)
+        cuda.enable_mem_efficient_sdp(efficient)
+        cuda.enable_cudnn_sdp(cudnn_sdp)
+        if not had_workspace:
+            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+
+    return restore
 
 
 def in_effect() -> dict:

@@ -411,6 +411,31 @@ def test_determinism_mode_gives_identical_runs(tmp_path, cache):
     assert det["deterministic"] and det["cublas_workspace_config"] == ":4096:8" and det["sdpa_math_only"]
 
 
+def test_determinism_mode_ends_with_its_run(tmp_path, cache, monkeypatch):
+    # Its switches are the process's: train.main called again in one process (a notebook) with
+    # the mode off ran with it still on (attention on the math kernel only; an op without a
+    # deterministic kernel an error). What was in effect before is put back, whatever it was.
+    import train
+    from conftest import TINY
+    from loop import determinism
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    cuda = torch.backends.cuda
+    before = determinism.in_effect()
+    assert not before["deterministic"] and not before["sdpa_math_only"]
+    args = [*TINY, cache, "train.max_steps=2", "run.deterministic=true"]
+    assert train.main([*args, f"run.out_dir={tmp_path / 'a'}"]) == 0
+    assert json.loads((tmp_path / "a" / "metadata.json").read_text())["determinism"]["deterministic"]
+    assert determinism.in_effect() == before and cuda.cudnn_sdp_enabled()
+    cuda.enable_flash_sdp(False)  # a setting of the caller's own: kept
+    try:
+        assert train.main([*args, f"run.out_dir={tmp_path / 'b'}"]) == 0
+        assert not cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        cuda.enable_flash_sdp(True)
+
+
 def test_faults_are_recorded_in_metadata(tmp_path, cache):
     out = tmp_path / "run"
     run_train(out, cache, "train.max_steps=3", "faults.nan_at_step=2")
