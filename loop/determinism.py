@@ -46,8 +46,9 @@ def enable() -> Callable[[], None]:
     cuda.enable_cudnn_sdp(False)
 
     def restore() -> None:
-        on, warn_only, cudnn.benchmark, cudnn.deterministic, flash, efficient, cudnn_sdp = saved
+        on, warn_only, benchmark, deterministic, flash, efficient, cudnn_sdp = saved
         torch.use_deterministic_algorithms(on, warn_only=warn_only)
+        cudnn.benchmark, cudnn.deterministic = benchmark, deterministic
         cuda.enable_flash_sdp(flash)
         cuda.enable_mem_efficient_sdp(efficient)
         cuda.enable_cudnn_sdp(cudnn_sdp)
