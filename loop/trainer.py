@@ -96,15 +96,15 @@ class Trainer:
         if torch.distributed.is_initialized():
             layout += f" over {torch.distributed.get_backend()}"  # nccl on CUDA, else gloo
         global_batch = cfg.data.batch_size * tc.grad_accum * self.dist.world
-        self.dist.say(f"{params} | {self.device} | {self.precision.name} | {self.dist.world} "
-                      f"process(es), {layout} | global batch {global_batch} samples of "
-                      f"{self.data.seq_len} target(s)")
-        if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
-            save(self, 0)  # something to roll back to before the first periodic checkpoint
-        self.batches, preemption = self._batches(), Preemption()
-        profiler = StepProfiler(self.out / "profile") if tc.profile and self.dist.main else None
-        ended = False  # the loop ran to its end (done, early stop, preempted): finish() follows
-        try:
+        self.batches, profiler, preemption, ended = None, None, Preemption(), False
+        try:  # from the log's opening on: an error anywhere closes what is open (the finally below)
+            self.dist.say(f"{params} | {self.device} | {self.precision.name} | {self.dist.world} "
+                          f"process(es), {layout} | global batch {global_batch} samples of "
+                          f"{self.data.seq_len} target(s)")
+            if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
+                save(self, 0)  # something to roll back to before the first periodic checkpoint
+            self.batches = self._batches()
+            profiler = StepProfiler(self.out / "profile") if tc.profile and self.dist.main else None
             self.model.train()
             while self.progress.step < tc.max_steps and not self.monitor.state.stop_reason:
                 t0 = time.perf_counter()
@@ -125,7 +125,7 @@ class Trainer:
                 if stop:
                     self.preempted = True
                     break
-            ended = True
+            ended = True  # the loop ran to its end (done, early stop, preempted): finish() follows
         finally:
             preemption.close()
             if profiler:

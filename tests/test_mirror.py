@@ -281,3 +281,22 @@ def test_a_run_that_gives_up_mirrors_its_newest_checkpoint_and_leaves_no_thread(
     assert checkpoint.verify(tmp_path / "mirror" / "step_00000005") is None
     assert (tmp_path / "mirror" / "latest").read_text() == "step_00000005"
     assert set(threading.enumerate()) == before
+
+
+def test_a_run_that_fails_before_its_first_step_leaves_no_thread(tmp_path, cache, monkeypatch):
+    # Under nan_policy=rollback a run writes a checkpoint of step 0 first: on a disk that refuses
+    # it, exit 3, and the mirror's thread and TensorBoard's writer, already open, were left running
+    # (train.main called again in a notebook had them beside it).
+    import errno
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpoint, "_write", full_disk)
+    before = set(threading.enumerate())
+    code = train.main([f"run.out_dir={tmp_path / 'run'}", f"run.mirror={tmp_path / 'mirror'}", *TINY,
+                       cache, "train.max_steps=5", "train.nan_policy=rollback"])
+    assert code == 3
+    assert not checkpoint.step_dirs(tmp_path / "run" / "checkpoints")
+    assert set(threading.enumerate()) == before
+
