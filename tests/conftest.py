@@ -126,10 +126,10 @@ def metrics(out: Path) -> list[dict]:
 def assert_wall_time_sums_the_steps(s: dict, recs: list[dict]) -> None:
     """summary.json's wall_s is every step's time added up (checkpoint writes left out): at most the
     metrics' time between log lines (log_every=1 here), which holds the writes too, and most of it
-    (0.8 of it here: TINY's checkpoint writes take about as long as a few of its 20 ms steps).
-    The last step's time alone falls far below."""
+    (0.8 of it here: TINY's checkpoint writes take about as long as a few of its 20 ms steps; 0.2
+    leaves room for a slow disk). The last step's time alone is 1/20 to 1/40 of it."""
     total = sum(r["ms_per_step"] for r in recs) / 1000
-    assert 0.4 * total <= s["wall_s"] <= total, (s["wall_s"], total)
+    assert 0.2 * total <= s["wall_s"] <= total, (s["wall_s"], total)
 
 
 def ids(out: Path) -> list[list[int]]:
