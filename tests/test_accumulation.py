@@ -7,7 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from conftest import Mapped
 import data
@@ -15,6 +17,7 @@ from data import build_data
 from data.sampler import collate, train_loader
 from data.tokens import IGNORE_INDEX
 from loop.config import load_config
+from loop.distributed import ddp
 from loop.device import pick_device
 from loop.optim import build_optimizer
 from loop.precision import Precision
@@ -142,7 +145,10 @@ def mask_some(i: int, item: dict) -> dict:
     return {**item, "y": y}
 
 
-def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str, mask: bool):
+def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str, mask: bool,
+                     reduced: list | None = None):
+    """One Trainer._step. With `reduced` (a list), the model is in DDP over a one-process gloo
+    group, and each bucket the step all-reduces is appended to it."""
     cfg = load_config(ROOT / "configs" / "default.yaml", [
         "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.vocab_size=16",
         "data.markov.tokens=4000", "data.seq_len=16", f"data.batch_size={batch_size}",
@@ -166,11 +172,15 @@ def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str,
     precision = Precision(cfg.train.precision, device)
     if mask:
         data.train = Mapped(data.train, mask_some)
+    if reduced is not None:
+        model = ddp(model, device, find_unused=False)
+        model.register_comm_hook(None, lambda group, bucket: reduced.append(bucket.index())
+                                 or allreduce_hook(group, bucket))
     trainer = Trainer(cfg, model, data, opt, scheduler, precision, device)
     records = []
     trainer.log = SimpleNamespace(record=lambda fields, loss, gnorm: records.append(
         (fields, loss.item(), gnorm.item())))
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    start = {n: p.detach().clone() for n, p in trainer.raw.named_parameters()}
     # As Trainer.run builds the loader (fresh run: position 0).
     loader = iter(train_loader(data.train, cfg.data.batch_size, cfg.run.seed, 0,
                                cfg.data.num_workers, cfg.data.prefetch_factor, False))
@@ -178,7 +188,7 @@ def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str,
     trainer.batches = (seen.append((b["idx"].tolist(), b["n_targets"])) or b for b in loader)
     trainer._step()
     assert trainer.progress.step == 1 and trainer.progress.samples == 8
-    end = {n: p.detach().clone() for n, p in model.named_parameters()}
+    end = {n: p.detach().clone() for n, p in trainer.raw.named_parameters()}
     return start, end, records[0], trainer.progress.tokens, seen
 
 
@@ -206,6 +216,25 @@ def test_trainer_step_accum4x2_equals_accum1x8(tmp_path, optimizer, mask):
     assert rec4[1] == pytest.approx(rec1[1], rel=1e-6)  # logged step loss (mean per target)
     assert rec4[2] == pytest.approx(rec1[2], rel=1e-5)  # grad norm before clipping
     assert rec4[0]["lr"] == rec1[0]["lr"]
+
+
+def test_ddp_reduces_the_gradients_once_a_step_not_once_a_micro_batch(tmp_path):
+    # Every micro-batch but the last runs forward and backward under DDP's no_sync (DDP decides in
+    # forward whether the backward reduces): otherwise each of the k micro-batches all-reduces every
+    # bucket, k times the traffic for the same sums. One process: the sums are the gradients
+    # themselves, so the weights also come out as without DDP, bit for bit.
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        once, by4 = [], []
+        one_trainer_step(tmp_path, 8, 1, "adamw", False, reduced=once)
+        s4, e4, *_ = one_trainer_step(tmp_path, 2, 4, "adamw", False, reduced=by4)
+    finally:
+        dist.destroy_process_group()
+    assert by4 == once and sorted(once) == list(range(len(once))), (by4, once)  # each bucket once
+    _, plain, *_ = one_trainer_step(tmp_path, 2, 4, "adamw", False)
+    assert all(torch.equal(e4[k], plain[k]) for k in plain)
+    assert not all(torch.equal(e4[k], s4[k]) for k in s4)  # and the step moved them
 
 
 def prompt_masked(i: int, item: dict) -> dict:
