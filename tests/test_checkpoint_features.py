@@ -216,9 +216,13 @@ def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, ref
 def test_init_from_loads_weights_only(tmp_path, cache, reference):
     ckpt = reference / "checkpoints" / "step_00000040"
     zero = tmp_path / "zero"
-    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}")
+    # With an EMA: it starts from the warm-start weights too (not the fresh model's), and with no
+    # step taken it is what is validated and exported.
+    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}", "ema.enabled=true")
     assert "done: 0 steps | loss n/a | val " in proc.stdout, proc.stdout  # not "loss None"
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
+    assert summary(zero)["ema_params_sha256"] == summary(reference)["params_sha256"]
+    assert summary(zero)["val_loss"] == summary(reference)["val_loss"]
     warm = tmp_path / "warm"
     run_train(warm, cache, "train.max_steps=5", f"run.init_from={ckpt}")
     first = metrics(warm)[0]
