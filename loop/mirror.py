@@ -20,6 +20,7 @@ import queue
 import shutil
 import sys
 import threading
+from functools import partial
 from pathlib import Path
 
 import fsspec
@@ -101,7 +102,8 @@ class Mirror:
                       f"({reason})", file=sys.stderr)
             else:  # pruned before the copy too: a full mirror would refuse every copy from then on
                 keep |= {ckpt_dir.name}
-                self._retrying(self._prune, keep, "could not delete old checkpoints")
+                self._retrying(partial(self._prune, replacing=ckpt_dir.name), keep,
+                               "could not delete old checkpoints")
                 self._retrying(self._copy, ckpt_dir, f"could not copy {ckpt_dir}")
                 self._retrying(self._prune, keep, "could not delete old checkpoints")
 
@@ -128,15 +130,18 @@ class Mirror:
             fs.put_file(str(ckpt_dir / name), posixpath.join(dest, name))
         fs.pipe_file(posixpath.join(self.root, "latest"), ckpt_dir.name.encode())
 
-    def _prune(self, keep: frozenset[str]) -> None:
+    def _prune(self, keep: frozenset[str], replacing: str = "") -> None:
         """Delete the mirrored checkpoints not in `keep` except the newest complete one (a failing
         mirror keeps something to resume from), and every copy cut short: it holds space and is never
-        fetched (no manifest; this thread is the only writer, so none is in progress)."""
+        fetched (no manifest; this thread is the only writer, so none is in progress). `replacing`:
+        the step about to be copied again (a rollback or a resume back in time saved it anew); its
+        earlier copy goes too, and is not the one kept, since the copy that follows overwrites it."""
         mirrored = [(path, self.fs.exists(posixpath.join(path, MANIFEST)))
                     for _, path in _mirrored(self.fs, self.root)]
-        newest = next((_name(path) for path, whole in reversed(mirrored) if whole), None)
+        newest = next((_name(path) for path, whole in reversed(mirrored)
+                       if whole and _name(path) != replacing), None)
         for path, whole in mirrored:
-            if not whole or _name(path) not in keep | {newest}:
+            if not whole or _name(path) not in keep - {replacing} | {newest}:
                 if whole:  # manifest first: a delete cut short leaves no valid-looking dir
                     self.fs.rm_file(posixpath.join(path, MANIFEST))
                 self.fs.rm(path, recursive=True)

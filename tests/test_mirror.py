@@ -235,6 +235,39 @@ def test_copy_cut_short_is_never_fetched_and_the_next_copy_deletes_it(tmp_path, 
     assert mirrored_names(target) == {"step_00000001", "step_00000003", "latest"}
 
 
+@pytest.mark.parametrize("first_delete_fails", [False, True])
+def test_a_recopy_cut_short_does_not_pass_for_whole(tmp_path, monkeypatch, first_delete_fails):
+    # A step saved again (a rollback past a bad step trains through it once more, a resume back in
+    # time) is copied over its earlier copy. Cut short there, neither the earlier copy nor its
+    # manifest may pass for whole: the mirror took it for its newest whole checkpoint and deleted the
+    # last good one, leaving nothing to resume from (seen before the fix: only `latest` was left).
+    # The earlier copy is deleted before the copy; where that fails, the copy takes its manifest
+    # away first.
+    target, root = mem_target(), tmp_path / "ckpt"
+    run_with_mirror(Mirror(target), root, [1, 2])
+    mirror = Mirror(target, retries=0)
+    real_put, real_rm_file = mirror.fs.put_file, mirror.fs.rm_file
+
+    def cut(lpath, rpath, **kwargs):  # the connection drops after the first file
+        real_put(lpath, rpath, **kwargs)
+        raise OSError("connection reset")
+
+    def rm_file(path, **kwargs):  # an object store's transient error, once
+        if first_delete_fails and not hasattr(rm_file, "failed"):
+            rm_file.failed = True
+            raise OSError("503 slow down")
+        return real_rm_file(path, **kwargs)
+    monkeypatch.setattr(mirror.fs, "put_file", cut)
+    monkeypatch.setattr(mirror.fs, "rm_file", rm_file)
+    again = checkpoint.save(root, 2, {"state.pt": {"w": torch.zeros(4, 4), "step": 2},
+                                      "rng_rank0.pt": {"cpu": torch.zeros(8, dtype=torch.uint8)}},
+                            keep_last=1, meta={"world_size": 1})  # other bytes; step 1 gone locally
+    mirror.submit(again, {p.name for p in checkpoint.step_dirs(root)})
+    mirror.close()
+    assert mirrored_names(target) == {"step_00000001", "latest"}  # the part copy deleted
+    assert fetch_latest(target, tmp_path / "fresh").name == "step_00000001"
+
+
 @pytest.mark.parametrize("room", [2.5, 1.5])  # checkpoints' worth
 def test_a_full_mirror_makes_room_and_keeps_its_newest_whole_checkpoint(tmp_path, monkeypatch,
                                                                         capsys, room):
