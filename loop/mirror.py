@@ -90,7 +90,7 @@ class Mirror:
             self._queue.put(None)
         self._thread.join(timeout_s)
         if self._thread.is_alive():
-            self._abandon.set()  # stops after its current file; a cut-short copy is never fetched
+            self._abandon.set()  # no more retries, nothing queued copied; a part copy is never fetched
             print(f"warning: mirror {self.target}: copies still running after {timeout_s}s were "
                   f"abandoned", file=sys.stderr)
 

@@ -3,6 +3,8 @@ follows local retention, never blocks or breaks training, and fetch_latest resto
 one, skipping incomplete or corrupt copies."""
 from __future__ import annotations
 
+import hashlib
+import json
 import shutil
 import threading
 import time
@@ -101,6 +103,22 @@ def test_fetch_latest_skips_incomplete_and_corrupt(tmp_path, capsys):
     assert sorted(p.name for p in fresh.iterdir()) == ["latest", "step_00000001"]
 
 
+def test_a_mirrored_manifest_naming_a_file_outside_its_dir_writes_nothing_there(tmp_path, capsys):
+    # A mirror is read from a bucket others may write to: a manifest naming ../x (with its true
+    # sha256) would have the fetch write x beside the checkpoints, outside the temporary dir.
+    target, root = tmp_path / "bucket", tmp_path / "out" / "checkpoints"
+    run_with_mirror(Mirror(str(target)), root, [1, 2])
+    (target / "planted.pt").write_bytes(b"not a checkpoint file")
+    manifest = json.loads((target / "step_00000002" / "manifest.json").read_text())
+    planted = {"size": 21, "sha256": hashlib.sha256(b"not a checkpoint file").hexdigest()}
+    manifest["files"]["../planted.pt"] = planted
+    (target / "step_00000002" / "manifest.json").write_text(json.dumps(manifest))
+    fresh = tmp_path / "fresh"
+    assert fetch_latest(str(target), fresh) == fresh / "step_00000001"
+    assert "step_00000002: manifest.json names a file outside its dir: '../planted.pt'" in capsys.readouterr().err
+    assert sorted(p.name for p in fresh.iterdir()) == ["latest", "step_00000001"]
+
+
 def test_a_run_with_local_checkpoints_resumes_from_them_not_the_mirror(tmp_path):
     # The mirror is for a machine that lost its disk. Its copies lag (they run in the background):
     # one with checkpoints of its own resumes from its newest, and the mirror's copy of step 2 does
@@ -176,13 +194,16 @@ def test_submit_returns_while_copy_is_stuck(tmp_path, monkeypatch):
 def test_close_timeout_abandons_stuck_copy(tmp_path, monkeypatch, capsys):
     mirror = Mirror(mem_target())
     release = threading.Event()
-    monkeypatch.setattr(mirror.fs, "put_file", lambda *a, **k: release.wait())
+    copied = []
+    monkeypatch.setattr(mirror.fs, "put_file", lambda src, dest: release.wait() and copied.append(dest))
     mirror.submit(save(tmp_path, 1), {"step_00000001"})
+    mirror.submit(save(tmp_path, 2), {"step_00000001", "step_00000002"})
     mirror.close(timeout_s=0.05)
     assert "abandoned" in capsys.readouterr().err
     release.set()
     mirror._thread.join(30)
     assert not mirror._thread.is_alive()
+    assert copied and not [d for d in copied if "step_00000002" in d]  # the one queued is skipped
 
 
 def test_invalid_checkpoint_is_not_mirrored(tmp_path, capsys):

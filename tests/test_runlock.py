@@ -65,3 +65,30 @@ def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_p
     run_train(mine, cache, "train.max_steps=8", "train.profile=true", "report.plots=true")
     made = {p.name for p in mine.iterdir()} - {"notes.txt", ".lock"}
     assert made <= set(RUN_FILES) and {"model.pt", "profile", "lr.png", "tb"} <= made, made
+
+
+@pytest.mark.parametrize("marks", [(".lock",), ("metadata.json",)])
+def test_a_directory_with_either_mark_is_a_runs(tmp_path, marks):
+    # A run killed between its .lock and its metadata.json (config.yaml comes between them), or a
+    # run directory copied without its .lock: either mark says a run made it, and its files are
+    # that run's to write again.
+    from loop import runlock
+
+    for name in (*marks, "config.yaml"):
+        (tmp_path / name).write_text("")
+    runlock.refuse_foreign(tmp_path)
+
+
+def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from loop import runlock
+
+    def no_locks(fd, how):
+        raise OSError(errno.ENOLCK, "No locks available")
+    monkeypatch.setattr(runlock.fcntl, "lockf", no_locks)
+    runlock.hold(tmp_path, sign=True)
+    assert capsys.readouterr().out == (f"note: cannot lock {tmp_path.resolve() / '.lock'} (No locks "
+                                       f"available): a second run on this run.out_dir would not be "
+                                       f"noticed\n")
+    assert (tmp_path / ".lock").read_text() == ""  # nothing signed without a lock
