@@ -92,3 +92,18 @@ def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkey
                                        f"available): a second run on this run.out_dir would not be "
                                        f"noticed\n")
     assert (tmp_path / ".lock").read_text() == ""  # nothing signed without a lock
+
+
+def test_the_lock_names_its_holder_only_once_the_run_writes(tmp_path):
+    # Locked, a run may still find bad input (exit 2, nothing changed in the directory); once it
+    # writes, the lock names it in full, however long the name of the run before it was.
+    import os
+    import socket
+
+    from loop import runlock
+
+    (tmp_path / ".lock").write_text("pid 4194303 on the-previous-holders-rather-long-host-name")
+    runlock.hold(tmp_path)
+    assert (tmp_path / ".lock").read_text() == "pid 4194303 on the-previous-holders-rather-long-host-name"
+    runlock.hold(tmp_path, sign=True)
+    assert (tmp_path / ".lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
