@@ -392,6 +392,25 @@ def test_random_tokens_and_a_token_directory(tmp_path):
         build_data(cfg.data)
 
 
+@pytest.mark.parametrize("name", ["random", "markov", "text"])
+@pytest.mark.parametrize("key, a, b", [("data.val_fraction", 0.1, 0.3), ("data.synthetic.seed", 0, 1),
+                                       ("data.markov.seed", 0, 1)])
+def test_a_prepared_data_set_is_cached_by_every_option_that_shapes_it(tmp_path, name, key, a, b):
+    # One data.cache_dir serves many runs: a cache keyed on fewer options than shape the files
+    # handed a run the split (or the tokens) another option value had prepared, without a word.
+    def built(value):
+        cfg = load_config(DEFAULT_CONFIG, [f"data.name={name}", f"data.cache_dir={tmp_path}",
+                                           "data.synthetic.tokens=5000", "data.markov.tokens=5000",
+                                           "data.seq_len=16", f"{key}={value}"])
+        d = build_data(cfg.data)
+        return len(d.train), len(d.val), d.train[0]["x"]
+
+    first, second, again = built(a), built(b), built(a)
+    assert again[:2] == first[:2] and torch.equal(again[2], first[2])
+    shaped = key == "data.val_fraction" or key.split(".")[1] == {"random": "synthetic"}.get(name, name)
+    assert (first[:2] != second[:2] or not torch.equal(first[2], second[2])) == shaped, (first, second)
+
+
 def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_input(tmp_path):
     # Another tokenizer's files: a token id >= vocab_size was an IndexError traceback at the step
     # that first drew it (a device-side assert on CUDA), an odd byte count one in a DataLoader.
