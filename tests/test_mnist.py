@@ -103,6 +103,7 @@ def malformed(root, case: str) -> str:
     broken = {
         "truncated gzip": (TRAIN_IMAGES, idx_gz(IMAGES_MAGIC, images)[:-40]),
         "truncated content": (TRAIN_IMAGES, gzip.compress(good[:-5])),
+        "padded content": (TRAIN_IMAGES, gzip.compress(good + bytes(3))),
         "wrong magic": (TRAIN_LABELS, idx_gz(IMAGES_MAGIC, labels)),
         "wrong dims": (TRAIN_IMAGES, idx_gz(IMAGES_MAGIC, images[:, :27, :])),
         "count mismatch": (TRAIN_LABELS, idx_gz(LABELS_MAGIC, labels[:19])),
@@ -117,6 +118,7 @@ def malformed(root, case: str) -> str:
 @pytest.mark.parametrize("case, expected", [
     ("truncated gzip", "cannot decompress it"),
     ("truncated content", "15691 bytes after decompression; its header promises 20 items, 15696 bytes"),
+    ("padded content", "15699 bytes after decompression; its header promises 20 items, 15696 bytes"),
     ("wrong magic", "magic number 0x00000803; expected a gzipped IDX file with magic 0x00000801"),
     ("wrong dims", "items of shape (27, 28); expected a gzipped IDX file with magic 0x00000803 and "
                    "items of shape (28, 28)"),
