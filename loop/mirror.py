@@ -134,7 +134,7 @@ class Mirror:
         """Delete the mirrored checkpoints not in `keep` except the newest complete one (a failing
         mirror keeps something to resume from), and every copy cut short: it holds space and is never
         fetched (no manifest; this thread is the only writer, so none is in progress). `replacing`:
-        the step about to be copied again (a rollback or a resume back in time saved it anew); its
+        the step about to be copied again (run.resume=PATH back in time saved it anew); its
         earlier copy goes too, and is not the one kept, since the copy that follows overwrites it."""
         mirrored = [(path, self.fs.exists(posixpath.join(path, MANIFEST)))
                     for _, path in _mirrored(self.fs, self.root)]

@@ -258,8 +258,8 @@ def test_copy_cut_short_is_never_fetched_and_the_next_copy_deletes_it(tmp_path, 
 
 @pytest.mark.parametrize("first_delete_fails", [False, True])
 def test_a_recopy_cut_short_does_not_pass_for_whole(tmp_path, monkeypatch, first_delete_fails):
-    # A step saved again (a rollback past a bad step trains through it once more, a resume back in
-    # time) is copied over its earlier copy. Cut short there, neither the earlier copy nor its
+    # A step saved again (run.resume=PATH back in time in the same run.out_dir trains through it
+    # once more) is copied over its earlier copy. Cut short there, neither the earlier copy nor its
     # manifest may pass for whole: the mirror took it for its newest whole checkpoint and deleted the
     # last good one, leaving nothing to resume from (seen before the fix: only `latest` was left).
     # The earlier copy is deleted before the copy; where that fails, the copy takes its manifest
