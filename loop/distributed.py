@@ -142,7 +142,8 @@ def wrap(model: torch.nn.Module, device: torch.device, cfg, param_dtype=None,
     (the unwrapped model stays reachable as `.module`), or, with train.strategy=fsdp, FSDP2
     sharding in place (loop/fsdp.py): no device ever holds the whole model, and only rank 0 built
     it with weights. `ema`, the AveragedModel copied from the model before wrapping (under FSDP
-    its shapes only), gets rank 0's weights (ranks are seeded apart) and the same placement."""
+    its shapes only), gets rank 0's weights, as the model does (every rank builds from run.seed, but
+    a model drawing from a generator of its own may differ per rank), and the same placement."""
     check_supported(cfg, device)
     t = cfg.train
     if t.strategy == "fsdp" and dist.is_initialized():
