@@ -125,7 +125,7 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
     With several processes every rank calls this with its own files (rank 0: the shared state and
     its RNG; rank r: its RNG); rank 0 writes the manifest over all of them and moves the directory
     into place after every rank has written. `meta` (config hash, world size) goes into the
-    manifest. Afterwards only the newest `keep_last` checkpoints and those in `keep` remain."""
+    manifest. Afterwards only the newest `keep_last` checkpoints, those in `keep` and this one remain."""
     dist = dist or Dist()
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
@@ -147,7 +147,9 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
         fsync_dir(root)
         atomic_write(root / "latest", final.name.encode())
         for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
-            if old.name not in keep:
+            # Never the new one: a resume back in time (run.resume=PATH) saves steps older than
+            # those the run before left here.
+            if old.name not in keep and old != final:
                 shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final

@@ -376,6 +376,23 @@ def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
     assert all(checkpoint.verify(ckpts / n) is None for n in ckpt_names(out))
 
 
+def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
+    # A resume back in time (run.resume=PATH in the same run.out_dir) saves steps older than the
+    # run before left there. Retention counted by step and deleted the new checkpoint at once: the
+    # resumed run had none of its own, and `latest` named a directory that was gone.
+    from loop import checkpoint
+
+    def save(step, keep_last):
+        return checkpoint.save(tmp_path, step, {"state.pt": {"step": step}}, keep_last, {"world_size": 1})
+
+    for step in (30, 40, 50):
+        save(step, keep_last=3)
+    new = save(35, keep_last=2)  # resumed from step 30 with train.keep_last=2
+    assert [d.name for d in checkpoint.step_dirs(tmp_path)] == ["step_00000035", "step_00000040",
+                                                               "step_00000050"]
+    assert checkpoint.verify(new) is None and (tmp_path / "latest").read_text() == new.name
+
+
 def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
     # Unpickled as opcodes, text was an IndexError traceback or "a pickle that would run code".
     from loop import checkpoint
