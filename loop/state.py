@@ -203,7 +203,9 @@ def save(t, step: int) -> None:
 
 def _saved(t, path: Path, best: str | None) -> None:
     """After a checkpoint is complete (in the writer thread when saving asynchronously)."""
-    if best:
+    if best and (t.ckpt_root / best).is_dir():
         atomic_write(t.ckpt_root / "best", best.encode())
+    else:  # none yet, or, resumed back in time, one the run before deleted: `best` names nothing
+        (t.ckpt_root / "best").unlink(missing_ok=True)
     if t.mirror:
         t.mirror.submit(path, {p.name for p in checkpoint.step_dirs(t.ckpt_root)})

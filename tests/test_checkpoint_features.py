@@ -202,6 +202,26 @@ def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
         assert best_step < 30  # the highest val loss is early: kept although it is old
 
 
+def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
+    # Resumed back in time (run.resume=PATH in the same run.out_dir), a run's best can be a step the
+    # run before deleted once its own best moved on, or there is none yet: `best` named that missing
+    # directory, or the run before's best, and run.init_from=checkpoints/best failed or took it.
+    from types import SimpleNamespace
+
+    from loop.state import _saved
+
+    t = SimpleNamespace(ckpt_root=tmp_path, mirror=None)
+    for name in ("step_00000020", "step_00000040"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "best").write_text("step_00000040")  # the run before's
+    _saved(t, tmp_path / "step_00000020", best="step_00000015")
+    assert not (tmp_path / "best").exists()
+    _saved(t, tmp_path / "step_00000020", best="step_00000020")
+    assert (tmp_path / "best").read_text() == "step_00000020"
+    _saved(t, tmp_path / "step_00000020", best=None)
+    assert not (tmp_path / "best").exists()
+
+
 def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, reference):
     out, mirror = tmp_path / "run", tmp_path / "bucket"
     args = [cache, *STEPS, f"run.mirror={mirror}"]
