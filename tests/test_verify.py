@@ -144,3 +144,26 @@ def test_a_model_kept_in_bf16_is_held_to_bf16_tolerances(cache, monkeypatch):
     assert results[1].numbers.endswith("(train.clip_grad=1, bf16 weights)"), results[1].numbers
     diff = float(re.search(r"rel. difference ([0-9.e+-]+)", results[0].numbers).group(1))
     assert 1e-4 < diff < 5e-2, results[0].numbers  # bf16 rounding, not a wrong normalisation (~1)
+
+
+def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monkeypatch):
+    # Two ways the resume check could pass without proving anything: run R finished before the kill
+    # (a config that runs fewer steps than asked), or its rerun started over instead of resuming (a
+    # loop that cannot find its checkpoints). Each is a FAIL that says which, not a PASS.
+    from loop import audit_runs
+    from loop.config import DEFAULT_CONFIG
+
+    plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=10, every=2, kill_at=5, nproc=0, root=tmp_path,
+                           timeout=60)
+    finished = (0, "step 10/10\ndone\n")
+    monkeypatch.setattr(audit_runs.jobs, "run_until", lambda *a, **k: finished)
+    result = audit_runs.resume(plan)
+    assert not result.ok and result.numbers == "run R was to be killed at step 5 but exited 0: ['done']"
+
+    killed = (-signal.SIGKILL, "step 5/10\n")
+    monkeypatch.setattr(audit_runs.jobs, "run_until", lambda *a, **k: killed)
+    monkeypatch.setattr(audit_runs, "run", lambda plan, name: (tmp_path / f"{name}.log").write_text(
+        "step 10/10\ndone\n") and None)  # ran to its end from step 1
+    result = audit_runs.resume(plan)
+    assert not result.ok and result.numbers == "the rerun did not resume from a checkpoint", result
+    assert result.hint == audit_runs.HINTS["resume"]
