@@ -167,3 +167,19 @@ def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monke
     result = audit_runs.resume(plan)
     assert not result.ok and result.numbers == "the rerun did not resume from a checkpoint", result
     assert result.hint == audit_runs.HINTS["resume"]
+
+
+def test_the_determinism_check_compares_the_weights_as_well_as_every_step(tmp_path, monkeypatch):
+    # Nondeterminism that only the last update shows (a nondeterministic optimizer kernel, say)
+    # leaves every logged loss equal: the weights' hash is what tells.
+    from loop import audit_runs
+    from loop.config import DEFAULT_CONFIG
+
+    plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=2, every=2, kill_at=0, nproc=0, root=tmp_path,
+                           timeout=60)
+    records = [{"step": s, "loss": 1.0, "grad_norm": 0.5, "lr": 1e-3} for s in (1, 2)]
+    monkeypatch.setattr(audit_runs, "run", lambda plan, name: None)
+    monkeypatch.setattr(audit_runs, "_records", lambda plan, name: records)
+    monkeypatch.setattr(audit_runs, "_summary", lambda plan, name: {"params_sha256": name})  # A != B
+    result = audit_runs.determinism(plan)
+    assert not result.ok and result.numbers == "two identical runs differ: params_sha256", result
