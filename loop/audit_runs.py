@@ -176,9 +176,10 @@ def data(plan: Plan, n_train: int) -> Result:
     skipped = len({i for ids in ref for i in ids} - set(flat))
     first = next((s for s, (x, y) in enumerate(zip(ref, got), 1) if x != y), None)
     if first or repeated or skipped:
+        where = (f"step {first} is the first whose sample ids differ from the uninterrupted run's"
+                 if first else "every step's sample ids are the uninterrupted run's")
         return Result("data", False, f"across the resume: {repeated} samples seen twice within an "
-                      f"epoch, {skipped} never seen; step {first} is the first whose sample ids differ "
-                      f"from the uninterrupted run's", HINTS["data"])
+                      f"epoch, {skipped} never seen; {where}", HINTS["data"])
     return Result("data", True, f"{len(flat)} sample ids over {plan.steps} steps identical to the "
                   f"uninterrupted run's at every step; none twice within an epoch of {n_train}")
 

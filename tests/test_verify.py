@@ -183,3 +183,21 @@ def test_the_determinism_check_compares_the_weights_as_well_as_every_step(tmp_pa
     monkeypatch.setattr(audit_runs, "_summary", lambda plan, name: {"params_sha256": name})  # A != B
     result = audit_runs.determinism(plan)
     assert not result.ok and result.numbers == "two identical runs differ: params_sha256", result
+
+
+def test_the_data_check_fails_a_sampler_that_repeats_even_when_both_runs_agree(tmp_path, monkeypatch):
+    # The same ids at every step in both runs, but a sample twice within an epoch (a sampler that
+    # draws with replacement, or restarts its order inside an epoch): FAIL, with the count.
+    from loop import audit_runs
+    from loop.config import DEFAULT_CONFIG
+
+    plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=3, every=2, kill_at=0, nproc=0, root=tmp_path,
+                           timeout=60)
+    ids = [[0, 1], [2, 0], [3, 4]]  # an epoch of 6: 0 twice, 5 never
+    monkeypatch.setattr(audit_runs, "_records", lambda plan, name: [{"ids": i} for i in ids])
+    result = audit_runs.data(plan, 6)
+    assert not result.ok and result.numbers == ("across the resume: 1 samples seen twice within an "
+                                                "epoch, 0 never seen; every step's sample ids are the "
+                                                "uninterrupted run's"), result
+    ids[1] = [2, 5]
+    assert audit_runs.data(plan, 6).ok
