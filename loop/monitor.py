@@ -45,3 +45,7 @@ class Monitor:
 
     def load_state_dict(self, d: dict) -> None:
         self.state = MonitorState(**d)
+        # Stopped or not follows from the count under this run's patience: resumed with a larger
+        # train.early_stop_patience, or 0, a run that stopped early trains on (it stayed stopped).
+        if not (self.patience and self.state.bad_evals >= self.patience):
+            self.state.stop_reason = ""

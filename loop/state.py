@@ -70,7 +70,13 @@ def restore(t, path: Path) -> None:
         t.scaler.load_state_dict(state["scaler"])
     if t.ema and state["ema"]:
         load_ema_state(t.ema, state["ema"], path)
-    t.monitor.load_state_dict(state["monitor"])
+    was, now = state["config"]["train"], t.cfg.train
+    if (was.get("best_metric"), was.get("best_mode")) == (now.best_metric, now.best_mode):
+        t.monitor.load_state_dict(state["monitor"])
+    else:  # the best so far is no yardstick for another metric, or for the other direction
+        t.dist.say(f"note: train.best_metric/best_mode {was.get('best_metric')}/{was.get('best_mode')} "
+                   f"-> {now.best_metric}/{now.best_mode}: the best checkpoint and early stopping "
+                   f"start over from this step")
     t.progress = Progress(**state["progress"])
     mine = f"rng_rank{t.dist.rank}.pt"
     if t.lab == "no_rng_restore":  # lab: the streams go on from wherever this process is

@@ -146,6 +146,11 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     assert "did not improve by 0.2 for 2 evaluations" in s["stop_reason"]
     rerun = run_train(out, *args)  # the stop is part of the state: running again trains nothing
     assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
+    # Resumed without early stopping (or with more patience), it trains on; it stayed stopped,
+    # below a note saying the new value applies.
+    more = f"train.max_steps={s['steps'] + 4}"
+    run_train(out, *args, more, "train.early_stop_patience=0")
+    assert summary(out)["steps"] == s["steps"] + 4 and not summary(out)["stopped_early"]
 
 
 def test_a_non_finite_evaluation_is_never_the_best():
@@ -174,6 +179,19 @@ def test_an_improvement_must_beat_the_best_by_more_than_min_delta_in_either_mode
     m = Monitor("val_loss", "min", patience=2, min_delta=0.0)
     assert m.update(10, 2.0) is True and m.update(20, 2.0) is False and m.update(30, 2.0) is False
     assert m.state.stop_reason == "val_loss did not improve by 0.0 for 2 evaluations (best 2 at step 10)"
+
+
+def test_a_resume_that_tracks_another_metric_or_direction_starts_the_best_over(tmp_path, cache):
+    # The best so far was compared with the new direction (or metric): in max mode a loss the run
+    # before minimised was never beaten, so no later evaluation was ever a best and `best` stayed.
+    out, args = tmp_path / "run", [cache, "train.eval_every=4", "train.max_steps=8"]
+    run_train(out, *args)
+    rerun = run_train(out, *args, "train.max_steps=12", "train.best_mode=max")
+    assert ("note: train.best_metric/best_mode val_loss/min -> val_loss/max: the best checkpoint and "
+            "early stopping start over from this step") in rerun.stdout, rerun.stdout
+    val12 = next(r["val_loss"] for r in metrics(out) if r["step"] == 12)
+    assert summary(out)["best"] == {"metric": "val_loss", "value": val12, "step": 12}
+    assert (out / "checkpoints" / "best").read_text() == "step_00000012"
 
 
 def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cache):
