@@ -70,6 +70,8 @@ def restore(t, path: Path) -> None:
         t.scaler.load_state_dict(state["scaler"])
     if t.ema and state["ema"]:
         load_ema_state(t.ema, state["ema"], path)
+    elif t.ema:  # ema.enabled turned on at this resume: the average starts from the weights resumed
+        t.ema.module.load_state_dict(t.raw.state_dict())
     was, now = state["config"]["train"], t.cfg.train
     if (was.get("best_metric"), was.get("best_mode")) == (now.best_metric, now.best_mode):
         t.monitor.load_state_dict(state["monitor"])

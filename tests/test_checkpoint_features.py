@@ -65,6 +65,17 @@ def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
     assert not all(torch.equal(exported["ema"][k], exported["model"][k]) for k in exported["model"])
 
 
+def test_an_ema_turned_on_at_a_resume_starts_from_the_resumed_weights(tmp_path, cache, reference):
+    # It started from the fresh model's random weights, and until its first update (or at once, in
+    # a run resumed at its last step) validation and the export read those.
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    run_train(out, cache, *STEPS, "ema.enabled=true")  # at its last step already: nothing to train
+    s, ref = summary(out), summary(reference)
+    assert s["ema_params_sha256"] == s["params_sha256"] == ref["params_sha256"]
+    assert s["val_loss"] == ref["val_loss"]
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
     # Kept in bf16, the default decay 0.999 rounded to 1.0: the average stayed the first weights,
