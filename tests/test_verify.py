@@ -201,3 +201,19 @@ def test_the_data_check_fails_a_sampler_that_repeats_even_when_both_runs_agree(t
                                                 "uninterrupted run's"), result
     ids[1] = [2, 5]
     assert audit_runs.data(plan, 6).ok
+
+
+def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monkeypatch):
+    # A common slip: logging clip_grad_norm_'s norm after clipping it. The gradient applied is right,
+    # so only the logged norm, against the reference's, tells.
+    import torch
+
+    from loop.audit_grads import gradient_audits
+    from loop.config import DEFAULT_CONFIG
+
+    real = torch.nn.utils.clip_grad_norm_
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
+                        lambda params, max_norm, **kw: real(params, max_norm, **kw).clamp(max=max_norm))
+    [result] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "train.clip_grad=0.5"], {"clipping"})
+    assert not result.ok and "gradient norm logged 0.5, reference " in result.numbers, result
+    assert float(re.search(r"rel. difference ([0-9.e+-]+)", result.numbers).group(1)) < 1e-4
