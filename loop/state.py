@@ -90,6 +90,9 @@ def restore(t, path: Path) -> None:
         print(f"note: rank {t.dist.rank}: {path} has no {mine} (saved with world size "
               f"{state['world_size']}); its random streams start from a new seed")
     t.dist.say(f"resumed from {path} at step {t.progress.step}")
+    if reason := t.monitor.state.stop_reason:
+        t.dist.say(f"note: this run stopped early ({reason}), so nothing more is trained; to train "
+                   f"on, rerun with a larger train.early_stop_patience, or 0")
     if t.progress.step > t.cfg.train.max_steps:
         t.dist.say(f"note: the checkpoint is past train.max_steps={t.cfg.train.max_steps}, so nothing "
                    f"is trained; to stop at step {t.cfg.train.max_steps}, resume from an older "

@@ -157,6 +157,8 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     assert "did not improve by 0.2 for 2 evaluations" in s["stop_reason"]
     rerun = run_train(out, *args)  # the stop is part of the state: running again trains nothing
     assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
+    assert (f"note: this run stopped early ({s['stop_reason']}), so nothing more is trained; to "
+            f"train on, rerun with a larger train.early_stop_patience, or 0") in rerun.stdout
     # Resumed without early stopping (or with more patience), it trains on; it stayed stopped,
     # below a note saying the new value applies.
     more = f"train.max_steps={s['steps'] + 4}"
