@@ -73,9 +73,9 @@ def restore(t, path: Path) -> None:
     elif t.ema:  # ema.enabled turned on at this resume: the average starts from the weights resumed
         t.ema.module.load_state_dict(t.raw.state_dict())
     was, now = state["config"]["train"], t.cfg.train
-    if (was.get("best_metric"), was.get("best_mode")) == (now.best_metric, now.best_mode):
-        t.monitor.load_state_dict(state["monitor"])
-    else:  # the best so far is no yardstick for another metric, or for the other direction
+    same = (was.get("best_metric"), was.get("best_mode")) == (now.best_metric, now.best_mode)
+    t.monitor.load_state_dict(state["monitor"] if same else {})  # else no yardstick: start over
+    if not same:
         t.dist.say(f"note: train.best_metric/best_mode {was.get('best_metric')}/{was.get('best_mode')} "
                    f"-> {now.best_metric}/{now.best_mode}: the best checkpoint and early stopping "
                    f"start over from this step")
