@@ -65,3 +65,21 @@ def test_unknown_device_is_none(name):
 def test_unknown_precision_is_refused():
     with pytest.raises(ValueError, match="precision"):
         peak_flops("NVIDIA H100 80GB HBM3", "fp8")
+
+
+def test_a_runs_mfu_divides_global_tokens_per_s_by_every_process_device(monkeypatch):
+    # tokens/s in the log is global (summed over ranks): its MFU is over the peak of all the run's
+    # devices, one per process, or 8 processes would read 8 times their true utilisation.
+    from types import SimpleNamespace
+
+    import torch
+
+    from loop import telemetry
+
+    monkeypatch.setattr(telemetry, "peak_flops", lambda name, precision: 1e12)  # a device in the table
+    m = GPT(vocab_size=65, seq_len=64, n_layer=2, n_head=4, n_embd=32, dropout=0, bias=False)
+    shape = SimpleNamespace(n_layer=2, n_head=4, n_embd=32)
+    for world in (1, 8):
+        t = telemetry.Telemetry(m, shape, 64, torch.device("cpu"), "bf16", world)
+        assert t.mfu(1e6) == 1e6 * 210048 / (world * 1e12)  # 210048 FLOPs a token: the hand count above
+        t.close()
