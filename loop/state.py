@@ -103,8 +103,13 @@ def restore(t, path: Path) -> None:
 def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
     """What differs from the run that wrote the checkpoint: allowed, and said. `metadata`: this
     run's (loop/metadata.py; empty on ranks but 0, which say nothing)."""
-    notes = []
-    if changed := changed_keys(state["config"], cfg):
+    notes, changed = [], changed_keys(state["config"], cfg)
+    if "run.init_from" in changed and cfg.run.init_from:  # the same command rerun has it unchanged
+        changed.remove("run.init_from")
+        notes.append(f"run.init_from={cfg.run.init_from} is not used: it starts a fresh run, and this "
+                     f"one resumes from its checkpoint; to start from those weights, give the run a "
+                     f"new run.out_dir")
+    if changed:
         notes.append(f"config differs from the checkpoint's in: {', '.join(changed)}; this run's "
                      f"values apply from here on")
     saved, now = state["metadata"].get("data"), metadata.get("data")  # None: older code, rank > 0

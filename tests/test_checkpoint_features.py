@@ -281,6 +281,20 @@ def test_init_from_loads_weights_only(tmp_path, cache, reference):
     assert first["loss"] < metrics(reference)[0]["loss"] - 0.3  # but trained weights
 
 
+def test_init_from_on_a_run_that_resumes_says_it_is_not_used(tmp_path, cache, reference):
+    # A run with checkpoints resumes from them; run.init_from only starts fresh runs. The note said
+    # "config differs in: run.init_from; this run's values apply from here on": they did not.
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    ckpt = reference / "checkpoints" / "step_00000020"
+    rerun = run_train(out, cache, *STEPS, f"run.init_from={ckpt}")
+    assert (f"note: run.init_from={ckpt} is not used: it starts a fresh run, and this one resumes "
+            f"from its checkpoint; to start from those weights, give the run a new run.out_dir"
+            ) in rerun.stdout, rerun.stdout
+    assert "differs from the checkpoint's in: run.init_from" not in rerun.stdout
+    assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
+
+
 def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, f"run.init_from={tmp_path / 'nope'}", check=False)
