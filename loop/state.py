@@ -112,6 +112,10 @@ def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
     if changed:
         notes.append(f"config differs from the checkpoint's in: {', '.join(changed)}; this run's "
                      f"values apply from here on")
+    if "run.seed" in changed:  # the order is a function of (seed, epoch, index): data/sampler.py
+        notes.append("with another run.seed the rest of this epoch follows another order, so some of "
+                     "its samples are trained on twice and some not at all, and validation reads "
+                     "other batches (its losses compare with the run before's no more)")
     saved, now = state["metadata"].get("data"), metadata.get("data")  # None: older code, rank > 0
     if saved is not None and now is not None:
         keys = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))

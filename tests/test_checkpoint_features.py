@@ -293,6 +293,18 @@ def test_init_from_on_a_run_that_resumes_says_it_is_not_used(tmp_path, cache, re
             ) in rerun.stdout, rerun.stdout
     assert "differs from the checkpoint's in: run.init_from" not in rerun.stdout
     assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
+    assert "another run.seed" not in rerun.stdout
+
+
+def test_a_resume_with_another_seed_says_what_it_does_to_the_epoch(tmp_path, cache, reference):
+    # The data order is a function of (seed, epoch, index): the epoch goes on in another
+    # permutation from the same position, and validation draws other batches.
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    rerun = run_train(out, cache, *STEPS, "run.seed=7")
+    assert ("note: with another run.seed the rest of this epoch follows another order, so some of "
+            "its samples are trained on twice and some not at all, and validation reads other "
+            "batches") in rerun.stdout, rerun.stdout
 
 
 def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
