@@ -11,7 +11,8 @@
        since each rank has its own random streams)   ddp
 
 Every run gets a checkpoint and an evaluation every `every` steps, logs every step and its sample
-ids (`data.log_ids`), and no early stopping (runs that evaluate differently must train as long).
+ids (`data.log_ids`), no early stopping (runs that evaluate differently must train as long) and no
+mirror (the config's holds another run's checkpoints).
 """
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ def _args(plan: Plan, name: str, *extra: str) -> list[str]:
     return ["--config", plan.config, *plan.overrides, f"train.max_steps={plan.steps}",
             f"train.ckpt_every={plan.every}", f"train.eval_every={plan.every}", "train.log_every=1",
             "data.log_ids=true", "report.plots=false", "train.keep_last=1",
-            "train.early_stop_patience=0", "train.profile=false", "run.resume=auto", *extra,
-            f"run.out_dir={plan.root / name}"]
+            "train.early_stop_patience=0", "train.profile=false", "run.resume=auto",
+            "run.mirror=",  # the config's mirror is another run's: never resumed from, never pruned
+            *extra, f"run.out_dir={plan.root / name}"]
 
 
 def run(plan: Plan, name: str, *extra: str, nproc: int = 0) -> str | None:

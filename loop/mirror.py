@@ -147,10 +147,11 @@ class Mirror:
                 self.fs.rm(path, recursive=True)
 
 
-def fetch_latest(target: str, local_root: Path) -> Path | None:
+def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Path | None:
     """Copy the newest mirrored checkpoint that verifies into local_root (atomic: temp dir then rename,
     so local_root/step_XXXXXXXX appears complete or not at all) and return its local path; None if the
-    mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them."""
+    mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them.
+    `before_write` is called before anything is written (the trainer makes and locks run.out_dir)."""
     fs, root = _open(target)
     local_root = Path(local_root)
     try:
@@ -158,6 +159,8 @@ def fetch_latest(target: str, local_root: Path) -> Path | None:
     except OSError as e:  # e.g. a file where the directory should be: before anything is written
         raise BadInput(f"run.mirror={target}: cannot list it ({e.strerror or e}). Expected a "
                        f"directory path or an fsspec URL this machine can read.") from e
+    if mirrored:
+        before_write()
     for _, src in reversed(mirrored):
         name = _name(src)
         final, tmp = local_root / name, local_root / f".tmp-{name}-{os.getpid()}"

@@ -25,7 +25,8 @@ WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from 
               "random weights.")
 
 
-def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
+def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None) -> Path | None:
+    """`before_fetch`: called before a checkpoint from the mirror is written into ckpt_root."""
     if resume == "never":
         if checkpoint.step_dirs(ckpt_root):
             raise BadInput(f"run.resume=never, but {ckpt_root} already holds checkpoints that a "
@@ -36,7 +37,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str) -> Path | None:
     if not checkpoint.step_dirs(ckpt_root) and mirror:
         from loop.mirror import fetch_latest
 
-        return fetch_latest(mirror, ckpt_root)
+        return fetch_latest(mirror, ckpt_root, before_fetch)
     return checkpoint.newest_valid(ckpt_root)
 
 

@@ -146,10 +146,10 @@ class Trainer:
         return finish(self)
 
     def _lock_then_choose(self) -> Path | None:
-        """The checkpoint to resume from. First the out_dir's lock (loop/runlock.py): a second run
-        on the same out_dir stops before it reads a checkpoint the first one may be writing."""
+        """The checkpoint to resume from, the out_dir locked first (loop/runlock.py): a second run
+        stops before reading one the first may write. A fetch from the mirror makes a new one."""
         runlock.hold(self.out)
-        return resume.choose(self.cfg.run.resume, self.ckpt_root, self.cfg.run.mirror)
+        return resume.choose(self.cfg.run.resume, self.ckpt_root, self.cfg.run.mirror, self._make_out_dir)
 
     def _make_out_dir(self) -> None:
         self.out.mkdir(parents=True, exist_ok=True)

@@ -253,15 +253,22 @@ def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
     assert not (tmp_path / "best").exists()
 
 
-def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, reference):
+@pytest.mark.parametrize("gone", ["checkpoints", "run.out_dir"])
+def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, reference, gone):
+    # run.out_dir gone too (a new machine): the fetch made a directory holding checkpoints that
+    # "no run made", and the run refused it (exit 2), then and at every rerun.
     out, mirror = tmp_path / "run", tmp_path / "bucket"
     args = [cache, *STEPS, f"run.mirror={mirror}"]
     run_and_kill(out, 33, *args)
     assert (mirror / "latest").exists()
-    shutil.rmtree(out / "checkpoints")  # the machine's disk is gone; the mirror is not
+    shutil.rmtree(out / "checkpoints" if gone == "checkpoints" else out)  # the mirror is not gone
     rerun = run_train(out, *args)
     assert re.search(r"resumed from \S+ at step 30", rerun.stdout), rerun.stdout
-    same_run(reference, out)
+    if gone == "checkpoints":
+        same_run(reference, out)
+    else:  # its metrics from the resumed step on
+        assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)][30:]
+        assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
 
 
 def test_init_from_loads_weights_only(tmp_path, cache, reference):

@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, run_train
 
 VERIFY = [sys.executable, "-m", "loop.verify"]
 
@@ -217,3 +217,16 @@ def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monke
     [result] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "train.clip_grad=0.5"], {"clipping"})
     assert not result.ok and "gradient norm logged 0.5, reference " in result.numbers, result
     assert float(re.search(r"rel. difference ([0-9.e+-]+)", result.numbers).group(1)) < 1e-4
+
+
+def test_verify_leaves_the_configs_mirror_alone(tmp_path, cache):
+    # A config that mirrors its checkpoints (run.mirror, a bucket) made every audit run use that
+    # bucket: run A, with no checkpoint of its own, resumed from the newest one there (another run's),
+    # and each audit run's pruning deleted the bucket's checkpoints it did not keep itself.
+    bucket = tmp_path / "bucket"
+    run_train(tmp_path / "prod", cache, "train.max_steps=4", "train.ckpt_every=2", f"run.mirror={bucket}")
+    before = {p.relative_to(bucket): p.read_bytes() for p in bucket.rglob("*") if p.is_file()}
+    proc = verify(tmp_path, "--checks", "determinism", *TINY, cache, f"run.mirror={bucket}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "resumed from" not in proc.stdout + proc.stderr
+    assert {p.relative_to(bucket): p.read_bytes() for p in bucket.rglob("*") if p.is_file()} == before
