@@ -124,7 +124,8 @@ def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
         cmd = [sys.executable, "train.py", "--config", args.config, *args.overrides, *extra,
                f"run.out_dir={out}", "run.resume=never", f"train.max_steps={args.warmup + args.steps}",
                f"train.log_every={every}", "train.eval_every=0", "train.ckpt_every=0",
-               "train.sample_tokens=0", "report.plots=false"]
+               "train.sample_tokens=0", "report.plots=false",
+               "run.mirror="]  # the config's mirror holds a real run's checkpoints: never pruned here
     log = workdir / f"{arm}.log"
     with open(log, "w") as f:  # files, not pipes, so wait4 can reap it and report its memory
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)

@@ -15,8 +15,10 @@ from loop.config import DEFAULT_CONFIG
 def test_loop_vs_bare_runs_and_records(tmp_path, cache):
     results = tmp_path / "r.jsonl"
     args = ["--steps", "4", "--warmup", "2", "--reps", "1", "--results", str(results),
-            "--variant", "model.activation_checkpointing=true", *[t for t in TINY if "log_every" not in t], cache]
+            "--variant", "model.activation_checkpointing=true", *[t for t in TINY if "log_every" not in t], cache,
+            f"run.mirror={tmp_path / 'bucket'}"]  # a config that mirrors a real run's checkpoints
     assert loop_vs_bare.main(args) == 0
+    assert not (tmp_path / "bucket").exists()  # its runs' pruning deleted the real run's there
     (record,) = [json.loads(line) for line in results.read_text().splitlines()]
     med = record["median"]
     assert set(med) == {"scaffold", "bare", "model.activation_checkpointing=true"}
