@@ -147,18 +147,23 @@ class Mirror:
                 self.fs.rm(path, recursive=True)
 
 
+def listed(target: str) -> tuple:
+    """(fs, root, the step dirs mirrored there, oldest first); BadInput if it cannot be listed."""
+    fs, root = _open(target)
+    try:
+        return fs, root, _mirrored(fs, root)
+    except OSError as e:  # e.g. a file where the directory should be: before anything is written
+        raise BadInput(f"run.mirror={target}: cannot list it ({e.strerror or e}). Expected a "
+                       f"directory path or an fsspec URL this machine can read.") from e
+
+
 def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Path | None:
     """Copy the newest mirrored checkpoint that verifies into local_root (atomic: temp dir then rename,
     so local_root/step_XXXXXXXX appears complete or not at all) and return its local path; None if the
     mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them.
     `before_write` is called before anything is written (the trainer makes and locks run.out_dir)."""
-    fs, root = _open(target)
+    fs, root, mirrored = listed(target)
     local_root = Path(local_root)
-    try:
-        mirrored = _mirrored(fs, root)
-    except OSError as e:  # e.g. a file where the directory should be: before anything is written
-        raise BadInput(f"run.mirror={target}: cannot list it ({e.strerror or e}). Expected a "
-                       f"directory path or an fsspec URL this machine can read.") from e
     if mirrored:
         before_write()
     for _, src in reversed(mirrored):

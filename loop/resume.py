@@ -31,6 +31,13 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
         if checkpoint.step_dirs(ckpt_root):
             raise BadInput(f"run.resume=never, but {ckpt_root} already holds checkpoints that a "
                            f"fresh run would overwrite; use a new run.out_dir.")
+        if mirror:
+            from loop.mirror import listed
+
+            if listed(mirror)[2]:  # the mirror keeps what checkpoints/ keeps: it would prune them
+                raise BadInput(f"run.resume=never, but run.mirror={mirror} already holds checkpoints "
+                               f"that a fresh run's mirroring would delete; give the run its own "
+                               f"run.mirror, or run.resume=auto to continue from them.")
         return None
     if resume != "auto":
         return verified(followed(Path(resume)), "run.resume")

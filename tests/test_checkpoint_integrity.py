@@ -257,6 +257,22 @@ def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cac
     assert_unchanged(before, out)
 
 
+def test_resume_never_onto_a_mirror_holding_checkpoints_exits_2_and_changes_nothing(tmp_path, cache):
+    # The mirror keeps what checkpoints/ keeps: a fresh run on a mirror that holds another run's
+    # checkpoints deleted them at its first copy, as it would overwrite a run.out_dir's.
+    bucket = tmp_path / "bucket"
+    run_train(tmp_path / "first", cache, *BASE, "run.resume=never", f"run.mirror={bucket}")  # empty: fine
+    before = snapshot(bucket)
+    out = tmp_path / "second"
+    proc = run_train(out, cache, *BASE, "run.resume=never", f"run.mirror={bucket}", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.endswith(f"error: run.resume=never, but run.mirror={bucket} already holds "
+                                f"checkpoints that a fresh run's mirroring would delete; give the run "
+                                f"its own run.mirror, or run.resume=auto to continue from them.\n")
+    assert not out.exists()
+    assert_unchanged(before, bucket)
+
+
 def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
     missing = tmp_path / "nowhere" / "step_00000099"
     out = tmp_path / "run"
