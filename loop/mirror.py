@@ -195,7 +195,7 @@ def _download(fs, src: str, tmp: Path) -> str | None:
         return f"incomplete (no {MANIFEST}; a copy was cut short)"
     names = json.loads(fs.cat_file(posixpath.join(src, MANIFEST)))["files"]
     for name in [*names, MANIFEST]:
-        if name != posixpath.basename(name) or name.startswith("."):  # no writing outside tmp
+        if name != posixpath.basename(name) or name in ("", ".", ".."):  # no writing outside tmp
             return f"{MANIFEST} names a file outside its dir: {name!r}"
         with fs.open(posixpath.join(src, name), "rb") as f, open(tmp / name, "wb") as out:
             shutil.copyfileobj(f, out, 1 << 20)

@@ -119,6 +119,21 @@ def test_a_mirrored_manifest_naming_a_file_outside_its_dir_writes_nothing_there(
     assert sorted(p.name for p in fresh.iterdir()) == ["latest", "step_00000001"]
 
 
+def test_a_sharded_checkpoints_dcp_metadata_is_fetched(tmp_path):
+    # An FSDP checkpoint holds torch.distributed.checkpoint's `.metadata`: the fetch refused every
+    # name starting with a dot as "outside its dir", so an FSDP run never resumed from its mirror;
+    # it started over from step 0 without an error, and its mirroring then pruned the copies.
+    target, root = mem_target(), tmp_path / "ckpt"
+    path = checkpoint.save(root, 1, {"state.pt": {"step": 1}, ".metadata": {"plan": 1}}, keep_last=3,
+                           meta={"world_size": 2})
+    run = Mirror(target)
+    run.submit(path, {path.name})
+    run.close()
+    got = fetch_latest(target, tmp_path / "fresh")
+    assert got == tmp_path / "fresh" / "step_00000001" and checkpoint.verify(got) is None
+    assert (got / ".metadata").read_bytes() == (path / ".metadata").read_bytes()
+
+
 def test_a_run_with_local_checkpoints_resumes_from_them_not_the_mirror(tmp_path):
     # The mirror is for a machine that lost its disk. Its copies lag (they run in the background):
     # one with checkpoints of its own resumes from its newest, and the mirror's copy of step 2 does
