@@ -52,7 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (at least 8)")
     p.add_argument("--nproc", type=int, default=0, help="also check n processes against one (ddp)")
     p.add_argument("--checks", help=f"comma-separated subset of {', '.join(CHECKS)} (default: all)")
-    p.add_argument("--kill-at", type=int, default=0, help="the step to kill at (default: random)")
+    p.add_argument("--kill-at", type=int, help="the step to kill at (default: random)")
     p.add_argument("--out", default="runs/verify", help="where the audit runs go")
     p.add_argument("--keep", action="store_true", help="keep the runs even when every check passes")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is killed")
@@ -69,13 +69,15 @@ def chosen(a: argparse.Namespace) -> list[str]:
     unknown = [c for c in names if c not in CHECKS]
     if unknown:
         raise BadInput(f"--checks: unknown check {', '.join(unknown)}; expected some of {', '.join(CHECKS)}.")
+    if a.nproc and a.nproc < 2:  # was taken silently, as no ddp check at all
+        raise BadInput(f"--nproc: expected 2 or more processes to compare with one; got {a.nproc}.")
     if "ddp" in names and a.nproc < 2:
         raise BadInput("--checks ddp: needs --nproc 2 (or more) processes to compare with one.")
     if not (math.isfinite(a.timeout) and a.timeout > 0):
         raise BadInput(f"--timeout: expected a number of seconds > 0, got {a.timeout}.")
     if a.steps < 8:
         raise BadInput(f"--steps: expected at least 8 (a checkpoint, then a kill after it); got {a.steps}.")
-    if a.kill_at and not ckpt_every(a.steps) < a.kill_at < a.steps:  # else no kill, or no resume
+    if a.kill_at is not None and not ckpt_every(a.steps) < a.kill_at < a.steps:  # else no kill, or no resume
         raise BadInput(f"--kill-at: expected a step after the first checkpoint (step "
                        f"{ckpt_every(a.steps)}) and before the last ({a.steps}); got {a.kill_at}.")
     return names
@@ -92,7 +94,7 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     if cfg.run.deterministic:
         determinism.enable()
     every = ckpt_every(a.steps)
-    kill_at = a.kill_at or random.Random().randint(every + 1, a.steps - 1)
+    kill_at = a.kill_at if a.kill_at is not None else random.Random().randint(every + 1, a.steps - 1)
     plan = audit_runs.Plan(a.config, a.overrides, a.steps, every, kill_at, a.nproc, root, a.timeout)
     results = gradient_audits(a.config, a.overrides, set(checks))
     results += single_process_runs(plan, cfg, checks)

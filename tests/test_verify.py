@@ -62,7 +62,10 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
                        (["--steps", "3"], "at least 8"),
                        (["--kill-at", "20"], "--kill-at: expected a step after the first checkpoint "
                                              "(step 5) and before the last (20); got 20."),
-                       (["--kill-at", "5"], "got 5.")]:
+                       (["--kill-at", "5"], "got 5."),
+                       (["--kill-at", "0"], "got 0."),  # was taken for no --kill-at: a random step
+                       (["--nproc", "1"], "--nproc: expected 2 or more processes to compare with "
+                                          "one; got 1.")]:  # was no ddp check, unsaid
         code, err = main(["--out", str(tmp_path / "verify"), *args]), capsys.readouterr().err
         assert code == 2 and said in err, (args, err)
     proc = verify(tmp_path, "model.n_layr=2")  # and once as users run it: the exit code is 2
