@@ -1,7 +1,8 @@
 """Run under torchrun: build what train.py would (loop/build.py) with the given overrides, the GPT
 given a non-persistent buffer (in no state_dict), and print one JSON line per rank: this process's
 peak host memory (ru_maxrss), the bytes of the model's weights, and that buffer's values in the
-model and in the EMA copy, for tests/test_fsdp.py.
+model and in the EMA copy, for tests/test_fsdp.py; with train.fsdp_mixed_precision=true also, after
+one backward of a validation batch, how many of this rank's gradient values bf16 cannot hold.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_setup.py k=v ...
 """
@@ -18,9 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import model  # noqa: E402
-from loop import distributed  # noqa: E402
+from loop import distributed, fsdp  # noqa: E402
 from loop.build import build_trainer  # noqa: E402
 from loop.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from loop.evaluate import loss_and_sums  # noqa: E402
 
 gpt = model.BUILDERS["gpt"]
 
@@ -40,9 +42,14 @@ def report() -> None:
     """In a function so that the trainer, which holds process groups, is gone before close()."""
     t = build_trainer(cfg, dist, device)
     n_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())  # whole, not shards
-    line = json.dumps({"rank": dist.rank, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-                       "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
-                       "ema_probe": t.ema.module.probe.tolist() if t.ema else None})
+    fields = {"rank": dist.rank, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+              "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
+              "ema_probe": t.ema.module.probe.tolist() if t.ema else None}
+    if cfg.train.fsdp_mixed_precision:  # each rank's batch differs: so do its bf16 gradients
+        loss_and_sums(t.model(t.val[0]))[0].backward()
+        grads = [fsdp.local(p.grad) for p in t.model.parameters()]
+        fields["grads_beyond_bf16"] = sum(int((g != g.bfloat16().float()).sum()) for g in grads)
+    line = json.dumps(fields)
     sys.stdout.flush()
     os.write(1, f"{line}\n".encode())  # one write: the ranks share the pipe (print may write twice)
     dist.barrier()
