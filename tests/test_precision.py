@@ -123,3 +123,38 @@ def test_weights_kept_in_bf16_train_under_fp32_and_bf16(tmp_path, cache, monkeyp
     before = t.raw.wte.weight.detach().clone()
     t.run()
     assert t.raw.wte.weight.dtype is torch.bfloat16 and not torch.equal(t.raw.wte.weight, before)
+
+
+def test_micro_batch_losses_a_model_gives_in_bf16_are_added_in_float32(tmp_path, cache, monkeypatch):
+    # A model of yours may return its loss in bf16 (computed in bf16, no .float()). The step's loss
+    # adds its micro-batches' losses in float32: added in bf16, the sum was rounded to 8 bits again
+    # (4 micro-batches of ~590 here: steps of 16 instead of 4; seen: 4.59375 logged for 4.5859375).
+    import model
+    from conftest import TINY, metrics
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    seen = []  # every training micro-batch's bf16 loss, in order (not the no-grad evaluations)
+
+    class Bf16Loss(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, batch):
+            loss = self.inner(batch).bfloat16()
+            if torch.is_grad_enabled():
+                seen.append(loss.item())
+            return loss
+
+    monkeypatch.setitem(model.BUILDERS, "gpt_bf16_loss", lambda c, d: Bf16Loss(model.build_gpt(c, d)))
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_bf16_loss", f"run.out_dir={out}",
+                                       "train.max_steps=4", "train.grad_accum=4", "train.eval_every=0",
+                                       "train.sample_tokens=0"])
+    build_trainer(cfg, Dist(), CPU).run()
+    n = 4 * 4 * 32  # targets in a step: 4 micro-batches of 4 samples of 32
+    # Each bf16 value is exact in float32, so is their sum (a few bits more), and so is / 512.
+    want = [(torch.tensor(seen[4 * k : 4 * k + 4]).sum() / n).item() for k in range(4)]
+    assert [r["loss"] for r in metrics(out)] == want
