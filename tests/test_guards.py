@@ -115,6 +115,19 @@ def test_an_fp16_overflow_is_skipped_and_counted_apart_from_non_finite_steps(tmp
     assert (s["overflow_steps"], s["skipped_steps"], s["steps"]) == (3, 0, 12)
 
 
+def test_a_non_finite_loss_under_fp16_meets_the_nan_policy_not_the_scaler(tmp_path, cache):
+    # Gradients that overflow fp16 are the GradScaler's to skip; a loss that is not finite is the
+    # model's or the data's fault whatever the precision. It was counted as an overflow and
+    # skipped, so train.nan_policy=abort never stopped an fp16 run diverging.
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.precision=fp16",
+                                "train.max_steps=4", "train.nan_policy=abort", "faults.nan_at_step=3"])
+    with pytest.raises(GaveUp, match="step 3: non-finite loss of micro-batch 0"):
+        build_trainer(cfg, Dist(), torch.device("cpu")).run()
+
+
 def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, cache):
     # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
     # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
@@ -127,7 +140,7 @@ def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, c
 
 
 def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache):
-    args = [cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13"]
+    args = [cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13", "train.keep_last=10"]
     ref, clean = tmp_path / "ref", tmp_path / "clean"
     proc = run_train(ref, *args)
     assert "rolled back to step 10" in proc.stderr and f"position {12 * GB}" in proc.stderr
@@ -145,6 +158,9 @@ def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache
     run_and_kill(out, 17, *args)
     run_train(out, *args)
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
+    # The rerun had checkpoints to roll back to: it wrote no step 0 of its own (it held step 15).
+    for d in checkpoint.step_dirs(out / "checkpoints"):
+        assert torch.load(d / "state.pt", weights_only=True)["progress"]["step"] == int(d.name[5:])
 
 
 def test_rollback_that_never_gets_past_a_bad_step_gives_up(tmp_path, cache):
