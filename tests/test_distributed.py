@@ -1,7 +1,7 @@
 """Many processes, one code path, through real torchrun subprocesses (gloo on CPU): 2 processes
 equal 1 process with twice the micro-batch, a SIGKILLed 2-process job resumes bit-identically, the
 world size can change at a resume without skipping or repeating a sample, a NaN on one rank is
-skipped by all, torchrun --max-restarts recovers a killed worker, and torchrun with one process
+skipped by all (or rolled back by all, past the global window), torchrun --max-restarts recovers a killed worker, and torchrun with one process
 takes the distributed path (DDP or FSDP over one rank) with plain python's results."""
 from __future__ import annotations
 
@@ -135,6 +135,21 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, cache):
     # Each rank says what it saw: rank 1 its own loss, rank 0 the gradients summed with rank 1's.
     assert "warning: rank 1: step 7: non-finite loss of micro-batch 0" in proc.stderr, proc.stderr
     assert "warning: rank 0: step 7: non-finite grad norm" in proc.stderr, proc.stderr
+
+
+def test_a_nan_on_one_rank_rolls_every_rank_back_past_the_global_window(tmp_path, cache, two_proc):
+    out = tmp_path / "run"
+    proc = run_train(out, cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13",
+                     "faults.nan_rank=1", nproc=2)
+    assert "rolled back to step 10; the samples at position 192 will be passed over" in proc.stderr
+    recs, ref = metrics(out), metrics(two_proc)
+    # Steps 11-12 replayed as before; from step 13 on, each trains on the uninterrupted run's next
+    # window: the one at position 192 (12 steps x 16 samples, both ranks') is never trained on.
+    assert [r["ids"] for r in recs] == [r["ids"] for r in ref[:12] + ref[13:]] + [recs[-1]["ids"]]
+    # The position counts both ranks' samples, the window passed over too: a resume continues
+    # from it. Counting one rank's alone, it fell 8 behind the data the ranks had drawn.
+    assert [r["samples"] for r in recs] == [16 * k for k in [*range(1, 13), *range(14, 22)]]
+    assert summary(out)["rollbacks"] == 1 and summary(out)["steps"] == 20
 
 
 def children(pid: int) -> list[int]:
