@@ -128,6 +128,20 @@ def test_a_non_finite_loss_under_fp16_meets_the_nan_policy_not_the_scaler(tmp_pa
         build_trainer(cfg, Dist(), torch.device("cpu")).run()
 
 
+def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
+    # The scaler had checked the bad step's gradients for infs; a rollback that did not finish
+    # that step with it (update) left the check pending, and the next step raised "unscale_() has
+    # already been called on this optimizer since the last update()".
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.precision=fp16",
+                                *STEPS, "train.max_steps=8", "train.nan_policy=rollback",
+                                "faults.nan_at_step=7"])
+    s = build_trainer(cfg, Dist(), torch.device("cpu")).run()
+    assert (s["rollbacks"], s["steps"], s["skipped_steps"]) == (1, 8, 0)
+
+
 def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, cache):
     # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
     # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
@@ -231,9 +245,11 @@ def test_bad_steps_that_are_not_in_a_row_never_give_up(tmp_path, cache):
 
 def test_every_window_rolled_back_from_stays_passed_over(tmp_path, cache):
     # Two bad windows after the same checkpoint (step 10): the second rollback goes back to it
-    # too, and must pass over the first window as well, or it meets it again (and again...).
+    # too, and must pass over the first window as well, or it meets it again (and again...). The
+    # good step 13 between them ends the first bad step's row: max_bad_steps=1 does not give up.
     out = tmp_path / "run"
-    s = trainer_with_bad_windows(out, cache, {12 * GB, 14 * GB}, "train.nan_policy=rollback").run()
+    s = trainer_with_bad_windows(out, cache, {12 * GB, 14 * GB}, "train.nan_policy=rollback",
+                                 "train.max_bad_steps=1").run()
     recs = metrics(out)
     assert [r["step"] for r in recs] == list(range(1, 21)) and not any(r["skipped"] for r in recs)
     final = state(out, 20)["progress"]
