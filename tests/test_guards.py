@@ -142,6 +142,24 @@ def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
     assert (s["rollbacks"], s["steps"], s["skipped_steps"]) == (1, 8, 0)
 
 
+def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache, monkeypatch, capsys):
+    # train.async_save: step 10's checkpoint (on a disk made a second slower) is still being
+    # written when step 12 turns out bad. The rollback waits for it: it went back to step 5,
+    # replaying five steps more than needed.
+    import time
+
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    save = checkpoint.save
+    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: (time.sleep(1), save(*a, **k))[1])
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", *STEPS,
+                                "train.max_steps=14", "train.async_save=true",
+                                "train.nan_policy=rollback", "faults.nan_at_step=12"])
+    s = build_trainer(cfg, Dist(), torch.device("cpu")).run()
+    assert "rolled back to step 10;" in capsys.readouterr().err and s["rollbacks"] == 1
+
+
 def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, cache):
     # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
     # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
