@@ -160,6 +160,30 @@ def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache
     assert "rolled back to step 10;" in capsys.readouterr().err and s["rollbacks"] == 1
 
 
+def test_the_stop_signals_are_the_callers_again_after_a_run(tmp_path, cache):
+    # The run handles SIGTERM and SIGUSR1 itself (finish the step, checkpoint, exit 143). Kept
+    # after it, a notebook that had called train.main ignored SIGTERM from then on: the handler
+    # only raised a flag on a run that was over. Put back after a run that ends, or gives up.
+    import signal
+
+    from conftest import TINY
+    from loop.build import build_trainer
+
+    mine = {s: signal.signal(s, signal.default_int_handler) for s in guards.STOP_SIGNALS}
+    try:
+        for extra in ([], ["train.nan_policy=abort", "faults.nan_at_step=2"]):
+            cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / str(len(extra))}",
+                                        "train.max_steps=3", *extra])
+            try:
+                build_trainer(cfg, Dist(), torch.device("cpu")).run()
+            except GaveUp:
+                assert extra
+            assert all(signal.getsignal(s) is signal.default_int_handler for s in mine), extra
+    finally:
+        for s, handler in mine.items():
+            signal.signal(s, handler)
+
+
 def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, cache):
     # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
     # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
