@@ -43,6 +43,11 @@ def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
     wb = torch.load(two_proc / "model.pt", weights_only=True)["model"]
     assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
     assert len(list((two_proc / "checkpoints" / "step_00000020").glob("rng_rank*.pt"))) == 2
+    # Each rank its own random streams: seeded alike, the ranks drew the same dropout masks.
+    r0, r1 = (torch.load(two_proc / "checkpoints" / "step_00000020" / f"rng_rank{r}.pt",
+                         weights_only=True) for r in (0, 1))
+    assert not torch.equal(r0["torch"], r1["torch"]) and r0["python"] != r1["python"]
+    assert not torch.equal(r0["numpy"]["keys"], r1["numpy"]["keys"])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
