@@ -1,6 +1,7 @@
 """Proves `python -m loop.sample` rebuilds the trained model from what a run leaves: from model.pt
 (its weights or its EMA) and from a checkpoint, it draws the very text the run drew at its end
-(summary.json's sample: same prompt, seed and length), and bad input is exit 2 naming it."""
+(summary.json's sample: same prompt, seed and length), a model on token files takes and prints
+token ids, an empty prompt starts from token 0, and bad input is exit 2 naming it."""
 from __future__ import annotations
 
 import pytest
@@ -85,3 +86,32 @@ def test_weights_that_do_not_fit_their_own_config_blame_the_code(run, capsys, tm
     assert (code, out) == (2, "") and "blocks.2.attn.qkv.weight: missing from checkpoint" in err
     assert err.endswith("\nIt was trained with this config's model.* keys and data.seq_len: the data's "
                         "vocabulary or the model code differs. Use the model code it was trained with.\n")
+
+
+def test_an_empty_prompt_starts_from_token_0(run, capsys):
+    first = sample.load(run, False, torch.device("cpu"))[1].meta["chars"][0]  # "\n" in most texts
+    code, out, _ = drawn(capsys, run, *SAMPLE)
+    assert code == 0 and len(out) == 1 + 16 + 1 and out == drawn(capsys, run, "--prompt", first, *SAMPLE)[1]
+
+
+def test_a_token_file_model_takes_and_prints_token_ids(tmp_path, cache, capsys):
+    # data.name=markov: token files (16 ids) with no characters to them, as a tokenizer's output.
+    from conftest import TINY
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "data.name=markov",
+                                       "data.markov.vocab_size=16", "train.max_steps=2"])
+    build_trainer(cfg, Dist(), torch.device("cpu")).run()
+    capsys.readouterr()  # the run's console
+    code, text, _ = drawn(capsys, out, "--prompt", "3 1 4", *SAMPLE)
+    ids = [int(i) for i in text.split()]
+    assert code == 0 and ids[:3] == [3, 1, 4] and len(ids) == 3 + 16 and set(ids) <= set(range(16))
+    code, text, _ = drawn(capsys, out, *SAMPLE)  # no prompt: token 0
+    assert code == 0 and text.split()[0] == "0" and len(text.split()) == 1 + 16
+    for prompt, says in [("3 x", "'3 x'; this model reads token ids, expected integers separated by spaces."),
+                         ("15 16", "token ids [16] outside the vocabulary (0 to 15)."),
+                         ("-1", "token ids [-1] outside the vocabulary (0 to 15).")]:
+        assert drawn(capsys, out, "--prompt", prompt) == (2, "", f"error: option --prompt: {says}\n")
