@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loop.config import Config, config_hash, flat, load_config, parse_args, save
+from loop.config import Config, changed_keys, config_hash, flat, load_config, parse_args, save
 from loop.config_check import to_dict
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
@@ -331,3 +331,13 @@ def test_overrides_before_and_after_config():
     # `make train ARGS=...` and make verify put overrides on both sides of --config.
     assert parse_args(["train.max_steps=3", "--config", "x.yaml", "optim.lr=0.1"]) == \
         ("x.yaml", ["train.max_steps=3", "optim.lr=0.1"])
+
+
+def test_changed_keys_names_keys_either_config_lacks():
+    # A checkpoint from older (or newer) code: a key only one side has is a change, said at the
+    # resume; looking only at the checkpoint's keys missed the keys this code added since.
+    old = to_dict(Config())
+    old["train"]["max_steps"] = 7
+    del old["train"]["keep_last"]  # older code: no such key yet
+    old["train"]["retired"] = 1  # newer code's key, gone here
+    assert changed_keys(old, Config()) == ["train.keep_last", "train.max_steps", "train.retired"]
