@@ -5,6 +5,7 @@ skipped by all (or rolled back by all, past the global window), torchrun --max-r
 takes the distributed path (DDP or FSDP over one rank) with plain python's results."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -42,10 +43,12 @@ def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
     wa = torch.load(one_proc / "model.pt", weights_only=True)["model"]
     wb = torch.load(two_proc / "model.pt", weights_only=True)["model"]
     assert all(torch.allclose(wa[k], wb[k], rtol=0, atol=1e-5) for k in wa)
-    assert len(list((two_proc / "checkpoints" / "step_00000020").glob("rng_rank*.pt"))) == 2
+    ckpt = two_proc / "checkpoints" / "step_00000020"
+    # Every rank's file is in the manifest: verified at a resume, and copied by run.mirror.
+    files = json.loads((ckpt / "manifest.json").read_text())["files"]
+    assert sorted(files) == ["rng_rank0.pt", "rng_rank1.pt", "state.pt"]
     # Each rank its own random streams: seeded alike, the ranks drew the same dropout masks.
-    r0, r1 = (torch.load(two_proc / "checkpoints" / "step_00000020" / f"rng_rank{r}.pt",
-                         weights_only=True) for r in (0, 1))
+    r0, r1 = (torch.load(ckpt / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1))
     assert not torch.equal(r0["torch"], r1["torch"]) and r0["python"] != r1["python"]
     assert not torch.equal(r0["numpy"]["keys"], r1["numpy"]["keys"])
 
