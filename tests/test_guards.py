@@ -350,6 +350,10 @@ def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
     cpu, model = torch.device("cpu"), Sizes()
     got = val_metrics(model, [batch, batch], Precision("fp32", cpu), cpu, Dist(), split=2)
     assert model.seen == [4, 4, 4, 4] and got == {"val_loss": 2.0}
+    for mode in (False, True):  # it evaluates in eval mode and leaves the model in its own
+        model.train(mode)
+        val_metrics(model, [batch], Precision("fp32", cpu), cpu, Dist())
+        assert model.training is mode
 
 
 def test_a_split_into_uneven_pieces_records_the_largest(tmp_path, cache, capsys):
