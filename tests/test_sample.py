@@ -10,13 +10,17 @@ import torch
 from conftest import run_train, summary
 from loop import sample
 
-SAMPLE = ["--tokens", "16", "--seed", "1337"]  # the run's: train.sample_tokens (TINY), run.seed
+# The run's train.sample_tokens (set below) and run.seed. 300 tokens: 16 drawn from the EMA and the
+# raw weights of a near-random model with one generator came out the same, so the run's own sample
+# passed for the EMA's when it was the raw weights'.
+SAMPLE = ["--tokens", "300", "--seed", "1337"]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("sample") / "run"
-    run_train(out, cache, "train.max_steps=20", "train.ckpt_every=20", "ema.enabled=true")
+    run_train(out, cache, "train.max_steps=20", "train.ckpt_every=20", "ema.enabled=true",
+              "train.sample_tokens=300")
     return out
 
 
@@ -30,8 +34,8 @@ def test_the_exported_ema_and_the_checkpoint_draw_the_runs_own_text(run, capsys)
     text = summary(run)["sample"]  # drawn from the EMA weights (validation's), after 8 prompt characters
     code, out, _ = drawn(capsys, run, "--ema", "--prompt", text[:8], *SAMPLE)
     assert code == 0 and out == text + "\n"
-    # The raw weights, then the step-20 checkpoint's (the same): 300 tokens, as 16 drawn from two
-    # near-random models with one generator can be the same.
+    assert drawn(capsys, run / "model.pt", "--prompt", text[:8], *SAMPLE)[1] != out  # not the raw weights'
+    # The raw weights, then the step-20 checkpoint's (the same).
     longer = ["--prompt", text[:8], "--tokens", "300"]
     code, ema, _ = drawn(capsys, run, "--ema", *longer)
     code, from_model, _ = drawn(capsys, run / "model.pt", *longer)
@@ -91,7 +95,7 @@ def test_weights_that_do_not_fit_their_own_config_blame_the_code(run, capsys, tm
 def test_an_empty_prompt_starts_from_token_0(run, capsys):
     first = sample.load(run, False, torch.device("cpu"))[1].meta["chars"][0]  # "\n" in most texts
     code, out, _ = drawn(capsys, run, *SAMPLE)
-    assert code == 0 and len(out) == 1 + 16 + 1 and out == drawn(capsys, run, "--prompt", first, *SAMPLE)[1]
+    assert code == 0 and len(out) == 1 + 300 + 1 and out == drawn(capsys, run, "--prompt", first, *SAMPLE)[1]
 
 
 def test_a_token_file_model_takes_and_prints_token_ids(tmp_path, cache, capsys):
@@ -106,10 +110,10 @@ def test_a_token_file_model_takes_and_prints_token_ids(tmp_path, cache, capsys):
                                        "data.markov.vocab_size=16", "train.max_steps=2"])
     build_trainer(cfg, Dist(), torch.device("cpu")).run()
     capsys.readouterr()  # the run's console
-    code, text, _ = drawn(capsys, out, "--prompt", "3 1 4", *SAMPLE)
+    code, text, _ = drawn(capsys, out, "--prompt", "3 1 4", "--tokens", "16")
     ids = [int(i) for i in text.split()]
     assert code == 0 and ids[:3] == [3, 1, 4] and len(ids) == 3 + 16 and set(ids) <= set(range(16))
-    code, text, _ = drawn(capsys, out, *SAMPLE)  # no prompt: token 0
+    code, text, _ = drawn(capsys, out, "--tokens", "16")  # no prompt: token 0
     assert code == 0 and text.split()[0] == "0" and len(text.split()) == 1 + 16
     for prompt, says in [("3 x", "'3 x'; this model reads token ids, expected integers separated by spaces."),
                          ("15 16", "token ids [16] outside the vocabulary (0 to 15)."),
