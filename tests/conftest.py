@@ -1,4 +1,5 @@
-"""Shared helpers for end-to-end tests: run train.py as a real subprocess, kill it, read its files."""
+"""Shared helpers for end-to-end tests: run train.py as a real subprocess (or its main in this
+process, where no kill, signal or torchrun is involved), kill it, read its files."""
 from __future__ import annotations
 
 import json
@@ -96,6 +97,25 @@ def run_train(out: Path, *overrides: str, check: bool = True, nproc: int = 0, re
                           capture_output=True, text=True, timeout=300)
     if check and proc.returncode != 0:
         raise AssertionError(f"train.py exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def train_here(out: Path, *overrides: str, check: bool = True) -> subprocess.CompletedProcess:
+    """train.py's main in this process, its console captured, returned as run_train returns it:
+    for runs whose exit code, console and files are all a test reads. It saves the 2-3 s an
+    interpreter takes to start (importing torch); kills, signals and torchrun need run_train."""
+    import contextlib
+    import io
+
+    import train
+
+    argv = [f"run.out_dir={out}", *TINY, *overrides]
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = train.main(argv)
+    proc = subprocess.CompletedProcess(["train.py", *argv], code, stdout.getvalue(), stderr.getvalue())
+    if check and code != 0:
+        raise AssertionError(f"train.main exited {code}\n{proc.stdout}\n{proc.stderr}")
     return proc
 
 

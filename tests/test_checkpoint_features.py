@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import ROOT, TINY, metrics, run_and_kill, run_and_signal, run_train, summary
+from conftest import ROOT, TINY, metrics, run_and_kill, run_and_signal, run_train, summary, train_here
 from loop import checkpoint
 from loop.guards import EXIT_PREEMPTED
 
@@ -150,19 +150,19 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     args = [cache, "train.max_steps=200", "train.eval_every=4", "train.early_stop_patience=2",
             "train.early_stop_min_delta=0.2"]
     out = tmp_path / "run"
-    run_train(out, *args)
+    train_here(out, *args)
     vals = [(r["step"], r["val_loss"]) for r in metrics(out) if "val_loss" in r]
     s = summary(out)
     assert s["stopped_early"] and s["steps"] == expected_stop(vals, 2, 0.2) < 200, (vals, s)
     assert "did not improve by 0.2 for 2 evaluations" in s["stop_reason"]
-    rerun = run_train(out, *args)  # the stop is part of the state: running again trains nothing
+    rerun = train_here(out, *args)  # the stop is part of the state: running again trains nothing
     assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
     assert (f"note: this run stopped early ({s['stop_reason']}), so nothing more is trained; to "
             f"train on, rerun with a larger train.early_stop_patience, or 0") in rerun.stdout
     # Resumed without early stopping (or with more patience), it trains on; it stayed stopped,
     # below a note saying the new value applies.
     more = f"train.max_steps={s['steps'] + 4}"
-    run_train(out, *args, more, "train.early_stop_patience=0")
+    train_here(out, *args, more, "train.early_stop_patience=0")
     assert summary(out)["steps"] == s["steps"] + 4 and not summary(out)["stopped_early"]
 
 
@@ -198,8 +198,8 @@ def test_a_resume_that_tracks_another_metric_or_direction_starts_the_best_over(t
     # The best so far was compared with the new direction (or metric): in max mode a loss the run
     # before minimised was never beaten, so no later evaluation was ever a best and `best` stayed.
     out, args = tmp_path / "run", [cache, "train.eval_every=4", "train.max_steps=8"]
-    run_train(out, *args)
-    rerun = run_train(out, *args, "train.max_steps=12", "train.best_mode=max")
+    train_here(out, *args)
+    rerun = train_here(out, *args, "train.max_steps=12", "train.best_mode=max")
     assert ("note: train.best_metric/best_mode val_loss/min -> val_loss/max: the best checkpoint and "
             "early stopping start over from this step") in rerun.stdout, rerun.stdout
     val12 = next(r["val_loss"] for r in metrics(out) if r["step"] == 12)
@@ -209,7 +209,7 @@ def test_a_resume_that_tracks_another_metric_or_direction_starts_the_best_over(t
 
 def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cache):
     # train.eval_every=0 evaluates once, at the end: a patience counting evaluations never fires.
-    proc = run_train(tmp_path / "run", cache, "train.max_steps=2", "train.eval_every=0",
+    proc = train_here(tmp_path / "run", cache, "train.max_steps=2", "train.eval_every=0",
                      "train.early_stop_patience=2")
     assert ("note: train.early_stop_patience has no effect with train.eval_every=0: it counts "
             "evaluations, and this run evaluates once, at its end") in proc.stdout, proc.stdout
@@ -219,7 +219,7 @@ def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cach
 def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
     # keep_last=1: only the newest survives retention, plus the best one.
     out = tmp_path / "run"
-    run_train(out, cache, "train.max_steps=30", "train.eval_every=5", "train.ckpt_every=10",
+    train_here(out, cache, "train.max_steps=30", "train.eval_every=5", "train.ckpt_every=10",
               "train.keep_last=1", f"train.best_mode={mode}")
     vals = {r["step"]: r["val_loss"] for r in metrics(out) if "val_loss" in r}
     pick = min if mode == "min" else max
@@ -276,13 +276,13 @@ def test_init_from_loads_weights_only(tmp_path, cache, reference):
     zero = tmp_path / "zero"
     # With an EMA: it starts from the warm-start weights too (not the fresh model's), and with no
     # step taken it is what is validated and exported.
-    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}", "ema.enabled=true")
+    proc = train_here(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}", "ema.enabled=true")
     assert "done: 0 steps | loss n/a | val " in proc.stdout, proc.stdout  # not "loss None"
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
     assert summary(zero)["ema_params_sha256"] == summary(reference)["params_sha256"]
     assert summary(zero)["val_loss"] == summary(reference)["val_loss"]
     warm = tmp_path / "warm"
-    run_train(warm, cache, "train.max_steps=5", f"run.init_from={ckpt}")
+    train_here(warm, cache, "train.max_steps=5", f"run.init_from={ckpt}")
     first = metrics(warm)[0]
     assert first["step"] == 1 and first["lr"] == metrics(reference)[0]["lr"]  # fresh schedule
     assert first["loss"] < metrics(reference)[0]["loss"] - 0.3  # but trained weights
@@ -294,7 +294,7 @@ def test_init_from_on_a_run_that_resumes_says_it_is_not_used(tmp_path, cache, re
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     ckpt = reference / "checkpoints" / "step_00000020"
-    rerun = run_train(out, cache, *STEPS, f"run.init_from={ckpt}")
+    rerun = train_here(out, cache, *STEPS, f"run.init_from={ckpt}")
     assert (f"note: run.init_from={ckpt} is not used: it starts a fresh run, and this one resumes "
             f"from its checkpoint; to start from those weights, give the run a new run.out_dir"
             ) in rerun.stdout, rerun.stdout
@@ -308,7 +308,7 @@ def test_a_resume_with_another_seed_says_what_it_does_to_the_epoch(tmp_path, cac
     # permutation from the same position, and validation draws other batches.
     out = tmp_path / "run"
     shutil.copytree(reference, out)
-    rerun = run_train(out, cache, *STEPS, "run.seed=7")
+    rerun = train_here(out, cache, *STEPS, "run.seed=7")
     assert ("note: with another run.seed the rest of this epoch follows another order, so some of "
             "its samples are trained on twice and some not at all, and validation reads other "
             "batches") in rerun.stdout, rerun.stdout
@@ -316,7 +316,7 @@ def test_a_resume_with_another_seed_says_what_it_does_to_the_epoch(tmp_path, cac
 
 def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
     out = tmp_path / "run"
-    proc = run_train(out, cache, f"run.init_from={tmp_path / 'nope'}", check=False)
+    proc = train_here(out, cache, f"run.init_from={tmp_path / 'nope'}", check=False)
     assert proc.returncode == 2 and "run.init_from" in proc.stderr and not out.exists()
     assert "holds checkpoints" not in proc.stderr  # nothing near it to suggest
 
@@ -328,22 +328,22 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
     alone.parent.mkdir()
     alone.write_bytes((reference / "model.pt").read_bytes())
     zero = tmp_path / "zero"
-    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={alone}")
+    proc = train_here(zero, cache, "train.max_steps=0", f"run.init_from={alone}")
     assert f"initialised model weights from {alone}" in proc.stdout, proc.stdout
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
     # A bare state_dict, as torch.save(model.state_dict(), PATH) writes it, loads the same.
     torch.save(torch.load(alone, weights_only=True)["model"], alone)
     bare = tmp_path / "bare"
-    run_train(bare, cache, "train.max_steps=0", f"run.init_from={alone}")
+    train_here(bare, cache, "train.max_steps=0", f"run.init_from={alone}")
     assert summary(bare)["params_sha256"] == summary(reference)["params_sha256"]
     torch.save({"weights": [1, 2]}, alone)
-    proc = run_train(tmp_path / "bad", cache, f"run.init_from={alone}", check=False)
+    proc = train_here(tmp_path / "bad", cache, f"run.init_from={alone}", check=False)
     assert proc.returncode == 2 and not (tmp_path / "bad").exists(), proc.stderr
     assert proc.stderr.endswith(f"error: run.init_from={alone}: expected a checkpoint directory, a "
                                 f"model.pt as train.py exports it (a dict whose \"model\" is a state_dict), "
                                 f"or a state_dict saved with torch.save(model.state_dict(), PATH).\n"), \
         proc.stderr
-    wider = run_train(tmp_path / "wider", cache, "model.n_embd=48", f"run.init_from={reference / 'model.pt'}",
+    wider = train_here(tmp_path / "wider", cache, "model.n_embd=48", f"run.init_from={reference / 'model.pt'}",
                       check=False)
     # Named: the 16 tensors that differ, and the keys that set the shapes otherwise in its run; the
     # advice is for a warm start, not a resume.
@@ -358,7 +358,7 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
         "was trained with, or leave run.init_from empty to start from random weights.\n"), wider.stderr
     # A resume whose context (data.seq_len sizes the position table) was changed: named, not
     # "the model code differs".
-    shorter = run_train(tmp_path / "shorter", cache, "data.seq_len=16",
+    shorter = train_here(tmp_path / "shorter", cache, "data.seq_len=16",
                         f"run.resume={reference / 'checkpoints' / 'step_00000040'}", check=False)
     assert shorter.returncode == 2 and not (tmp_path / "shorter").exists()
     assert shorter.stderr.endswith(
@@ -373,17 +373,17 @@ def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, re
     # "manifest.json is missing" for resume). They stand for the checkpoint they name.
     ckpts = reference / "checkpoints"
     zero = tmp_path / "zero"
-    proc = run_train(zero, cache, "train.max_steps=0", f"run.init_from={ckpts / 'latest'}")
+    proc = train_here(zero, cache, "train.max_steps=0", f"run.init_from={ckpts / 'latest'}")
     assert f"initialised model weights from {ckpts / 'step_00000040'}\n" in proc.stdout, proc.stdout
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
     best = ckpts / (ckpts / "best").read_text()
-    proc = run_train(tmp_path / "best", cache, "train.max_steps=0", f"run.init_from={ckpts / 'best'}")
+    proc = train_here(tmp_path / "best", cache, "train.max_steps=0", f"run.init_from={ckpts / 'best'}")
     assert f"initialised model weights from {best}\n" in proc.stdout, proc.stdout
-    proc = run_train(tmp_path / "on", cache, "train.max_steps=40", f"run.resume={ckpts / 'latest'}")
+    proc = train_here(tmp_path / "on", cache, "train.max_steps=40", f"run.resume={ckpts / 'latest'}")
     assert f"resumed from {ckpts / 'step_00000040'} at step 40" in proc.stdout, proc.stdout
     # Any other file that torch.save did not write: named, exit 2, nothing written.
     out = tmp_path / "text"
-    proc = run_train(out, cache, f"run.init_from={reference / 'summary.json'}", check=False)
+    proc = train_here(out, cache, f"run.init_from={reference / 'summary.json'}", check=False)
     assert proc.returncode == 2 and not out.exists(), proc.stderr
     assert proc.stderr.endswith(f"error: checkpoint file {reference / 'summary.json'}: not a file "
                                 f"torch.save wrote (it starts with b'{{\\n \"'); expected a "
@@ -395,7 +395,7 @@ def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache
     # A finished run is what one warm-starts from, and its directory what one names. The error
     # says which checkpoints in it run.init_from takes (the newest, and the best).
     out = tmp_path / "run"
-    proc = run_train(out, cache, f"run.init_from={reference / named}", check=False)
+    proc = train_here(out, cache, f"run.init_from={reference / named}", check=False)
     ckpts = reference / "checkpoints"
     best = ckpts / (ckpts / "best").read_text()
     said = f"{ckpts} holds checkpoints: the newest is {ckpts / 'step_00000040'}; the best: {best}."

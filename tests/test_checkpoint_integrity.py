@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import ROOT, metrics, run_and_kill, run_train, summary, train_cmd
+from conftest import ROOT, metrics, run_and_kill, summary, train_cmd, train_here
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 BASE = ["train.max_steps=10", "train.ckpt_every=5"]  # leaves step_00000005 and step_00000010
@@ -78,7 +78,7 @@ def warning_lines(stderr: str, ckpt: str) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("ref") / "run"
-    run_train(out, cache, *STEPS)
+    train_here(out, cache, *STEPS)
     return out
 
 
@@ -96,7 +96,7 @@ def killed(tmp_path_factory, cache):
 def base10(tmp_path_factory, cache):
     """A finished 10-step run with TINY's model.n_embd=32; tests work on copies of it."""
     out = tmp_path_factory.mktemp("base10") / "run"
-    run_train(out, cache, *BASE)
+    train_here(out, cache, *BASE)
     assert ckpt_names(out) == ["step_00000005", "step_00000010"]
     return out
 
@@ -118,7 +118,7 @@ def test_corrupt_newest_checkpoint_is_skipped_and_run_ends_identical(tmp_path, c
     shutil.copytree(killed, out, symlinks=True)  # the killed run, in this test's own out_dir
     corrupt(out / "checkpoints" / "step_00000030")
 
-    rerun = run_train(out, cache, *STEPS)
+    rerun = train_here(out, cache, *STEPS)
 
     warned = warning_lines(rerun.stderr, "step_00000030")
     assert warned, f"no warning naming step_00000030:\n{rerun.stderr}"
@@ -147,7 +147,7 @@ def test_all_checkpoints_invalid_exits_2_and_changes_nothing(tmp_path, cache, ba
     before = snapshot(out)
     jsonl = (out / "metrics.jsonl").read_bytes()
 
-    rerun = run_train(out, cache, *BASE, check=False)
+    rerun = train_here(out, cache, *BASE, check=False)
 
     assert rerun.returncode == 2, rerun.stdout + rerun.stderr
     for name in ("step_00000010", "step_00000005"):
@@ -219,7 +219,7 @@ def test_code_running_pickle_is_refused_by_train_py(tmp_path, cache, base10):
                         tmp_path / "evil" / "step_00000010", marker, "torch.save")
     out = tmp_path / "run"
 
-    proc = run_train(out, cache, *BASE, f"run.resume={d}", check=False)
+    proc = train_here(out, cache, *BASE, f"run.resume={d}", check=False)
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "refused to load" in proc.stderr, proc.stderr
@@ -234,7 +234,7 @@ def test_shape_mismatch_exits_2_lists_keys_and_changes_nothing(tmp_path, cache, 
     shutil.copytree(base10, out, symlinks=True)
     before = snapshot(out)
 
-    proc = run_train(out, cache, "model.n_embd=48", "model.n_head=2", "train.max_steps=20",
+    proc = train_here(out, cache, "model.n_embd=48", "model.n_head=2", "train.max_steps=20",
                      "train.ckpt_every=5", check=False)
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -250,7 +250,7 @@ def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cac
     shutil.copytree(base10, out, symlinks=True)
     before = snapshot(out)
 
-    proc = run_train(out, cache, *BASE, "run.resume=never", check=False)
+    proc = train_here(out, cache, *BASE, "run.resume=never", check=False)
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "run.resume=never" in proc.stderr, proc.stderr
@@ -261,10 +261,10 @@ def test_resume_never_onto_a_mirror_holding_checkpoints_exits_2_and_changes_noth
     # The mirror keeps what checkpoints/ keeps: a fresh run on a mirror that holds another run's
     # checkpoints deleted them at its first copy, as it would overwrite a run.out_dir's.
     bucket = tmp_path / "bucket"
-    run_train(tmp_path / "first", cache, *BASE, "run.resume=never", f"run.mirror={bucket}")  # empty: fine
+    train_here(tmp_path / "first", cache, *BASE, "run.resume=never", f"run.mirror={bucket}")  # empty: fine
     before = snapshot(bucket)
     out = tmp_path / "second"
-    proc = run_train(out, cache, *BASE, "run.resume=never", f"run.mirror={bucket}", check=False)
+    proc = train_here(out, cache, *BASE, "run.resume=never", f"run.mirror={bucket}", check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.endswith(f"error: run.resume=never, but run.mirror={bucket} already holds "
                                 f"checkpoints that a fresh run's mirroring would delete; give the run "
@@ -277,7 +277,7 @@ def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
     missing = tmp_path / "nowhere" / "step_00000099"
     out = tmp_path / "run"
 
-    proc = run_train(out, cache, *BASE, f"run.resume={missing}", check=False)
+    proc = train_here(out, cache, *BASE, f"run.resume={missing}", check=False)
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert str(missing) in proc.stderr, proc.stderr
@@ -332,7 +332,7 @@ def test_a_checkpoint_that_cannot_be_written_exits_3_and_keeps_the_earlier_ones(
     assert "Traceback" not in proc.stderr
     assert ckpt_names(out) == ["step_00000010", "step_00000020", "step_00000030"]
     assert not list((out / "checkpoints").glob(".tmp-*")), "the part written is removed at once"
-    rerun = run_train(out, cache, *STEPS)
+    rerun = train_here(out, cache, *STEPS)
     assert resumed_at(rerun.stdout)[1] == 30
     assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
@@ -356,7 +356,7 @@ def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identica
     log = (out / "metrics.jsonl").read_bytes()
     assert len(log) == kept + 100 and not log.endswith(b"\n"), "the step-31 line is cut short"
     assert ckpt_names(out) == ["step_00000010", "step_00000020", "step_00000030"]
-    rerun = run_train(out, cache, *STEPS)
+    rerun = train_here(out, cache, *STEPS)
     assert resumed_at(rerun.stdout)[1] == 30
     assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
     assert (out / "metrics.jsonl").read_bytes().endswith(b"\n")
@@ -381,7 +381,7 @@ def test_a_tensorboard_write_refused_exits_3_in_one_line_naming_its_directory(tm
 def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
     out = tmp_path / "run"
     # eval_every=0: no evaluations, so no best checkpoint joins the retained set.
-    run_train(out, cache, "train.max_steps=50", "train.ckpt_every=10", "train.keep_last=2",
+    train_here(out, cache, "train.max_steps=50", "train.ckpt_every=10", "train.keep_last=2",
               "train.eval_every=0")
     ckpts = out / "checkpoints"
     assert ckpt_names(out) == ["step_00000040", "step_00000050"]

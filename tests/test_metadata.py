@@ -8,7 +8,7 @@ import subprocess
 
 import torch
 
-from conftest import ROOT, run_train
+from conftest import ROOT, run_train, train_here
 from loop import metadata
 
 
@@ -105,21 +105,21 @@ def test_the_data_is_recorded_and_a_resume_on_other_data_says_so(tmp_path, cache
     corpus.write_text(text)
     out = tmp_path / "run"
     args = [cache, f"data.path={corpus}", "train.ckpt_every=5"]
-    run_train(out, *args, "train.max_steps=5")
+    train_here(out, *args, "train.max_steps=5")
     data = json.loads((out / "metadata.json").read_text())["data"]
     assert data == {"kind": "chars", "source": str(corpus), "vocab_size": 28, "train_tokens": 16200,
                     "val_tokens": 1800, "sha256": hashlib.sha256(text.encode()).hexdigest()}
-    same = run_train(out, *args, "train.max_steps=6")
+    same = train_here(out, *args, "train.max_steps=6")
     assert "resumed from" in same.stdout and "the data differs" not in same.stdout, same.stdout
     moved = tmp_path / "moved.txt"  # the same corpus by another path: only the config note
     shutil.copy(corpus, moved)
-    again = run_train(out, cache, f"data.path={moved}", "train.ckpt_every=5", "train.max_steps=6")
+    again = train_here(out, cache, f"data.path={moved}", "train.ckpt_every=5", "train.max_steps=6")
     assert "note: config differs from the checkpoint's in: data.path" in again.stdout, again.stdout
     assert "the data differs" not in again.stdout, again.stdout
     # The path this run read, not the cached corpus's first one (its meta.json names that).
     assert json.loads((out / "metadata.json").read_text())["data"]["source"] == str(moved)
     corpus.write_text(text.replace("dog", "god"))  # the same characters: the model still fits
-    other = run_train(out, *args, "train.max_steps=7")
+    other = train_here(out, *args, "train.max_steps=7")
     new = hashlib.sha256(text.replace("dog", "god").encode()).hexdigest()
     assert (f"note: the data differs from the checkpoint's run (sha256 {data['sha256']} -> {new}); "
             f"training goes on from the same sample position in it, not bit for bit as before") \

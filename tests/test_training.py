@@ -8,7 +8,7 @@ import math
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import assert_wall_time_sums_the_steps, metrics, run_and_kill, run_train, summary
+from conftest import assert_wall_time_sums_the_steps, metrics, run_and_kill, run_train, summary, train_here
 from loop.config import load_config
 
 MARKOV = ["data.name=markov", "model.n_embd=64", "model.dropout=0", "data.batch_size=16",
@@ -53,7 +53,7 @@ def test_run_directory_contract(tmp_path, cache):
 
 def test_markov_reaches_its_entropy_rate(tmp_path, cache):
     out = tmp_path / "run"
-    run_train(out, cache, *MARKOV, "train.max_steps=300")
+    train_here(out, cache, *MARKOV, "train.max_steps=300")
     s = summary(out)
     # The chain's entropy rate is the best possible loss; 300 steps get within 0.05 nats of it
     # (seen: ~1.12 vs 1.09).
@@ -62,7 +62,7 @@ def test_markov_reaches_its_entropy_rate(tmp_path, cache):
 
 def test_bf16_autocast_on_cpu_learns(tmp_path, cache):
     out = tmp_path / "run"
-    run_train(out, cache, *MARKOV, "train.max_steps=100", "train.precision=bf16", "train.log_every=1")
+    train_here(out, cache, *MARKOV, "train.max_steps=100", "train.precision=bf16", "train.log_every=1")
     recs, s = metrics(out), summary(out)
     assert s["precision"] == "bf16"
     assert recs[0]["loss"] > math.log(32) - 0.2  # starts near uniform over 32 tokens
@@ -87,8 +87,8 @@ def test_the_summary_validates_the_final_weights(tmp_path, cache):
     # the weights the run ends with, equal to a run that evaluates at step 25 (evaluating does not
     # change training), not step 20's.
     every10, every5 = tmp_path / "every10", tmp_path / "every5"
-    run_train(every10, cache, "train.max_steps=25", "train.eval_every=10")
-    run_train(every5, cache, "train.max_steps=25", "train.eval_every=5")
+    train_here(every10, cache, "train.max_steps=25", "train.eval_every=10")
+    train_here(every5, cache, "train.max_steps=25", "train.eval_every=5")
     at = {r["step"]: r["val_loss"] for r in metrics(every10) if "val_loss" in r}
     assert sorted(at) == [10, 20]
     assert summary(every10)["val_loss"] == metrics(every5)[-1]["val_loss"] != at[20]
