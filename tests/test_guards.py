@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, Mapped, metrics, run_and_kill, run_train, summary
+from conftest import ROOT, Mapped, metrics, run_and_kill, run_train, summary, train_here
 from data.tokens import IGNORE_INDEX
 from loop import checkpoint, guards
 from loop.build import check_with_world, idle_settings
@@ -30,7 +30,7 @@ def state(out, step):
 
 def test_skip_leaves_everything_as_it_was(tmp_path, cache):
     out = tmp_path / "run"
-    run_train(out, cache, "train.max_steps=12", "train.ckpt_every=1", "train.keep_last=20",
+    train_here(out, cache, "train.max_steps=12", "train.ckpt_every=1", "train.keep_last=20",
               "ema.enabled=true", "faults.nan_at_step=7")
     before, after = state(out, 6), state(out, 7)
     for part in ("model", "optimizer", "scheduler", "ema"):
@@ -188,7 +188,7 @@ def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, c
     # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
     # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
     out = tmp_path / "run"
-    proc = run_train(out, cache, "train.max_steps=4", "optim.lr=1e30", "schedule.warmup_steps=0")
+    proc = train_here(out, cache, "train.max_steps=4", "optim.lr=1e30", "schedule.warmup_steps=0")
     assert [r["skipped"] for r in metrics(out)] == [False, True, True, True]
     assert "warning: step 4: val_loss is nan; no text sample drawn" in proc.stderr, proc.stderr
     s = summary(out)
@@ -223,7 +223,7 @@ def test_rollback_that_never_gets_past_a_bad_step_gives_up(tmp_path, cache):
     # Step 1 throws the weights to ~1e30 and step 2 is non-finite, whatever its data: each
     # rollback replayed step 1 (a good step, which reset the count of bad steps in a row) and met
     # step 2 again, with the next data window, forever.
-    proc = run_train(tmp_path / "run", cache, "train.max_steps=8", "optim.lr=1e30",
+    proc = train_here(tmp_path / "run", cache, "train.max_steps=8", "optim.lr=1e30",
                      "schedule.warmup_steps=0", "train.nan_policy=rollback", "train.max_bad_steps=2",
                      check=False)
     assert proc.returncode == 3, proc.stderr
@@ -234,7 +234,7 @@ def test_rollback_that_never_gets_past_a_bad_step_gives_up(tmp_path, cache):
 
 def test_abort_names_step_and_micro_batch_and_saves_nothing_after(tmp_path, cache):
     out = tmp_path / "run"
-    proc = run_train(out, cache, *STEPS, "train.nan_policy=abort", "faults.nan_at_step=8",
+    proc = train_here(out, cache, *STEPS, "train.nan_policy=abort", "faults.nan_at_step=8",
                      check=False)
     assert proc.returncode == 3, proc.stderr
     assert "step 8: non-finite loss of micro-batch 0" in proc.stderr
@@ -246,7 +246,7 @@ def test_abort_names_step_and_micro_batch_and_saves_nothing_after(tmp_path, cach
 
 def test_too_many_bad_steps_in_a_row_gives_up(tmp_path, cache):
     out = tmp_path / "run"  # an absurd LR makes every step after the first few non-finite
-    proc = run_train(out, cache, *STEPS, "optim.lr=1e20", "train.clip_grad=0",
+    proc = train_here(out, cache, *STEPS, "optim.lr=1e20", "train.clip_grad=0",
                      "train.max_bad_steps=3", check=False)
     assert proc.returncode == 3
     assert "4 bad steps in a row (train.max_bad_steps=3)" in proc.stderr
@@ -303,7 +303,7 @@ def test_a_rollback_keeps_the_micro_batch_an_oom_split_to(tmp_path, cache):
     # Out of memory at step 12 (micro-batch 8 -> 4), then a NaN at step 14 rolls back to step 10,
     # saved before the split: the replay keeps micro-batch 4, which is known to fit.
     out = tmp_path / "run"
-    run_train(out, cache, *STEPS, "data.batch_size=8", "train.grad_accum=1",
+    train_here(out, cache, *STEPS, "data.batch_size=8", "train.grad_accum=1",
               "train.nan_policy=rollback", "faults.oom_at_step=12", "faults.nan_at_step=14")
     assert [r["micro_batch"] for r in metrics(out)] == [8] * 10 + [4] * 10
     assert state(out, 20)["progress"]["micro_split"] == 2 and summary(out)["rollbacks"] == 1
@@ -312,11 +312,11 @@ def test_a_rollback_keeps_the_micro_batch_an_oom_split_to(tmp_path, cache):
 def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
     args = [cache, *STEPS, "data.batch_size=8", "train.grad_accum=1", "model.dropout=0"]
     ref = tmp_path / "ref"
-    run_train(ref, *args)
+    train_here(ref, *args)
     plain = metrics(ref)
     for where in ("forward", "backward"):  # as the forward ends; as the backward starts
         out = tmp_path / where
-        proc = run_train(out, *args, "faults.oom_at_step=6", f"faults.oom_in={where}")
+        proc = train_here(out, *args, "faults.oom_at_step=6", f"faults.oom_in={where}")
         assert "step 6: out of memory; micro-batch 8 -> 4, accumulation x2" in proc.stderr
         recs = metrics(out)
         assert [r["micro_batch"] for r in recs] == [8] * 5 + [4] * 15
@@ -422,13 +422,13 @@ def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, 
 
 def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
     out = tmp_path / "run"
-    proc = run_train(out, cache, *STEPS, "data.batch_size=1", "faults.oom_at_step=3", check=False)
+    proc = train_here(out, cache, *STEPS, "data.batch_size=1", "faults.oom_at_step=3", check=False)
     assert proc.returncode == 3
     assert "step 3: out of memory at micro-batch 1" in proc.stderr
 
 
 def test_oom_policy_abort(tmp_path, cache):
-    proc = run_train(tmp_path / "run", cache, *STEPS, "train.oom_policy=abort",
+    proc = train_here(tmp_path / "run", cache, *STEPS, "train.oom_policy=abort",
                      "faults.oom_at_step=2", check=False)
     assert proc.returncode == 3 and "train.oom_policy=abort" in proc.stderr
 
@@ -516,14 +516,14 @@ def test_determinism_mode_ends_with_its_run(tmp_path, cache, monkeypatch):
 
 def test_faults_are_recorded_in_metadata(tmp_path, cache):
     out = tmp_path / "run"
-    run_train(out, cache, "train.max_steps=3", "faults.nan_at_step=2")
+    train_here(out, cache, "train.max_steps=3", "faults.nan_at_step=2")
     assert json.loads((out / "metadata.json").read_text())["faults_injected"] == {"nan_at_step": 2}
 
 
 def test_a_fault_aimed_at_a_rank_the_run_does_not_have_is_bad_input(tmp_path, cache):
     # It never fired: a fire drill that "passed" because nothing happened. Exit 2, nothing written.
     out = tmp_path / "run"
-    proc = run_train(out, cache, *STEPS, "faults.nan_at_step=2", "faults.nan_rank=1", check=False)
+    proc = train_here(out, cache, *STEPS, "faults.nan_at_step=2", "faults.nan_rank=1", check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.endswith("error: config key faults.nan_rank: rank 1, but this run has 1 "
                                 "process(es); expected -1 (every rank) or a rank below 1.\n"), proc.stderr
