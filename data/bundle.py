@@ -39,8 +39,10 @@ def check_samples(data: Data, name: str) -> None:
     only, where it is not moved to the device)."""
     for split, ds in (("train", data.train), ("val", data.val)):
         where = f"data.name={name}: the {split} split"
-        if isinstance(ds, IterableDataset) or not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
-            raise BadInput(f"{where} is a {type(ds).__name__}, without len() and [i]; expected a "
+        stream = isinstance(ds, IterableDataset)  # has len() and [i] (raising) when it defines __len__
+        if stream or not (hasattr(ds, "__len__") and hasattr(ds, "__getitem__")):
+            what = "an IterableDataset" if stream else "without len() and [i]"
+            raise BadInput(f"{where} is a {type(ds).__name__}, {what}; expected a "
                            f"map-style dataset: a run resumes at a sample position and draws each "
                            f"epoch's order over every index (write a stream into token files for "
                            f"data.name=tokens, or index its shards).")

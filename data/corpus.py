@@ -79,8 +79,9 @@ def prepare_text(text: str, source: str, cache_dir: str, val_fraction: float) ->
         return out
     held_out(len(text), val_fraction)  # a split that cannot work is refused before "preparing"
     chars = sorted(set(text))
-    if len(chars) > 65535:
-        raise BadInput(f"data: {source} has {len(chars)} distinct characters; uint16 holds 65535.")
+    if len(chars) > 2**16:  # ids 0-65535
+        raise BadInput(f"data: {source} has {len(chars):,} distinct characters; expected at most "
+                       f"65,536 (a token file holds uint16 ids).")
     print(f"preparing {source}: {len(text):,} characters, vocabulary {len(chars)} -> {out}")
     lut = {c: i for i, c in enumerate(chars)}
     ids = np.fromiter((lut[c] for c in text), dtype=np.uint16, count=len(text))

@@ -118,7 +118,7 @@ def hardware() -> dict:
 
 def data_identity(meta: dict) -> dict:
     """The plain values of a Data.meta (a user's builder may put anything there), less a text
-    corpus's character list (up to 65535 characters, and its sha256 already covers it)."""
+    corpus's character list (up to 65,536 characters, and its sha256 already covers it)."""
     return {k: v for k, v in meta.items()
             if k != "chars" and (v is None or isinstance(v, (str, int, float, bool)))}
 

@@ -1,10 +1,13 @@
 """The data order is a pure function of (seed, position), loaders leave global RNG alone, prep is exact."""
 from __future__ import annotations
 
+import errno
 import json
 import math
+import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 from itertools import islice
@@ -17,7 +20,8 @@ from torch.utils.data import IterableDataset
 
 from data import build_data
 from data.bundle import Data, check_samples
-from data.corpus import prepare_text
+from data import corpus
+from data.corpus import held_out, prepare_text
 from data.markov import entropy_rate, prepare_markov, transition_matrix
 from data.sampler import StreamSampler, collate, epoch_order, train_loader, val_batches
 from data.seeded import SeededSamples
@@ -188,8 +192,14 @@ class Stream(IterableDataset):
         return (sample(i) for i in range(4))
 
 
+class SizedStream(Stream):  # len() and (Dataset's, raising) [i]: only its class says it is a stream
+    def __len__(self):
+        return 4
+
+
 @pytest.mark.parametrize("train, said", [
-    (Stream(), "the train split is a Stream, without len() and [i]; expected a map-style dataset"),
+    (Stream(), "the train split is a Stream, an IterableDataset; expected a map-style dataset"),
+    (SizedStream(), "the train split is a SizedStream, an IterableDataset; expected a map-style dataset"),
     ((sample(i) for i in range(4)), "the train split is a generator, without len() and [i];"),
     ([], "the train split is empty"),
     ([(torch.zeros(2), 1)], "the train split's sample 0 is a tuple; expected a dict with x"),
@@ -258,6 +268,52 @@ def test_prepare_text_round_trip_and_idempotent(tmp_path, capsys):
     assert {p.name: p.stat().st_mtime_ns for p in root.iterdir()} == mtimes
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [root.name]  # no temp left
     assert prepare_text(TEXT + "x", "t", str(tmp_path / "cache"), 0.1) != root  # content-named
+
+
+@pytest.mark.parametrize("n, fraction, n_val", [(20, 0.1, 2), (20, 0.9, 18), (19, 0.1, None), (20, 0.95, None)])
+def test_each_side_of_a_split_holds_at_least_two_tokens(n, fraction, n_val):
+    # Fewer than 2 tokens hold no (input, target) pair: a run could not validate, or not train.
+    if n_val is None:
+        with pytest.raises(BadInput, match=f"data.val_fraction={fraction} splits {n} tokens into"):
+            held_out(n, fraction)
+    else:
+        assert held_out(n, fraction) == n_val
+
+
+def test_a_text_of_65536_distinct_characters_is_prepared_and_one_more_is_refused(tmp_path):
+    # uint16 ids run 0-65535: all 65,536 fit (65,536 were refused: "uint16 holds 65535").
+    chars = [chr(c) for c in range(32, 0x20000) if not 0xD800 <= c < 0xE000][:65537]  # no surrogates
+    text = "".join(chars[:65536]) * 2
+    root = prepare_text(text, "wide", str(tmp_path), 0.5)
+    meta = json.loads((root / "meta.json").read_text())
+    assert meta["vocab_size"] == 65536 and "".join(meta["chars"][i] for i in read_ids(root)) == text
+    with pytest.raises(BadInput, match="data: wide has 65,537 distinct characters; expected at most 65,536"):
+        prepare_text("".join(chars), "wide", str(tmp_path), 0.5)
+
+
+def test_a_failed_write_leaves_no_temp_dir_and_a_lost_race_keeps_the_first_corpus(tmp_path, monkeypatch):
+    cache, write, replace = tmp_path / "cache", corpus.write_synced, os.replace
+
+    def full_disk(path, data):
+        if path.name == "val.bin":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write(path, data)
+
+    monkeypatch.setattr(corpus, "write_synced", full_disk)
+    with pytest.raises(OSError):
+        prepare_text(TEXT, "t", str(cache), 0.1)
+    assert list(cache.iterdir()) == []  # not a half-written temp dir per attempt
+    monkeypatch.undo()
+
+    def another_process_first(src, dst):  # it renamed an identical corpus into place a moment before
+        shutil.copytree(src, dst)
+        replace(src, dst)  # a directory onto a full one: OSError
+
+    monkeypatch.setattr(os, "replace", another_process_first)
+    root = prepare_text(TEXT, "t", str(cache), 0.1)
+    monkeypatch.undo()
+    assert [p.name for p in cache.iterdir()] == [root.name]
+    assert "".join(json.loads((root / "meta.json").read_text())["chars"][i] for i in read_ids(root)) == TEXT
 
 
 def test_prepare_command_prints_the_corpus_dir_and_exits_2_on_bad_input(tmp_path):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import http.server
+import os
 import socket
 import threading
 from pathlib import Path
@@ -149,6 +150,45 @@ def test_a_corrupt_cached_file_is_replaced(server, tmp_path):
     assert fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, tmp_path).read_bytes() == BLOB
 
 
+def test_the_file_is_synced_before_it_takes_its_name_and_its_directory_after(server, tmp_path, monkeypatch):
+    # A power cut after the rename must find the whole file under its name (and the name itself).
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.fstat(fd).st_ino)), fsync(fd)))
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", os.stat(a).st_ino)), replace(a, b)))
+    server.files["/blob.bin"] = BLOB
+    path = fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, tmp_path)
+    monkeypatch.undo()
+    file, folder = path.stat().st_ino, tmp_path.stat().st_ino
+    assert events == [("fsync", file), ("replace", file), ("fsync", folder)]
+
+
+def test_a_stalled_server_and_an_unknown_host_are_named_as_such(tmp_path, monkeypatch):
+    real = socket.getaddrinfo
+
+    def resolve(host, *args, **kwargs):  # as offline, without asking a resolver (none in CI)
+        if host == "mirror.invalid":
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return real(host, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    with socket.socket() as stalled:  # accepts connections (the backlog) and never answers
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen()
+        urls = ["http://mirror.invalid/blob.bin", f"http://127.0.0.1:{stalled.getsockname()[1]}/blob.bin"]
+        with pytest.raises(BadInput) as e:
+            fetch("blob.bin", urls, BLOB_SHA, tmp_path, timeout=0.5)
+    assert f"tried {urls[0]} (offline or unknown host: Name or service not known); {urls[1]} (timed out)." \
+        in str(e.value)
+
+
+def test_a_cache_dir_that_cannot_be_made_is_named(tmp_path):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(BadInput) as e:
+        fetch("blob.bin", ["http://127.0.0.1:9/blob.bin"], BLOB_SHA, tmp_path / "f" / "cache")
+    assert str(e.value) == (f"config key data.cache_dir: cannot create {tmp_path / 'f' / 'cache'} (Not a "
+                            f"directory); expected a writable directory for downloads.")
+
+
 # ------------------------------------------------------------------------------- the data sets
 def test_mnist_download_good_path(server, tmp_path, monkeypatch):
     src = write_fake_mnist(tmp_path / "src", n_train=300, n_val=100, seed=1)
@@ -193,6 +233,8 @@ def test_train_py_mnist_wrong_bytes_exits_2(server, tmp_path):
                                f"(checksum mismatch: got {hashlib.sha256(b'not a gzip file').hexdigest()}")
     assert f"Download it yourself from {mnist.BASE_URLS[0]}{name} and place it at " \
            f"{(cache / 'mnist' / name).resolve()} (sha256 {mnist.FILES[name]})" in r.stderr
+    assert r.stderr.endswith(f"MNIST needs all four files in {(cache / 'mnist').resolve()}: "
+                             f"{', '.join(mnist.FILES)}, from the same place.\n")
     assert "Traceback" not in r.stderr and not out.exists()
     assert list((cache / "mnist").iterdir()) == []
 

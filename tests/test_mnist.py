@@ -133,6 +133,16 @@ def test_bad_idx_names_the_file(tmp_path, case, expected):
     assert msg.startswith(f"data: {tmp_path / name}") and expected in msg, msg
 
 
+def test_a_split_without_images_is_named(tmp_path):
+    write_fake_mnist(tmp_path, 20, 10, seed=0)
+    (tmp_path / TRAIN_IMAGES).write_bytes(idx_gz(IMAGES_MAGIC, np.zeros((0, 28, 28))))
+    (tmp_path / TRAIN_LABELS).write_bytes(idx_gz(LABELS_MAGIC, np.zeros(0)))
+    with pytest.raises(BadInput) as e:
+        build_data(DataConfig(name="mnist", path=str(tmp_path)))
+    assert str(e.value) == (f"data: {tmp_path / TRAIN_LABELS} holds 0 labels and {tmp_path / TRAIN_IMAGES} "
+                            f"0 images; expected one label per image, and at least one.")
+
+
 def test_missing_files_in_data_path(tmp_path):
     write_fake_mnist(tmp_path, 20, 10, seed=0)
     (tmp_path / TRAIN_LABELS).unlink()
