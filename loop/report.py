@@ -42,7 +42,9 @@ def load_run(run_dir: Path) -> dict:
     except (OSError, yaml.YAMLError):
         cfg = {}
     last = recs[-1] if recs else {}
-    finished = "steps" in summ and not summ.get("preempted")
+    # A summary.json is this run's end only if the log ends there too: a finished run resumed for
+    # more steps (a larger train.max_steps) and stopped keeps the first end's summary.json.
+    finished = "steps" in summ and summ["steps"] == last.get("step", 0)
     if finished:
         wall = summ.get("wall_s") or 0.0
     else:
@@ -72,7 +74,7 @@ def load_run(run_dir: Path) -> dict:
     return {
         "name": run_dir.name, "recs": recs, "status": status,
         "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None, "steps": steps, "tokens": tokens, "wall_s": wall,
-        "tokens_per_s": (summ.get("tokens_per_s") if finished else None) or (tokens / wall if wall else None),
+        "tokens_per_s": tokens / wall if wall else None,  # a finished run's: summary.json's tokens_per_s
         "peak_gb": max(mem) if mem else None, "mfu": sum(mfu) / len(mfu) if mfu else None,
         "kwh": sum(sessions) / 3.6e6 if sessions else None,
         "final_loss": summ.get("final_loss") if finished else last.get("loss"),

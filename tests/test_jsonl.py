@@ -25,6 +25,13 @@ def test_later_records_and_a_cut_line_go_the_rest_stays_byte_for_byte(tmp_path):
     assert jsonl.truncate(tmp_path / "none.jsonl", 5) is None and not (tmp_path / "none.jsonl").exists()
 
 
+def test_readers_skip_a_line_cut_short(tmp_path):
+    # The report reads a killed run's log: a cut line (here mid-way through a UTF-8 character) goes.
+    path = tmp_path / "metrics.jsonl"
+    write(path, range(1, 3), '{"step": 3, "sample": "\u00e9'.encode()[:-1])
+    assert jsonl.read_records(path) == [{"step": 1, "loss": 0.1}, {"step": 2, "loss": 0.2}]
+
+
 def test_a_whole_last_record_without_its_newline_gets_one(tmp_path):
     # Appending after it would otherwise join two records on one line.
     path = tmp_path / "metrics.jsonl"

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from conftest import TINY, metrics, run_train
-from loop.lab import SWITCHES
+from loop.lab import SWITCHES, banner
 from test_verify import rows, verify
 
 
@@ -34,3 +34,5 @@ def test_a_switched_run_says_so_loudly_and_in_its_files(tmp_path, cache):
     assert json.loads((out / "metadata.json").read_text())["lab_break"] == "no_rng_restore"
     assert json.loads((out / "summary.json").read_text())["lab_break"] == "no_rng_restore"
     assert len(metrics(out)) == 3
+    assert "fp16: gradients are clipped while still multiplied by the loss scale, then unscaled (it only " \
+        "bites with train.precision=fp16).\n" in banner("clip_before_unscale")  # a switch with needs

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, metrics, run_and_kill, run_train, summary
+from conftest import ROOT, metrics, run_and_kill, run_train, summary, train_here
 from loop.report import write_report
 
 PRICE = 36_000.0  # $ per device-hour: $10/s, so a test run of a second has a cost to 4 decimals
@@ -127,6 +127,44 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     assert_png(tmp_path / "out" / "gpu_memory.png")
 
 
+def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
+    # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,
+    # "finished"; that was the report's row, though the log goes on to step 25.
+    run = tmp_path / "resumed"
+    shutil.copytree(runs["finished"], run)
+    recs = metrics(run)
+    more = [{**recs[-1], "step": s, "tokens": recs[-1]["tokens"] + 640 * (s - 20), "loss": 1.5} for s in range(21, 26)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs + more))
+    row = rows(write_report([run], tmp_path / "out").read_text())["resumed"]
+    assert (row["status"], row["steps"], row["final train loss"]) == ("interrupted at step 25", "25", "1.5000")
+
+
+def test_the_best_the_peak_and_the_newest_are_reported(runs, tmp_path):
+    """A copy of the finished run whose values are not in order: the best validation loss and the
+    peak memory are not the last ones (a resume restarts CUDA's peak), a wall time over an hour,
+    an evaluation's sample before the final one; and the device from config.yaml without metadata.json and summary.json."""
+    run = tmp_path / "run"
+    shutil.copytree(runs["finished"], run)
+    recs, s = metrics(run), summary(run)
+    peaks, vals = iter([2.0, 3.0, 1.0, 1.5]), iter([1.2, 1.4])
+    for r in recs:
+        if "ms_per_step" in r:
+            r["cuda_max_alloc_gb"] = next(peaks)
+        if "val_loss" in r:
+            r["val_loss"] = next(vals)
+        if r["step"] == 10:
+            r["sample"] = "an early sample"
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    (run / "summary.json").write_text(json.dumps({**s, "val_loss": 1.4, "wall_s": 3725.4, "sample": "the last"}))
+    md = write_report([run], tmp_path / "out").read_text()
+    row = rows(md)["run"]
+    assert (row["best val loss"], row["peak memory GB"], row["wall time"]) == ("1.2000", "3.00", "1:02:05")
+    assert md.endswith("## Samples\n\n**run**, step 20:\n\n```\nthe last\n```\n")
+    (run / "metadata.json").unlink()
+    (run / "summary.json").unlink()
+    assert rows(write_report([run], tmp_path / "out").read_text())["run"]["device"] == "cpu x1"
+
+
 def test_cli(runs, tmp_path):
     ok = subprocess.run([sys.executable, "-m", "loop.report", str(runs["finished"]), "--out", str(tmp_path / "r"),
                          "--price-per-hour", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -166,6 +204,16 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {run / 'metrics.jsonl'}: a file; expected a run " \
         f"directory (such as {run}, if it holds metrics.jsonl).\n"
     assert (run / "report.md").read_bytes() == before and (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, cache, monkeypatch):
+    def broken(*args, **kwargs):
+        raise ValueError("cannot draw this")
+
+    monkeypatch.setattr("loop.summary.write_report", broken)
+    r = train_here(tmp_path / "run", cache, "train.max_steps=5")
+    assert r.returncode == 0 and "warning: report not written (ValueError: cannot draw this)" in r.stderr
+    assert summary(tmp_path / "run")["steps"] == 5 and (tmp_path / "run" / "model.pt").exists()
 
 
 def test_without_matplotlib(runs, tmp_path, monkeypatch):

@@ -82,10 +82,14 @@ def test_fp16_grad_scaler_state_survives_resume(tmp_path, cache):
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
 
 
-def test_the_summary_validates_the_final_weights(tmp_path, cache):
+def test_the_summary_validates_the_final_weights(tmp_path, cache, monkeypatch):
     # Evaluations at steps 10 and 20 of a 25-step run: summary.json's val_loss is measured again on
     # the weights the run ends with, equal to a run that evaluates at step 25 (evaluating does not
-    # change training), not step 20's.
+    # change training), not step 20's; and not twice when the last step evaluated already.
+    from loop import evaluate
+
+    validate, validated = evaluate.validate, []
+    monkeypatch.setattr(evaluate, "validate", lambda t: validated.append(t.progress.step) or validate(t))
     every10, every5 = tmp_path / "every10", tmp_path / "every5"
     train_here(every10, cache, "train.max_steps=25", "train.eval_every=10")
     train_here(every5, cache, "train.max_steps=25", "train.eval_every=5")
@@ -93,3 +97,4 @@ def test_the_summary_validates_the_final_weights(tmp_path, cache):
     assert sorted(at) == [10, 20]
     assert summary(every10)["val_loss"] == metrics(every5)[-1]["val_loss"] != at[20]
     assert summary(every10)["params_sha256"] == summary(every5)["params_sha256"]
+    assert validated == [10, 20, 25, 5, 10, 15, 20, 25]
