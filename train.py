@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 
-from loop import determinism, distributed, dotenv
+from loop import determinism, distributed, dotenv, runlock
 from loop.build import build_trainer
 from loop.config import load_config, parse_args
 from loop.device import pick_device
@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         tell(f"interrupted: {LOST}")
         return EXIT_INTERRUPTED
     finally:
+        runlock.release()  # the run is over: a notebook's next run, or another process's, may lock it
         distributed.close()
         mute_dead_console()
         if undo:

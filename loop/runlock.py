@@ -8,9 +8,11 @@ instead, naming the process that holds the directory, and writes nothing.
 The lock is a POSIX record lock (`fcntl.lockf`): the kernel drops it when the process that holds it
 ends, however it ends (SIGKILL too), so there is never a stale lock to delete by hand; processes
 forked from the holder (DataLoader workers) do not hold it; and NFS implements this kind of lock
-(untested here: the project's machines have local disks only). It lasts as long
-as the process: the descriptor is never closed, because closing any descriptor of the file would
-drop the process's lock. Where the filesystem has no locks, the run says so and goes on unguarded.
+(untested here: the project's machines have local disks only). It lasts until train.py's main
+returns (`release`), however it returns, so a process that goes on (a notebook) does not keep a
+finished run's directory from the next run; until then the descriptor stays open, because closing
+any descriptor of the file would drop the lock. Where the filesystem has no locks, the run says so
+and goes on unguarded.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ _held: dict[Path, int | None] = {}  # run dirs this process holds -> the lock's 
 
 
 def hold(out: Path, sign: bool = False) -> None:
-    """Lock `out/.lock` for the rest of this process, or raise BadInput naming the process that
+    """Lock `out/.lock` until `release()`, or raise BadInput naming the process that
     holds it. Once per directory; one that does not exist yet is locked when called again after it
     is made. `sign`: write this process's name into the file, for the message a second run prints;
     only once the run writes files, so bad input found after locking changes nothing there."""
@@ -41,6 +43,14 @@ def hold(out: Path, sign: bool = False) -> None:
     if sign and fd is not None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+
+
+def release() -> None:
+    """Unlock every run directory this process holds (closing the descriptor drops the lock)."""
+    for fd in _held.values():
+        if fd is not None:
+            os.close(fd)
+    _held.clear()
 
 
 # What a run writes at the top of run.out_dir (the README's table; tests/test_runlock.py keeps this

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, run_train, summary
+from conftest import ROOT, run_train, summary, train_here
 
 HOLD = "import sys; from pathlib import Path; from loop import runlock; " \
        "runlock.hold(Path(sys.argv[1]), sign=True); print('held', flush=True); sys.stdin.read()"
@@ -77,6 +77,17 @@ def test_a_directory_with_either_mark_is_a_runs(tmp_path, marks):
     for name in (*marks, "config.yaml"):
         (tmp_path / name).write_text("")
     runlock.refuse_foreign(tmp_path)
+
+
+def test_a_run_in_this_process_leaves_the_directory_free_when_it_ends(tmp_path, cache):
+    # A notebook that had called train.py's main kept the lock until it closed: the command line's
+    # resume of that run exited 2, "another run is using it (pid ...)".
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=3")
+    bad = train_here(out, cache, "train.max_steps=4", "model.n_embd=64", check=False)  # refused after locking
+    assert bad.returncode == 2, bad.stderr
+    run_train(out, cache, "train.max_steps=5")
+    assert summary(out)["steps"] == 5
 
 
 def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
