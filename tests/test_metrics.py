@@ -17,12 +17,13 @@ def test_interval_rates_cover_every_step_since_the_last_flush(tmp_path, monkeypa
 
     def step(n: int, data_ms: float) -> None:
         log.record({"step": n, "lr": 1e-3, "tokens": 256 * n, "samples": 8 * n, "data_ms": data_ms},
-                   torch.tensor(2.0), torch.tensor(1.0))
+                   torch.tensor(float(n)), torch.tensor(1.0))
 
     for n, wait in zip(range(1, 5), (10.0, 20.0, 30.0, 40.0)):
         step(n, wait)
     now[0] = 102.0  # 4 steps in 2 s, 100 ms of them waiting for data
     log.flush()
+    assert log.last_loss == 4.0  # the interval's last step's (summary.json's final_loss)
     step(5, 50.0)
     now[0] = 103.0  # 1 step in the next 1 s
     log.close()

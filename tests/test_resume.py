@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import (ROOT, assert_wall_time_sums_the_steps, metrics, run_and_kill, run_and_signal,
                       run_train, summary, train_cmd, watchdog)
@@ -32,6 +33,9 @@ def assert_identical(ref, out, note: str) -> None:
             f"{note}: step {x['step']} differs"
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"], note
     assert summary(out)["val_loss"] == summary(ref)["val_loss"], note
+    tb = EventAccumulator(str(out / "tb"))  # one run in TensorBoard too: the killed session's steps
+    tb.Reload()  # after the checkpoint purged, not shown twice
+    assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(r["step"], r["loss"]) for r in b], note
 
 
 def test_every_random_stream_is_captured_and_restored():
