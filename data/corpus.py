@@ -60,7 +60,7 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
         write_synced(tmp / "train.bin", ids[:-n_val].astype(np.uint16).tobytes())
         write_synced(tmp / "val.bin", ids[-n_val:].astype(np.uint16).tobytes())
         write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
-    except OSError:  # a full disk: no half-written corpus is left in the cache
+    except BaseException:  # a full disk, Ctrl-C: no half-written corpus is left in the cache
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     try:

@@ -291,16 +291,17 @@ def test_a_text_of_65536_distinct_characters_is_prepared_and_one_more_is_refused
         prepare_text("".join(chars), "wide", str(tmp_path), 0.5)
 
 
-def test_a_failed_write_leaves_no_temp_dir_and_a_lost_race_keeps_the_first_corpus(tmp_path, monkeypatch):
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()])
+def test_a_failed_write_leaves_no_temp_dir_and_a_lost_race_keeps_the_first_corpus(tmp_path, monkeypatch, error):
     cache, write, replace = tmp_path / "cache", corpus.write_synced, os.replace
 
-    def full_disk(path, data):
+    def fail(path, data):  # a full disk, or Ctrl-C, in the middle of the corpus
         if path.name == "val.bin":
-            raise OSError(errno.ENOSPC, "No space left on device")
+            raise error
         write(path, data)
 
-    monkeypatch.setattr(corpus, "write_synced", full_disk)
-    with pytest.raises(OSError):
+    monkeypatch.setattr(corpus, "write_synced", fail)
+    with pytest.raises(type(error)):
         prepare_text(TEXT, "t", str(cache), 0.1)
     assert list(cache.iterdir()) == []  # not a half-written temp dir per attempt
     monkeypatch.undo()
