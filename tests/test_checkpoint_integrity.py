@@ -305,6 +305,27 @@ WRITE = {  # what train.py writes outside checkpoints, by hand: a 5000-byte file
 }
 
 
+def test_every_write_is_synced_before_it_takes_its_name_and_its_directory_after(tmp_path, monkeypatch):
+    # What makes a power cut harmless (loop/atomic.py): after a rename, the whole file or checkpoint
+    # is on disk under its name, and so is the name. Inodes survive renames, so they tell the order.
+    from loop import checkpoint
+    from loop.atomic import atomic_write
+
+    events, fsync, replace = [], os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)) or fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", os.stat(a).st_ino)) or replace(a, b))
+    atomic_write(tmp_path / "model.pt", b"weights")
+    final = checkpoint.save(tmp_path / "ckpts", 7, {"state.pt": {"w": torch.zeros(2)}}, 2, {})
+    monkeypatch.undo()
+    ino = lambda p: p.stat().st_ino  # noqa: E731
+    root, latest = tmp_path / "ckpts", tmp_path / "ckpts" / "latest"
+    assert events == [("fsync", ino(tmp_path / "model.pt")), ("replace", ino(tmp_path / "model.pt")),
+                      ("fsync", ino(tmp_path)),
+                      ("fsync", ino(final / "state.pt")), ("fsync", ino(final / "manifest.json")),
+                      ("fsync", ino(final)), ("replace", ino(final)), ("fsync", ino(root)),
+                      ("fsync", ino(latest)), ("replace", ino(latest)), ("fsync", ino(root))]
+
+
 @pytest.mark.parametrize("kind", list(WRITE))
 def test_a_refused_file_write_keeps_the_old_file_and_leaves_no_part(tmp_path, kind):
     # atomic_write (model.pt, summary.json, metadata.json) and write_tokens (data.cache_dir).
