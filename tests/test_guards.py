@@ -507,13 +507,18 @@ def test_determinism_mode_ends_with_its_run(tmp_path, cache, monkeypatch):
     assert train.main([*args, f"run.out_dir={tmp_path / 'a'}"]) == 0
     assert json.loads((tmp_path / "a" / "metadata.json").read_text())["determinism"]["deterministic"]
     assert determinism.in_effect() == before and cuda.cudnn_sdp_enabled()
-    cuda.enable_flash_sdp(False)  # a setting of the caller's own: kept
+    cuda.enable_flash_sdp(False)  # settings of the caller's own: kept
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = True
     try:
         assert train.main([*args, f"run.out_dir={tmp_path / 'b'}"]) == 0
         assert not cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
-        assert not torch.are_deterministic_algorithms_enabled()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert torch.backends.cudnn.benchmark
     finally:
         cuda.enable_flash_sdp(True)
+        torch.use_deterministic_algorithms(False)
+        torch.backends.cudnn.benchmark = False
 
 
 def test_faults_are_recorded_in_metadata(tmp_path, cache):
