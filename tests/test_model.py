@@ -94,11 +94,14 @@ def test_generate_continues_from_the_last_position_within_the_context():
 def test_residual_projections_start_smaller_with_depth():
     # GPT-2's init: each block's two residual output projections have std 0.02 / sqrt(2 * n_layer),
     # so the residual stream's variance does not grow with depth; every other matrix 0.02.
-    model = gpt(V=64, T=8, L=8, C=256)
+    # Every bias starts at 0 (nn.Linear's own init draws them), LayerNorm weights at 1.
+    model = gpt(V=64, T=8, L=8, C=256, bias=True)
     for name, p in model.named_parameters():
         if p.dim() == 2:
             want = 0.02 / 4 if name.endswith(("attn.proj.weight", "mlp.2.weight")) else 0.02
             assert p.std().item() == pytest.approx(want, rel=0.05), name  # 2k to 262k draws each
+        else:  # 1-D: biases, and LayerNorm weights (the only 1-D weights)
+            assert torch.equal(p, torch.full_like(p, float(name.endswith("weight")))), name
 
 
 # ------------------------------------------------------------------------------- parameter count
