@@ -30,11 +30,16 @@ def test_loop_vs_bare_runs_and_records(tmp_path, cache):
 
 def test_scaffold_figures_use_only_the_timed_window():
     # Intervals of 2 steps: 10 ms/step while warming up, then 20 ms/step; 100 tokens a step.
+    # On a GPU the interval's last record also has MFU (of that interval) and the peak memory so far.
     recs = [{"step": s, "tokens": 100 * s, "data_ms": 1.0,
-             **({"ms_per_step": 10.0 if s <= 2 else 20.0} if s % 2 == 0 else {})} for s in range(1, 7)]
+             **({"ms_per_step": 10.0 if s <= 2 else 20.0, "cuda_max_alloc_gb": s / 10,
+                 "tokens_per_s": 100 / (0.010 if s <= 2 else 0.016 if s == 6 else 0.020),
+                 "mfu": 0.3} if s % 2 == 0 else {})} for s in range(1, 7)]
     fig = loop_vs_bare.scaffold_figures(recs, warmup=2, steps=4, every=2)
     assert fig["tokens_per_s"] == pytest.approx(400 / 0.080)  # 4 steps x 20 ms
     assert fig["data_wait_pct"] == pytest.approx(100 * 4.0 / 80.0)
+    assert fig["mfu"] == pytest.approx(0.3 * 0.016 / 0.020)  # the last interval's, at the window's rate
+    assert fig["peak_gb"] == 0.6
 
 
 def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
