@@ -23,7 +23,7 @@ from data.bundle import Data, check_samples
 from data import corpus
 from data.corpus import held_out, prepare_text
 from data.markov import entropy_rate, prepare_markov, transition_matrix
-from data.sampler import StreamSampler, collate, epoch_order, train_loader, val_batches
+from data.sampler import StreamSampler, collate, epoch_order, split_batch, train_loader, val_batches
 from data.seeded import SeededSamples
 from data.tokens import TokenWindows
 from loop.config import DEFAULT_CONFIG, DataConfig, MarkovConfig, load_config
@@ -229,6 +229,18 @@ def test_samples_that_cannot_be_stacked_are_named_when_a_batch_meets_them():
                                                    "(2,) and (3,); a batch stacks its samples")):
         collate([sample(4), sample(5), {**sample(7), "x": torch.zeros(3)}])
     assert collate([sample(4), sample(5)])["x"].shape == (2, 2)
+    with pytest.raises(ValueError, match=re.escape("data: samples 4 and 5 have different keys: x, y, idx, "
+                                                   "mask and x, y, idx;")):  # torch: KeyError: 'mask'
+        collate([{**sample(4), "mask": torch.ones(2)}, sample(5)])
+
+
+def test_a_split_batch_recounts_each_part_s_targets_and_drops_empty_parts():
+    # Out-of-memory recovery splits validation batches too; the last may hold fewer samples than parts.
+    batch = collate([{"x": torch.zeros(2), "y": torch.tensor(y), "idx": i}
+                     for i, y in enumerate([[1, -100], [-100, -100], [2, 3]])])
+    parts = split_batch(batch, 4)
+    assert [p["idx"].tolist() for p in parts] == [[0], [1], [2]]
+    assert [p["n_targets"] for p in parts] == [1, 0, 2]
 
 
 def test_token_windows_shift_by_one(tmp_path):
@@ -489,6 +501,20 @@ def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_
     with open(root / "val.bin", "ab") as f:
         f.write(b"\0")
     with pytest.raises(BadInput, match=r"val.bin has 6001 bytes, an odd number; expected uint16"):
+        build_data(cfg.data)
+
+
+def test_a_token_directory_s_vocab_size_may_be_a_string_of_digits(tmp_path):
+    # As another tool may write it; anything else is named.
+    root = tmp_path / "tok"
+    root.mkdir()
+    for name in ("train.bin", "val.bin"):
+        (np.arange(3000, dtype=np.uint16) % 10).tofile(root / name)
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    (root / "meta.json").write_text(json.dumps({"vocab_size": "10"}))
+    assert build_data(cfg.data).vocab_size == 10
+    (root / "meta.json").write_text(json.dumps({"vocab_size": "ten"}))
+    with pytest.raises(BadInput, match=f"data: {root}: expected a meta.json holding vocab_size"):
         build_data(cfg.data)
 
 

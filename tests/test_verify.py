@@ -222,6 +222,18 @@ def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monke
     assert float(re.search(r"rel. difference ([0-9.e+-]+)", result.numbers).group(1)) < 1e-4
 
 
+def test_the_accumulation_check_says_when_equal_target_counts_cannot_tell(cache):
+    # One target per micro-batch (batch 1, seq_len 1): a per-micro-batch mean is then the right
+    # division too, so the pass proves less; the row says so.
+    from loop.audit_grads import gradient_audits
+    from loop.config import DEFAULT_CONFIG
+
+    [result] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "data.batch_size=1", "data.seq_len=1"],
+                               {"accumulation"})
+    assert result.ok and "(targets per micro-batch [1, 1])" in result.numbers, result
+    assert result.numbers.endswith("; equal target counts, so a per-micro-batch mean would go unnoticed")
+
+
 def test_verify_leaves_the_configs_mirror_alone(tmp_path, cache):
     # A config that mirrors its checkpoints (run.mirror, a bucket) made every audit run use that
     # bucket: run A, with no checkpoint of its own, resumed from the newest one there (another run's),
