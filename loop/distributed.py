@@ -23,7 +23,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from loop.device import pick_device
+from loop.device import cuda_devices, pick_device
 from loop.errors import BadInput
 
 
@@ -119,6 +119,10 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
                        f"got {got}.") from None
     device = pick_device(device_name)
     if device.type == "cuda":
+        if local >= (n := torch.cuda.device_count()):  # was "invalid device ordinal" from set_device
+            raise BadInput(f"LOCAL_RANK={local}, but this machine has {cuda_devices(n)}: one process per "
+                           f"GPU, so expected at most {n} processes per node (torchrun "
+                           f"--nproc_per_node={n}).")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)

@@ -177,6 +177,28 @@ def test_pick_cuda_without_cuda(name):
     assert str(e.value) == f"config key train.device: {name!r} asked for, but this machine has no CUDA."
 
 
+def test_a_cuda_index_past_the_machine_s_devices_is_named(monkeypatch):
+    # Was "CUDA error: invalid device ordinal" from the first tensor moved there (torchrun: from
+    # set_device, a LOCAL_RANK past the GPUs of the node). A machine with 2 GPUs, as CUDA says.
+    from loop import distributed
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert pick_device("cuda:1") == torch.device("cuda", 1)
+    with pytest.raises(BadInput) as e:
+        pick_device("cuda:2")
+    assert str(e.value) == ("config key train.device: 'cuda:2' asked for, but this machine has 2 visible "
+                            "CUDA devices (cuda:0 to cuda:1).")
+    for k, v in {"RANK": "2", "LOCAL_RANK": "2", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(BadInput) as e:
+        distributed.init("cuda")
+    assert str(e.value) == ("LOCAL_RANK=2, but this machine has 2 visible CUDA devices (cuda:0 to cuda:1): "
+                            "one process per GPU, so expected at most 2 processes per node (torchrun "
+                            "--nproc_per_node=2).")
+
+
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
 def test_pick_mps_without_mps():
     with pytest.raises(BadInput, match="train.device: 'mps' asked for, but this machine has no MPS"):
