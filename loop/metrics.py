@@ -47,7 +47,9 @@ class MetricsLog:
     def record(self, fields: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if loss.is_cuda:  # mark the end of this step on the GPU's own timeline: no sync
             fields["_event"] = torch.cuda.Event(enable_timing=True)
-            fields["_event"].record()
+            # On the loss's device: record() alone takes the current device's stream, cuda:0's
+            # under train.device=cuda:1, where no step runs.
+            fields["_event"].record(torch.cuda.current_stream(loss.device))
         self.pending.append((fields, torch.stack([loss.float(), grad_norm.float()])))
 
     def scalar(self, step: int, name: str, value: float) -> None:

@@ -8,6 +8,30 @@ import torch
 from loop import metrics
 
 
+def test_a_step_s_end_is_marked_on_the_stream_of_its_own_gpu(tmp_path, monkeypatch):
+    # train.device=cuda:1 in one process: the event went on the current device's stream (cuda:0,
+    # idle), so gpu_ms timed nothing. CUDA faked: a loss on cuda:1, events that say where they went.
+    class Event:
+        def __init__(self, enable_timing):
+            self.stream = None
+
+        def record(self, stream=None):
+            self.stream = stream
+
+    class LossOnCuda1:
+        is_cuda, device = True, torch.device("cuda", 1)
+
+        def float(self):
+            return torch.tensor(2.0)
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"the current stream of {device}")
+    log = metrics.MetricsLog(tmp_path, 0, 0, 0, max_steps=5, tensorboard=False)
+    log.record({"step": 1}, LossOnCuda1(), torch.tensor(1.0))
+    assert log.pending[0][0]["_event"].stream == "the current stream of cuda:1"
+    log.file.close()
+
+
 def test_interval_rates_cover_every_step_since_the_last_flush(tmp_path, monkeypatch):
     # data_wait_pct taken from the interval's last step alone (not all of its steps) passed every
     # other test: their runs log every step, where the two agree.
