@@ -41,9 +41,10 @@ def atomic_write(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         write_synced(tmp, data)
-    except OSError as e:  # a full disk: the part written goes; the old file is untouched
+    except BaseException as e:  # a full disk, Ctrl-C: the part written goes; the old file is untouched
         tmp.unlink(missing_ok=True)
-        e.filename = str(path)  # the file the user knows, not the temp one
+        if isinstance(e, OSError):
+            e.filename = str(path)  # the file the user knows, not the temp one
         raise
     os.replace(tmp, path)
     fsync_dir(path.parent)

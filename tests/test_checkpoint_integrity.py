@@ -326,6 +326,23 @@ def test_every_write_is_synced_before_it_takes_its_name_and_its_directory_after(
                       ("fsync", ino(latest)), ("replace", ino(latest)), ("fsync", ino(root))]
 
 
+def test_ctrl_c_in_a_file_write_keeps_the_old_file_and_leaves_no_part(tmp_path, monkeypatch):
+    # summary.json, model.pt: a Ctrl-C mid-write left `.model.pt.tmp-<pid>` behind for good (the
+    # next write, another process, uses another name).
+    from loop import atomic
+
+    (tmp_path / "model.pt").write_bytes(b"old")
+
+    def interrupted(path, data):
+        path.write_bytes(data[:10])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(atomic, "write_synced", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        atomic.atomic_write(tmp_path / "model.pt", bytes(5000))
+    assert os.listdir(tmp_path) == ["model.pt"] and (tmp_path / "model.pt").read_bytes() == b"old"
+
+
 @pytest.mark.parametrize("kind", list(WRITE))
 def test_a_refused_file_write_keeps_the_old_file_and_leaves_no_part(tmp_path, kind):
     # atomic_write (model.pt, summary.json, metadata.json) and write_tokens (data.cache_dir).
