@@ -82,6 +82,13 @@ def test_fp16_grad_scaler_state_survives_resume(tmp_path, cache):
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
 
 
+def test_sample_tokens_0_draws_no_sample(tmp_path, cache):
+    # As the benchmarks run: no text at all, not the prompt decoded alone.
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=2", "train.sample_tokens=0")
+    assert summary(out)["sample"] is None and not any("sample" in r for r in metrics(out))
+
+
 def test_the_summary_validates_the_final_weights(tmp_path, cache, monkeypatch):
     # Evaluations at steps 10 and 20 of a 25-step run: summary.json's val_loss is measured again on
     # the weights the run ends with, equal to a run that evaluates at step 25 (evaluating does not
