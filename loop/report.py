@@ -43,8 +43,9 @@ def load_run(run_dir: Path) -> dict:
         cfg = {}
     last = recs[-1] if recs else {}
     # A summary.json is this run's end only if the log ends there too: a finished run resumed for
-    # more steps (a larger train.max_steps) and stopped keeps the first end's summary.json.
+    # more steps (a larger train.max_steps) and stopped keeps its first end's, which the log covers.
     finished = "steps" in summ and summ["steps"] == last.get("step", 0)
+    summ = summ if finished else {}
     if finished:
         wall = summ.get("wall_s") or 0.0
     else:
@@ -65,8 +66,7 @@ def load_run(run_dir: Path) -> dict:
             sessions.append(e)
     if isinstance(summ.get("energy_j"), (int, float)):
         sessions[-1:] = [max(sessions[-1] if sessions else 0.0, summ["energy_j"])]
-    steps = summ.get("steps", last.get("step", 0)) if finished else last.get("step", 0)
-    tokens = summ.get("tokens", last.get("tokens", 0)) if finished else last.get("tokens", 0)
+    steps, tokens = summ.get("steps", last.get("step", 0)), summ.get("tokens", last.get("tokens", 0))
     mem = _numbers(recs, "cuda_max_alloc_gb") + _numbers([summ], "cuda_max_alloc_gb")
     mfu, vals = _numbers(recs, "mfu"), _numbers(recs, "val_loss") + _numbers([summ], "val_loss")
     status = "finished" + (" (stopped early)" if summ.get("stopped_early") else "") if finished \
@@ -79,7 +79,7 @@ def load_run(run_dir: Path) -> dict:
         "kwh": sum(sessions) / 3.6e6 if sessions else None,
         "final_loss": summ.get("final_loss") if finished else last.get("loss"),
         "best_val": min(vals) if vals else None, "world": int(meta.get("world_size") or 1),
-        "best": summ.get("best") if finished else None,  # the checkpoint train.best_metric picked
+        "best": summ.get("best"),  # the checkpoint train.best_metric picked
         "device": meta.get("gpu") or meta.get("device") or summ.get("device")
         or (cfg.get("train") or {}).get("device") or "unknown",
     }

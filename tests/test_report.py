@@ -130,13 +130,24 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,
     # "finished"; that was the report's row, though the log goes on to step 25.
+    # Nothing else of that summary.json counts either: its energy (the first session's) was added to
+    # the second session's reading, and its sample shown as the newest.
     run = tmp_path / "resumed"
     shutil.copytree(runs["finished"], run)
-    recs = metrics(run)
-    more = [{**recs[-1], "step": s, "tokens": recs[-1]["tokens"] + 640 * (s - 20), "loss": 1.5} for s in range(21, 26)]
+    recs, energy = metrics(run), iter([1.0e6, 1.5e6, 1.8e6, 2.0e6])
+    for r in recs:
+        r.pop("sample", None)
+        if "ms_per_step" in r:
+            r["energy_j"] = next(energy)
+    more = [{**recs[-1], "step": s, "tokens": recs[-1]["tokens"] + 640 * (s - 20), "loss": 1.5,
+             "energy_j": 1.2e6, **({"sample": "the resumed session's"} if s == 25 else {})} for s in range(21, 26)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs + more))
-    row = rows(write_report([run], tmp_path / "out").read_text())["resumed"]
+    (run / "summary.json").write_text(json.dumps({**summary(run), "energy_j": 2.5e6, "sample": "the first end's"}))
+    md = write_report([run], tmp_path / "out").read_text()
+    row = rows(md)["resumed"]
     assert (row["status"], row["steps"], row["final train loss"]) == ("interrupted at step 25", "25", "1.5000")
+    assert row["energy kWh"] == f"{(2.0e6 + 1.2e6) / 3.6e6:.4f}" and row["best checkpoint"] == "n/a"
+    assert "**resumed**, step 25:\n\n```\nthe resumed session's\n```" in md and "first end" not in md
 
 
 def test_the_best_the_peak_and_the_newest_are_reported(runs, tmp_path):
