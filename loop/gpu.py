@@ -3,12 +3,13 @@
 Per GPU: utilisation (%), memory used (GB = 1e9 bytes), power (W), temperature (C), and energy (J)
 since the sampler started: from NVML's total-energy counter where the GPU has one, else power
 integrated over time (trapezoid between samples). Use:
-    gpu = GpuSampler(interval_s=1.0, devices=[local_rank])  # devices=None: every GPU NVML sees
+    gpu = GpuSampler(interval_s=1.0, devices={0: "GPU-8f1c..."})  # None: every GPU NVML sees
     fields.update(gpu.read())   # at the log interval: the latest sample, never waits on NVML
     gpu.close()                 # end of run: stops the thread, shuts NVML down
 Without NVIDIA (no driver, no nvidia-ml-py) it prints one line, 'GPU telemetry off: <reason>', and
-read() returns {}; telemetry never stops training. `devices` are NVML indices, which ignore
-CUDA_VISIBLE_DEVICES.
+read() returns {}; telemetry never stops training. `devices` names each GPU by its NVML UUID under
+the label its readings get (loop/telemetry.py: CUDA's index): NVML's own numbering ignores
+CUDA_VISIBLE_DEVICES and may order the GPUs otherwise than CUDA does.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ def _get(fn: Callable[[], Any]) -> Any:
 
 
 class GpuSampler:
-    def __init__(self, interval_s: float = 1.0, devices: list[int] | None = None, nvml: Any = None,
+    def __init__(self, interval_s: float = 1.0, devices: dict[int, str] | None = None, nvml: Any = None,
                  clock: Callable[[], float] = time.monotonic):
         """Start sampling in a daemon thread. `nvml` is the pynvml module (injected for tests; default:
         import pynvml); `clock` gives seconds (injected for tests: power integration uses it). If NVML
@@ -50,17 +51,19 @@ class GpuSampler:
         self._thread = threading.Thread(target=self._run, name="gpu-telemetry", daemon=True)
         self._thread.start()
 
-    def _init(self, nvml: Any, devices: list[int] | None) -> Any:
+    def _init(self, nvml: Any, devices: dict[int, str] | None) -> Any:
         started = False
         try:
             if nvml is None:
                 import pynvml as nvml
             nvml.nvmlInit()
             started = True
-            indices = list(range(nvml.nvmlDeviceGetCount())) if devices is None else list(devices)
-            if not indices:
+            if devices is None:
+                self._handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in range(nvml.nvmlDeviceGetCount())}
+            else:
+                self._handles = {i: nvml.nvmlDeviceGetHandleByUUID(uuid) for i, uuid in devices.items()}
+            if not self._handles:
                 raise RuntimeError("NVML sees no GPU")
-            self._handles = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
             return nvml
         except Exception as e:  # noqa: BLE001 -- ImportError, NVMLError_LibraryNotFound, OSError...:
             # all mean the same here, and a machine without NVIDIA must still train

@@ -7,17 +7,30 @@ for models with a FLOPs formula (the GPT, loop/mfu.py) on devices in the peak ta
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 from loop.gpu import GpuSampler
 from loop.mfu import gpt_flops_per_token, peak_flops
 
 
+def node_gpus(device: torch.device) -> dict[int, str] | None:
+    """The GPUs this node's processes train on (torchrun: cuda:0 to cuda:LOCAL_WORLD_SIZE-1, one
+    each), by CUDA index -> NVML UUID: every GPU NVML saw was summed, a shared machine's other jobs
+    included. None off CUDA (every GPU NVML sees)."""
+    if device.type != "cuda":
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    indices = range(local) if local else [torch.cuda.current_device() if device.index is None else device.index]
+    return {i: f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in indices}  # NVML's spelling
+
+
 class Telemetry:
     def __init__(self, model: torch.nn.Module, model_cfg, seq_len: int, device: torch.device,
                  precision: str, world: int):
         self.device = device
-        self.gpu = GpuSampler()  # says once that it is off on a machine without NVIDIA
+        self.gpu = GpuSampler(devices=node_gpus(device))  # says once that it is off without NVIDIA
         self.flops = None
         if hasattr(model, "wpe"):  # the GPT: 6N + attention, N without position embeddings
             n = sum(p.numel() for p in model.parameters())

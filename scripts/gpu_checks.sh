@@ -6,10 +6,10 @@
 #   OUT=/tmp/gpu PYTHON=python3 bash scripts/gpu_checks.sh bench
 #
 #   env      GPU, driver, gcc, torch and CUDA versions
-#   tests    tests/test_cuda.py: bf16/fp16 + fused AdamW repeat and resume bit-identically, a real
-#            out-of-memory recovered by splitting, one host sync per steady-state step
-#            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python, FSDP with
-#            CPU offload and mixed precision
+#   tests    tests/test_cuda.py: NVML reads the run's own GPU; bf16/fp16 + fused AdamW repeat and
+#            resume bit-identically, a real out-of-memory recovered by splitting, one host sync
+#            per steady-state step (set_sync_debug_mode), torchrun with one GPU over nccl ==
+#            plain python, FSDP with CPU offload and mixed precision
 #   verify   make verify's audits on the GPU, bf16 and fp16
 #   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
 #            activation checkpointing as a third arm: 3 arms x BENCH_REPS fresh processes, each

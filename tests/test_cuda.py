@@ -7,7 +7,8 @@ determinism mode; a micro-batch too big for the card runs out of memory for real
 by splitting it; steady-state steps make exactly one host sync each (the finite check), proved
 with torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and
 async checkpoints), bit-identical to plain python, also after a SIGKILL and rerun; FSDP with CPU
-offload and mixed precision trains close to FSDP on the GPU and resumes bit-identically.
+offload and mixed precision trains close to FSDP on the GPU and resumes bit-identically; NVML
+reads the GPU the run trains on.
 """
 from __future__ import annotations
 
@@ -26,6 +27,25 @@ from loop import jobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = ["train.device=cuda", "run.deterministic=true"]  # after TINY's train.device=cpu: wins
+
+
+def test_nvml_reads_the_gpu_the_run_trains_on(tmp_path, cache):
+    # loop/telemetry.py names the run's GPU to NVML by its UUID (NVML's numbering ignores
+    # CUDA_VISIBLE_DEVICES): the readings come under gpu0, and the energy is that GPU's alone.
+    pynvml = pytest.importorskip("pynvml")
+    out = tmp_path / "run"
+    r = run_train(out, cache, *CUDA, "train.max_steps=10", "train.log_every=5")
+    assert "GPU telemetry off" not in r.stderr, r.stderr
+    last = metrics(out)[-1]
+    assert {"gpu0/util_pct", "gpu0/power_w", "gpu0/energy_j"} <= last.keys() and not any(
+        k.startswith("gpu1/") for k in last), last
+    assert last["energy_j"] == last["gpu0/energy_j"] > 0  # the run's one GPU, no other
+    pynvml.nvmlInit()
+    try:  # the UUID the run asked NVML for is the one of the GPU CUDA calls cuda:0
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{torch.cuda.get_device_properties(0).uuid}")
+        assert pynvml.nvmlDeviceGetUUID(handle) == f"GPU-{torch.cuda.get_device_properties(0).uuid}"
+    finally:
+        pynvml.nvmlShutdown()
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])

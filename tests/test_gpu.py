@@ -58,6 +58,11 @@ class FakeNvml:
             raise FakeNVMLError("Invalid Argument")
         return f"handle{i}"
 
+    def nvmlDeviceGetHandleByUUID(self, uuid):  # NVML's device i has the UUID GPU-<i, 8 times>
+        if uuid not in (uuids := [f"GPU-{str(i) * 8}" for i in range(self.n)]):
+            raise FakeNVMLError("Not Found")
+        return f"handle{uuids.index(uuid)}"
+
     def nvmlDeviceGetUtilizationRates(self, h):
         self._check("util")
         return SimpleNamespace(gpu=self.util[self._idx(h)], memory=0)
@@ -106,14 +111,35 @@ def test_readings_units_and_energy_from_counter():
     assert fake.shutdowns == 1
 
 
-def test_devices_picks_gpus_by_nvml_index():
+def test_devices_picks_gpus_by_uuid_under_their_labels():
     fake = FakeNvml()
-    gpu = GpuSampler(interval_s=IDLE, devices=[1], nvml=fake)
+    gpu = GpuSampler(interval_s=IDLE, devices={0: "GPU-11111111"}, nvml=fake)  # NVML's device 1
     got = gpu.read()  # the constructor's own sample: values at once
-    assert sorted(got) == ["energy_j", "gpu1/energy_j", "gpu1/mem_used_gb", "gpu1/power_w",
-                           "gpu1/temp_c", "gpu1/util_pct"]
-    assert got["gpu1/util_pct"] == 40.0 and got["energy_j"] == got["gpu1/energy_j"] == 0.0
+    assert sorted(got) == ["energy_j", "gpu0/energy_j", "gpu0/mem_used_gb", "gpu0/power_w",
+                           "gpu0/temp_c", "gpu0/util_pct"]
+    assert got["gpu0/util_pct"] == 40.0 and got["energy_j"] == got["gpu0/energy_j"] == 0.0
     gpu.close()
+
+
+@pytest.mark.parametrize("env, device, want", [
+    ({}, "cuda:1", {1: "GPU-ab"}),
+    ({}, "cuda", {0: "GPU-aa"}),  # the current device
+    ({"LOCAL_WORLD_SIZE": "2"}, "cuda:0", {0: "GPU-aa", 1: "GPU-ab"}),  # torchrun: the node's processes'
+    ({}, "cpu", None)])
+def test_a_run_samples_the_gpus_its_processes_train_on(monkeypatch, env, device, want):
+    # The sampler summed every GPU NVML saw: on a shared machine (CUDA_VISIBLE_DEVICES=3), the other
+    # jobs' energy too. CUDA faked: its device i has the UUID "a" + "abcd"[i].
+    import torch
+    from types import SimpleNamespace
+
+    from loop.telemetry import node_gpus
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid="a" + "abcd"[i]))
+    assert node_gpus(torch.device(device)) == want
 
 
 def test_energy_integrates_power_where_there_is_no_counter():
@@ -170,7 +196,7 @@ def test_close_wakes_a_sleeping_thread_at_once():
     assert fake.power_reads == 2
 
 
-@pytest.mark.parametrize("case", ["import fails", "init raises", "no gpu", "bad index"])
+@pytest.mark.parametrize("case", ["import fails", "init raises", "no gpu", "unknown uuid"])
 def test_off_without_nvml(case, monkeypatch, capsys):
     fake, devices = None, None
     if case == "import fails":
@@ -180,7 +206,7 @@ def test_off_without_nvml(case, monkeypatch, capsys):
     elif case == "no gpu":
         fake = FakeNvml(n=0)
     else:
-        fake, devices = FakeNvml(), [5]
+        fake, devices = FakeNvml(), {0: "GPU-55555555"}
     gpu = GpuSampler(interval_s=0.001, devices=devices, nvml=fake)
     assert gpu.read() == {} and gpu.sample_once() == {}
     gpu.close()
