@@ -18,7 +18,7 @@ from loop.mfu import gpt_flops_per_token, peak_flops
 def node_gpus(device: torch.device) -> dict[int, str] | None:
     """The GPUs this node's processes train on (torchrun: cuda:0 to cuda:LOCAL_WORLD_SIZE-1, one
     each), by CUDA index -> NVML UUID: every GPU NVML saw was summed, a shared machine's other jobs
-    included. None off CUDA (every GPU NVML sees)."""
+    included. None for a run on the CPU (or MPS): no GPU of its own to read."""
     if device.type != "cuda":
         return None
     local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
@@ -30,7 +30,8 @@ class Telemetry:
     def __init__(self, model: torch.nn.Module, model_cfg, seq_len: int, device: torch.device,
                  precision: str, world: int):
         self.device = device
-        self.gpu = GpuSampler(devices=node_gpus(device))  # says once that it is off without NVIDIA
+        gpus = node_gpus(device)  # the sampler says once that it is off without NVIDIA
+        self.gpu = GpuSampler(devices=gpus) if gpus else None
         self.flops = None
         if hasattr(model, "wpe"):  # the GPT: 6N + attention, N without position embeddings
             n = sum(p.numel() for p in model.parameters())
@@ -43,7 +44,7 @@ class Telemetry:
         self.peak = peak * world if peak else None  # every process drives one such device
 
     def read(self) -> dict:
-        out = dict(self.gpu.read())
+        out = self.gpu.read() if self.gpu else {}
         if self.device.type == "cuda":
             gb = 1e9
             out.update({"cuda_alloc_gb": torch.cuda.memory_allocated(self.device) / gb,
@@ -57,4 +58,5 @@ class Telemetry:
         return tokens_per_s * self.flops / self.peak
 
     def close(self) -> None:
-        self.gpu.close()
+        if self.gpu:
+            self.gpu.close()

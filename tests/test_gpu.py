@@ -232,8 +232,9 @@ def test_real_pynvml_on_this_machine(capsys):
 
 
 def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monkeypatch):
-    # The sampler wired into a run (on the CPU; NVML a fake with one GPU whose energy counter gains
-    # 1 J at every read): each log interval carries its readings, summary.json the run's energy.
+    # The sampler wired into a run (on the CPU, told its GPU is NVML's device 0, a fake whose energy
+    # counter gains 1 J at every read): each log interval carries its readings, summary.json the
+    # run's energy. A CPU run reads no GPU at all (below).
     import torch
 
     from conftest import TINY, metrics, summary
@@ -248,6 +249,7 @@ def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monk
 
     fake = Counting(n=1)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr("loop.telemetry.node_gpus", lambda device: {0: "GPU-00000000"})  # as on CUDA
     out = tmp_path / "run"
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=6",
                                        "train.log_every=2"])
@@ -260,3 +262,8 @@ def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monk
     energy = [r["energy_j"] for r in logged]
     assert 0 < energy[0] <= energy[1] <= energy[2] <= s["energy_j"] == summary(out)["energy_j"]
     assert fake.shutdowns == 1  # the sampler closed with the run
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    s = build_trainer(load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'cpu'}",
+                                                   "train.max_steps=2"]), Dist(), torch.device("cpu")).run()
+    assert "energy_j" not in s and not any(k.startswith("gpu") for r in metrics(tmp_path / "cpu") for k in r)
