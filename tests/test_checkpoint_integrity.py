@@ -365,8 +365,8 @@ def test_a_checkpoint_that_cannot_be_written_exits_3_and_keeps_the_earlier_ones(
     shutil.copytree(killed, out)
     proc = run_with_file_limit(100_000, out, cache, *STEPS, f"train.async_save={async_save}")
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert (f"\nerror: checkpoint step 40: cannot write it in {out / 'checkpoints'} (File too large). "
-            f"Nothing of it is kept") in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"error: checkpoint step 40: cannot write it in {out / 'checkpoints'} "
+                                  f"(File too large). Nothing of it is kept"), proc.stderr
     assert "Traceback" not in proc.stderr
     assert ckpt_names(out) == ["step_00000010", "step_00000020", "step_00000030"]
     assert not list((out / "checkpoints").glob(".tmp-*")), "the part written is removed at once"
@@ -386,10 +386,10 @@ def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identica
     kept = sum(len(json.dumps(r)) + 1 for r in metrics(out) if r["step"] <= 30)
     proc = run_with_file_limit(kept + 100, out, cache, *STEPS)
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert (f"\nerror: a write to {out / 'metrics.jsonl'} was refused: File too large. The disk is full, or a quota or file-size "
-            f"limit was reached. Any steps trained since the newest checkpoint are lost; the "
-            f"checkpoints are whole. Free space in run.out_dir ({out}) and data.cache_dir") in proc.stderr, \
-        proc.stderr
+    assert proc.stderr.startswith(
+        f"error: a write to {out / 'metrics.jsonl'} was refused: File too large. The disk is full, or a "
+        f"quota or file-size limit was reached. Any steps trained since the newest checkpoint are lost; "
+        f"the checkpoints are whole. Free space in run.out_dir ({out}) and data.cache_dir"), proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     log = (out / "metrics.jsonl").read_bytes()
     assert len(log) == kept + 100 and not log.endswith(b"\n"), "the step-31 line is cut short"
@@ -410,7 +410,7 @@ def test_a_tensorboard_write_refused_exits_3_in_one_line_naming_its_directory(tm
     proc = run_with_file_limit(6000, out, cache, "train.max_steps=60", "train.ckpt_every=1000",
                                "train.eval_every=0")
     assert proc.returncode == 3, proc.stdout + proc.stderr
-    assert f"\nerror: a write to {out / 'tb'} was refused: File too large." in proc.stderr, proc.stderr
+    assert proc.stderr.startswith(f"error: a write to {out / 'tb'} was refused: File too large."), proc.stderr
     assert "Traceback" not in proc.stderr and "Exception in thread" not in proc.stderr, proc.stderr
     assert (out / "metrics.jsonl").stat().st_size < 6000, "metrics.jsonl was not the file refused"
 
