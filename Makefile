@@ -2,8 +2,8 @@
 # To use an interpreter you already have (e.g. a GPU image with CUDA torch and no network):
 #   make test PYTHON=python3
 # make test runs two pytest workers (pytest-xdist, in the venv; each takes whole test files): about
-# 10 minutes instead of 15 on 2 cores. JOBS=1 for one; with PYTHON=, whose interpreter may lack
-# xdist, one unless JOBS says otherwise.
+# 11 minutes on 2 cores, where one took 15 or more. JOBS=1 for one; with PYTHON=, whose
+# interpreter may lack xdist, one unless JOBS says otherwise.
 VENV := .venv
 ifeq ($(origin PYTHON), undefined)
 PYTHON := $(VENV)/bin/python
