@@ -56,10 +56,13 @@ class StreamSampler(Sampler[tuple[int, int]]):
 
 def collate(samples: list[dict]) -> dict:
     """Stack samples; count the real targets here, on the CPU, so the loop needs no device sync."""
+    keys = samples[0].keys()
+    if any(s.keys() != keys for s in samples):  # default_collate takes the first's keys: a key only
+        raise ValueError(f"data: {unstackable(samples)}.")  # later samples have went without a word
     try:
         batch = default_collate(samples)
-    except (RuntimeError, KeyError):
-        if why := unstackable(samples):  # torch's message names neither the samples nor the key
+    except RuntimeError:
+        if why := unstackable(samples):  # torch's message names neither the samples nor the shape
             raise ValueError(f"data: {why}.") from None
         raise
     batch["n_targets"] = int((batch["y"] != IGNORE_INDEX).sum())

@@ -232,6 +232,9 @@ def test_samples_that_cannot_be_stacked_are_named_when_a_batch_meets_them():
     with pytest.raises(ValueError, match=re.escape("data: samples 4 and 5 have different keys: x, y, idx, "
                                                    "mask and x, y, idx;")):  # torch: KeyError: 'mask'
         collate([{**sample(4), "mask": torch.ones(2)}, sample(5)])
+    with pytest.raises(ValueError, match=re.escape("data: samples 4 and 5 have different keys: x, y, idx and "
+                                                   "x, y, idx, mask;")):  # torch: the batch without a mask
+        collate([sample(4), {**sample(5), "mask": torch.ones(2)}])
 
 
 def test_a_split_batch_recounts_each_part_s_targets_and_drops_empty_parts():
