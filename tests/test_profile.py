@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import run_train
-from loop.profile import REGIONS
+from loop.profile import REGIONS, breakdown
 
 
 def test_profile_breakdown_names_every_region_and_sums_to_one(tmp_path, cache):
@@ -21,6 +21,20 @@ def test_profile_breakdown_names_every_region_and_sums_to_one(tmp_path, cache):
     names = {e.get("name") for e in trace["traceEvents"]}
     assert set(REGIONS) <= names
     assert "step time breakdown" in proc.stdout
+
+
+def test_breakdown_is_each_region_s_share_of_the_steps_and_other_never_below_zero():
+    # Regions timed a hair past their steps (their timers' ends are not the step's) would make "other"
+    # negative: it stays at 0.
+    from types import SimpleNamespace
+
+    def prof(**us):
+        return SimpleNamespace(key_averages=lambda: [SimpleNamespace(key=k, cpu_time_total=v) for k, v in us.items()])
+
+    steps = {"ProfilerStep#4": 600.0, "ProfilerStep#5": 400.0}
+    assert breakdown(prof(**steps, data=10.0, forward=400.0, backward=500.0, optimizer=40.0)) == \
+        {"data": 0.01, "forward": 0.4, "backward": 0.5, "optimizer": 0.04, "other": pytest.approx(0.05)}
+    assert breakdown(prof(**steps, data=20.0, forward=450.0, backward=550.0, optimizer=0.0))["other"] == 0.0
 
 
 def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cache):
