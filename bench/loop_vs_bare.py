@@ -39,6 +39,7 @@ from data.sampler import collate
 from loop.config import DEFAULT_CONFIG, load_config
 from loop.config_check import at_least
 from loop.device import pick_device, use_tf32
+from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
@@ -48,52 +49,65 @@ from model import build_model
 ROOT = Path(__file__).resolve().parents[1]
 
 
+class Bare:
+    """The bare loop: the run's model, optimizer, schedule and precision built as train.py builds
+    them (the same weights from the same seed), and an optimizer step that does the scaffold's
+    maths with nothing around it. tests/test_bench.py proves it trains what the scaffold trains.
+    One difference, in time nothing: on an fp16 overflow the scaffold holds the LR schedule back
+    (it reads the finite check anyway); this loop advances it, as the usual AMP recipe does."""
+
+    def __init__(self, cfg, total_steps: int):
+        self.cfg, self.device = cfg, pick_device(cfg.train.device)
+        use_tf32(self.device, cfg.train.tf32)
+        seed_everything(cfg.run.seed)
+        self.data = build_data(cfg.data)
+        self.model = build_model(cfg.model, self.data).to(self.device)
+        if cfg.train.compile:
+            self.model.compile()
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scheduler = build_scheduler(self.optimizer, cfg.schedule, total_steps)
+        self.precision = Precision(cfg.train.precision, self.device)
+
+    def step(self, batches: list[dict]) -> int:
+        """One optimizer step over a step's micro-batches (on the device); its target count."""
+        scaler, clip = self.precision.scaler, self.cfg.train.clip_grad
+        n_targets = sum(m["n_targets"] for m in batches)
+        for m in batches:
+            with self.precision.autocast():
+                loss = loss_and_sums(self.model(m))[0]  # a model may return a dict of sums
+            scaler.scale(loss * (1 / n_targets)).backward()
+        scaler.unscale_(self.optimizer)
+        if clip > 0:  # 0 means no clipping, as in the scaffold (clipping to 0 zeroes the gradients)
+            # Over the optimizer's parameters in its order, as the scaffold: the norm's sum in
+            # another order can differ in its last bit, and then so do the clipped gradients.
+            torch.nn.utils.clip_grad_norm_([q for g in self.optimizer.param_groups for q in g["params"]], clip)
+        scaler.step(self.optimizer)
+        scaler.update()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return n_targets
+
+
 def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     """The bare loop in this process; tokens/s over `steps` steps after `warmup`."""
     cfg = load_config(config, overrides)
-    device = pick_device(cfg.train.device)
-    use_tf32(device, cfg.train.tf32)
-    seed_everything(cfg.run.seed)
-    data = build_data(cfg.data)
-    model = build_model(cfg.model, data).to(device)
-    if cfg.train.compile:
-        model.compile()
-    optimizer = build_optimizer(model, cfg.optim, device)
-    scheduler = build_scheduler(optimizer, cfg.schedule, warmup + steps)
-    precision = Precision(cfg.train.precision, device)
-    scaler = precision.scaler
     b, k = cfg.data.batch_size, cfg.train.grad_accum
-    order = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(cfg.run.seed))
-    micro = [collate([data.train[i] for i in order[j * b:(j + 1) * b].tolist()]) for j in range(2 * k)]
-    micro = [{key: v.to(device) if torch.is_tensor(v) else v for key, v in m.items()} for m in micro]
-    tokens = 0
-
-    def step(n: int) -> None:
-        nonlocal tokens
-        batches = micro[(n % 2) * k:(n % 2 + 1) * k]  # two fixed steps' worth, alternating
-        n_targets = sum(m["n_targets"] for m in batches)
-        for m in batches:
-            with precision.autocast():
-                loss = model(m)
-            scaler.scale(loss / n_targets).backward()
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.clip_grad)
-        scaler.step(optimizer)
-        scaler.update()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        tokens += n_targets
-
+    loop = Bare(cfg, warmup + steps)
+    train = loop.data.train
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.run.seed))
+    micro = [collate([train[i] for i in order[j * b:(j + 1) * b].tolist()]) for j in range(2 * k)]
+    micro = [{key: v.to(loop.device) if torch.is_tensor(v) else v for key, v in m.items()} for m in micro]
+    two = [micro[:k], micro[k:]]  # two fixed steps' worth, alternating
     for n in range(warmup):
-        step(n)
-    sync_device(device)
+        loop.step(two[n % 2])
+    sync_device(loop.device)
     tokens, t0 = 0, time.perf_counter()
     for n in range(steps):
-        step(n)
-    sync_device(device)
+        tokens += loop.step(two[n % 2])
+    sync_device(loop.device)
     out = {"tokens_per_s": tokens / (time.perf_counter() - t0), "data_wait_pct": 0.0}
-    if device.type == "cuda":
-        out["peak_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+    if loop.device.type == "cuda":
+        out["peak_gb"] = torch.cuda.max_memory_allocated(loop.device) / 1e9
     return out
 
 
