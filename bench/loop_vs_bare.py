@@ -95,7 +95,8 @@ def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     loop = Bare(cfg, warmup + steps)
     train = loop.data.train
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.run.seed))
-    micro = [collate([train[i] for i in order[j * b:(j + 1) * b].tolist()]) for j in range(2 * k)]
+    # Around the order again where a small dataset has fewer samples, as the scaffold's epochs do.
+    micro = [collate([train[order[i % len(train)]] for i in range(j * b, (j + 1) * b)]) for j in range(2 * k)]
     micro = [{key: v.to(loop.device) if torch.is_tensor(v) else v for key, v in m.items()} for m in micro]
     two = [micro[:k], micro[k:]]  # two fixed steps' worth, alternating
     for n in range(warmup):
