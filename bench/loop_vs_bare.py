@@ -117,7 +117,7 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
     by_step = {r["step"]: r for r in records}
     ends = [by_step[s] for s in range(warmup + every, warmup + steps + 1, every)]
     seconds = sum(r["ms_per_step"] * every for r in ends) / 1000
-    tokens = by_step[warmup + steps]["tokens"] - by_step[warmup]["tokens"]
+    tokens = by_step[warmup + steps]["tokens"] - (by_step[warmup]["tokens"] if warmup else 0)
     data_ms = sum(by_step[s]["data_ms"] for s in range(warmup + 1, warmup + steps + 1))
     out = {"tokens_per_s": tokens / seconds, "data_wait_pct": 100 * data_ms / (1000 * seconds)}
     if "mfu" in ends[-1]:  # MFU is linear in tokens/s: rescale one interval's to the whole window

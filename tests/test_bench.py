@@ -45,6 +45,10 @@ def test_scaffold_figures_use_only_the_timed_window():
     assert fig["data_wait_pct"] == pytest.approx(100 * 4.0 / 80.0)
     assert fig["mfu"] == pytest.approx(0.3 * 0.016 / 0.020)  # the last interval's, at the window's rate
     assert fig["peak_gb"] == 0.6
+    # --warmup 0 (allowed): the window starts at step 0, which has no record (was a KeyError after
+    # every arm had run). One interval of 6 steps, its mean ms/step on its last record.
+    fig = loop_vs_bare.scaffold_figures(recs, warmup=0, steps=6, every=6)
+    assert fig["tokens_per_s"] == pytest.approx(600 / 0.120)
 
 
 def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
