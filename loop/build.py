@@ -72,9 +72,10 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
     k = cfg.faults.kill_in_ckpt_at_step
     if 0 < k < t.max_steps and not (t.ckpt_every and k % t.ckpt_every == 0):  # loop/trainer.py saves
         best = " its evaluation is a new best or" if t.eval_every and k % t.eval_every == 0 else ""
-        notes.append(f"faults.kill_in_ckpt_at_step={k} may not fire: step {k} is neither a multiple "
-                     f"of train.ckpt_every={t.ckpt_every} nor the last step, so it writes a "
-                     f"checkpoint only if{best} the run stops there (early stopping, a preemption "
+        which = (f"is neither a multiple of train.ckpt_every={t.ckpt_every} nor the last step"
+                 if t.ckpt_every else "is not the last step (train.ckpt_every=0: at the end only)")
+        notes.append(f"faults.kill_in_ckpt_at_step={k} may not fire: step {k} {which}, so it writes "
+                     f"a checkpoint only if{best} the run stops there (early stopping, a preemption "
                      f"signal)")
     return notes
 

@@ -550,18 +550,21 @@ def test_a_fault_at_a_step_the_run_does_not_reach_says_it_will_not_fire():
         f"faults.nan_at_step=11 {steps}", f"faults.oom_at_step=0 {steps}"]
 
 
-@pytest.mark.parametrize("step, when", [(7, ""), (5, " its evaluation is a new best or"), (8, None),
-                                        (10, None)])
-def test_a_kill_in_a_checkpoint_at_a_step_that_writes_none_says_so(step, when):
+@pytest.mark.parametrize("step, every, when", [
+    (7, 4, ""), (5, 4, " its evaluation is a new best or"), (8, 4, None), (10, 4, None),
+    (8, 0, ""), (10, 0, None)])
+def test_a_kill_in_a_checkpoint_at_a_step_that_writes_none_says_so(step, every, when):
     # faults.kill_in_ckpt_at_step=7 with checkpoints every 4 steps of 10 did nothing, silently: a
-    # fire drill that passes because nothing happened. Steps 8 (a multiple) and 10 (the last) save.
-    cfg = load_config(DEFAULT, ["train.max_steps=10", "train.ckpt_every=4", "train.eval_every=5",
+    # fire drill that passes because nothing happened. Steps 8 (a multiple) and 10 (the last) save;
+    # with train.ckpt_every=0 only the last does (step 8 was taken for a multiple of every step).
+    cfg = load_config(DEFAULT, ["train.max_steps=10", f"train.ckpt_every={every}", "train.eval_every=5",
                                 f"faults.kill_in_ckpt_at_step={step}"])
     notes = idle_settings(cfg, Precision("fp32", torch.device("cpu")))
+    which = (f"is neither a multiple of train.ckpt_every={every} nor the last step" if every
+             else "is not the last step (train.ckpt_every=0: at the end only)")
     assert notes == ([] if when is None else [
-        f"faults.kill_in_ckpt_at_step={step} may not fire: step {step} is neither a multiple of "
-        f"train.ckpt_every=4 nor the last step, so it writes a checkpoint only if{when} the run "
-        f"stops there (early stopping, a preemption signal)"])
+        f"faults.kill_in_ckpt_at_step={step} may not fire: step {step} {which}, so it writes a "
+        f"checkpoint only if{when} the run stops there (early stopping, a preemption signal)"])
 
 
 def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
