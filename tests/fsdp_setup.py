@@ -1,7 +1,7 @@
 """Run under torchrun: build what train.py would (loop/build.py) with the given overrides, the GPT
 given a non-persistent buffer (in no state_dict), and print one JSON line per rank: this process's
-peak host memory (ru_maxrss), the bytes of the model's weights, and that buffer's values in the
-model and in the EMA copy, for tests/test_fsdp.py; with train.fsdp_mixed_precision=true also, after
+peak host memory (ru_maxrss), the bytes of the model's weights, that buffer's values in the model
+and in the EMA copy, and the devices the EMA copy was built on, for tests/test_fsdp.py; with train.fsdp_mixed_precision=true also, after
 one backward of a validation batch, how many of this rank's gradient values bf16 cannot hold.
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/fsdp_setup.py k=v ...
@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import model  # noqa: E402
-from loop import distributed, fsdp  # noqa: E402
+from loop import build, distributed, fsdp  # noqa: E402
 from loop.build import build_trainer  # noqa: E402
 from loop.config import DEFAULT_CONFIG, load_config  # noqa: E402
 from loop.evaluate import loss_and_sums  # noqa: E402
@@ -34,6 +34,16 @@ def gpt_with_buffer(cfg, data):
 
 
 model.BUILDERS["gpt"] = gpt_with_buffer
+build_ema, ema_built_on = build.build_ema, []
+
+
+def build_ema_seen(*args, **kwargs):
+    ema = build_ema(*args, **kwargs)
+    ema_built_on.extend(sorted({t.device.type for t in ema.module.parameters()}) if ema else [])
+    return ema
+
+
+build.build_ema = build_ema_seen
 cfg = load_config(DEFAULT_CONFIG, sys.argv[1:])
 dist, device = distributed.init(cfg.train.device)
 
@@ -44,7 +54,7 @@ def report() -> None:
     n_bytes = sum(p.numel() * p.element_size() for p in t.model.parameters())  # whole, not shards
     fields = {"rank": dist.rank, "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
               "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
-              "ema_probe": t.ema.module.probe.tolist() if t.ema else None}
+              "ema_probe": t.ema.module.probe.tolist() if t.ema else None, "ema_built_on": ema_built_on}
     if cfg.train.fsdp_mixed_precision:  # each rank's batch differs: so do its bf16 gradients
         loss_and_sums(t.model(t.val[0]))[0].backward()
         grads = [fsdp.local(p.grad) for p in t.model.parameters()]
