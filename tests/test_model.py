@@ -242,6 +242,12 @@ def test_adamw_param_groups():
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
         expected_params(16, 8, 2, 32, True)
     assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.95)
+    # The config's betas and eps reach AdamW (leaving eps out passed: the default is AdamW's own);
+    # a frozen parameter is not the optimizer's.
+    model.wpe.weight.requires_grad_(False)
+    opt = build_optimizer(model, OptimConfig(betas=[0.8, 0.99], eps=1e-6), torch.device("cpu"))
+    assert opt.defaults["betas"] == (0.8, 0.99) and opt.defaults["eps"] == 1e-6
+    assert id(model.wpe.weight) not in {id(p) for g in opt.param_groups for p in g["params"]}
 
 
 # ------------------------------------------------------------------------------- it can learn
