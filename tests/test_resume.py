@@ -2,9 +2,11 @@
 bit-identical (params_sha256, every per-step loss, grad norm and lr) to a run never interrupted."""
 from __future__ import annotations
 
+import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 
@@ -13,6 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from conftest import (ROOT, assert_wall_time_sums_the_steps, metrics, run_and_kill, run_and_signal,
                       run_train, summary, train_cmd, watchdog)
+from loop.errors import gone
 from loop.jobs import reported_step, run_until
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
@@ -122,6 +125,21 @@ def test_ctrl_c_exits_130_without_a_traceback_then_rerun(tmp_path, cache, refere
     rerun = run_train(out, *args)
     assert 10 <= resumed_at(rerun.stdout) <= stop
     assert_identical(reference, out, f"Ctrl-C at step {stop}")
+
+
+def test_a_console_is_gone_when_its_pipe_or_socket_has_no_reader():
+    # Linux reports a pipe without a reader as POLLERR and a socket whose peer closed as POLLHUP
+    # (seen): a console through a socket (a process manager's) is gone too, not only a pipe.
+    r, w = os.pipe()
+    a, b = socket.socketpair()
+    try:
+        assert not gone(w) and not gone(a.fileno())
+        os.close(r)
+        b.close()
+        assert gone(w) and gone(a.fileno())
+    finally:
+        os.close(w)
+        a.close()
 
 
 def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_path, cache, reference):
