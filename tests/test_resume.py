@@ -201,6 +201,36 @@ def test_ctrl_c_that_also_ends_a_tee_exits_130(tmp_path, cache, reference):
     assert_identical(reference, out, "Ctrl-C with the console gone")
 
 
+# A wrapper around train.main: at step 4, stderr alone becomes a pipe without a reader
+# (`python train.py 2> >(tee err.log)`, the tee gone), then something warns there.
+STDERR_GONE = """
+import os, sys
+import train
+from loop.trainer import Trainer
+step = Trainer._step
+def warn(self):
+    if self.progress.step == 3:
+        r, w = os.pipe()
+        os.close(r)
+        os.dup2(w, 2)
+        print("a warning", file=sys.stderr, flush=True)
+    return step(self)
+Trainer._step = warn
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def test_a_stderr_whose_reader_goes_away_ends_the_run_with_141(tmp_path, cache):
+    # stdout still read: the console is gone all the same (it was a BrokenPipeError re-raised as a
+    # bug, its traceback written to the dead stderr, exit 1), and the stdout it still has says
+    # nothing more of the run.
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-c", STDERR_GONE, *train_cmd(out, cache, "train.max_steps=8")[2:]]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 141, proc.stdout + proc.stderr
+    assert "done:" not in proc.stdout and proc.stderr == "", proc.stdout + proc.stderr
+
+
 def test_two_kills_in_one_run(tmp_path, cache, reference):
     first, second = RNG.randint(11, 22), RNG.randint(25, 38)
     out = tmp_path / "run"
