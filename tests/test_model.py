@@ -197,6 +197,9 @@ def test_a_cuda_index_past_the_machine_s_devices_is_named(monkeypatch):
     assert str(e.value) == ("LOCAL_RANK=2, but this machine has 2 visible CUDA devices (cuda:0 to cuda:1): "
                             "one process per GPU, so expected at most 2 processes per node (torchrun "
                             "--nproc_per_node=2).")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the common case: one GPU
+    with pytest.raises(BadInput, match=r"this machine has 1 visible CUDA device \(cuda:0\)\.$"):
+        pick_device("cuda:1")
 
 
 @pytest.mark.skipif(torch.backends.mps.is_available(), reason="needs a machine without MPS")
