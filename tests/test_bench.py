@@ -3,6 +3,8 @@ the figures themselves are machine-dependent and are not asserted, only their co
 from __future__ import annotations
 
 import json
+import re
+import time
 
 import pytest
 import torch
@@ -11,24 +13,29 @@ from bench import ckpt_stall, loop_vs_bare
 from bench.common import command
 from conftest import ROOT, TINY
 from fake_mnist import write_fake_mnist
-from loop import build
+from loop import build, checkpoint
 from loop.config import DEFAULT_CONFIG, load_config
 from loop.distributed import Dist
 from loop.metrics import NullLog
 
 
-def test_loop_vs_bare_runs_and_records(tmp_path, cache):
+def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
     results = tmp_path / "r.jsonl"
-    args = ["--steps", "4", "--warmup", "2", "--reps", "1", "--results", str(results),
+    args = ["--steps", "4", "--warmup", "2", "--reps", "2", "--results", str(results),
             "--variant", "model.activation_checkpointing=true", *[t for t in TINY if "log_every" not in t], cache,
             f"run.mirror={tmp_path / 'bucket'}"]  # a config that mirrors a real run's checkpoints
     assert loop_vs_bare.main(args) == 0
     assert not (tmp_path / "bucket").exists()  # its runs' pruning deleted the real run's there
     (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert record["command"] == " ".join(["python -m bench.loop_vs_bare", *args])
+    arms = ["scaffold", "bare", "model.activation_checkpointing=true"]
+    # Each repetition runs every arm, the order reversed every other one: drift hits them alike.
+    ran = re.findall(r"^rep (\d)/2 (\S+):", capsys.readouterr().out, re.M)
+    assert ran == [("1", a) for a in arms] + [("2", a) for a in arms[::-1]]
     med = record["median"]
-    assert set(med) == {"scaffold", "bare", "model.activation_checkpointing=true"}
+    assert set(med) == set(arms)
     for arm, m in med.items():
-        assert m["tokens_per_s"] > 0 and m["max_rss_gb"] > 0
+        assert m["tokens_per_s"] > 0 and 0.05 < m["max_rss_gb"] < 20  # Linux's ru_maxrss is in kB
         assert record["ratio_to_bare"][arm] == pytest.approx(m["tokens_per_s"] / med["bare"]["tokens_per_s"])
     assert med["bare"]["data_wait_pct"] == 0 and 0 <= med["scaffold"]["data_wait_pct"] < 100
 
@@ -53,13 +60,26 @@ def test_scaffold_figures_use_only_the_timed_window():
 
 def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
     monkeypatch.chdir(tmp_path)  # its saves go under ./runs
+    save = checkpoint.save
+
+    def slow_save(*args, **kwargs):  # a slow disk: steps go on beside the async write, several
+        time.sleep(0.5)
+        return save(*args, **kwargs)
+
+    monkeypatch.setattr(checkpoint, "save", slow_save)
     results = tmp_path / "r.jsonl"
     config = str(ROOT / DEFAULT_CONFIG)
     assert ckpt_stall.main(["--reps", "2", "--config", config, "--results", str(results), *TINY, cache]) == 0
     (record,) = [json.loads(line) for line in results.read_text().splitlines()]
     med = record["median_ms"]
     assert set(med) == {"sync", "async", "async_done", "beside_write", "without_write"}
-    assert all(v > 0 for v in med.values()) and record["steps_beside_write"] >= 1
+    assert all(v > 0 for v in med.values()) and med["sync"] >= 500 and med["async"] < 500
+    # Training goes on until the write is done, then as many steps without one; the slowdown per
+    # checkpoint is the extra time of those steps (medians, rounded to 0.01 ms in the record).
+    n = record["steps_beside_write"]
+    assert n >= 2 and med["async_done"] >= 500
+    assert record["slowdown_ms"] == pytest.approx((med["beside_write"] - med["without_write"]) * n,
+                                                  abs=0.01 * n + 0.01)
     assert record["async_total_ms"] == pytest.approx(med["async"] + record["slowdown_ms"], abs=0.02)
     assert not list((tmp_path / "runs").iterdir())  # the checkpoints it wrote are gone
 
