@@ -12,8 +12,10 @@ Each repetition runs every arm once, in fresh processes, the order alternating:
             accumulation, on batches of the same dataset collated onto the device before timing;
             forward, backward, unscale, clip, step, zero_grad and nothing else.
   variant   the scaffold with one more override (e.g. activation checkpointing, compile).
-The table shows medians: tokens/s, the ratio to bare, peak memory (CUDA: max allocated; CPU: the
-process's max RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
+The table shows medians: tokens/s, the ratio to bare (of the medians; and "paired", the median of
+each repetition's own ratio: its arms run back to back, so the machine's drift between repetitions,
+over 20% on a shared 2-core VM, cancels), peak memory (CUDA: max allocated; CPU: the process's max
+RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
 goes to bench/results/loop_vs_bare.jsonl. A benchmark, not a test: figures depend on the machine
 and on what else runs on it.
 """
@@ -188,20 +190,24 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     bare_tps = med["bare"]["tokens_per_s"]
+    paired = {arm: statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs["bare"]))
+              for arm, rs in runs.items()}
     device = device_label(pick_device(cfg.train.device))
     print(f"\n{device} | torch {torch.__version__} | {os.cpu_count()} CPUs | {args.config} "
           f"{' '.join(args.overrides)} | medians of {args.reps} runs, {args.steps} steps after "
           f"{args.warmup} warm-up")
-    print(f"{'arm':<40}{'tokens/s':>11}{'vs bare':>9}{'peak GB':>9}{'max RSS GB':>11}{'data wait':>10}{'MFU':>7}")
+    print(f"{'arm':<40}{'tokens/s':>11}{'vs bare':>9}{'paired':>8}{'peak GB':>9}{'max RSS GB':>11}"
+          f"{'data wait':>10}{'MFU':>7}")
     for arm, m in med.items():
         mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "-"
         peak = f"{m['peak_gb']:.2f}" if "peak_gb" in m else "-"
-        print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{peak:>9}"
+        print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{paired[arm]:>8.3f}{peak:>9}"
               f"{m['max_rss_gb']:>11.2f}{m['data_wait_pct']:>9.2f}%{mfu:>7}")
     append_result(args.results, "bench.loop_vs_bare", argv, {
         "device": device, "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "warmup": args.warmup, "reps": args.reps, "median": med,
-        "ratio_to_bare": {arm: m["tokens_per_s"] / bare_tps for arm, m in med.items()}, "runs": runs})
+        "ratio_to_bare": {arm: m["tokens_per_s"] / bare_tps for arm, m in med.items()},
+        "paired_ratio_to_bare": paired, "runs": runs})
     return 0
 
 

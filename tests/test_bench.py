@@ -37,6 +37,10 @@ def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
     for arm, m in med.items():
         assert m["tokens_per_s"] > 0 and 0.05 < m["max_rss_gb"] < 20  # Linux's ru_maxrss is in kB
         assert record["ratio_to_bare"][arm] == pytest.approx(m["tokens_per_s"] / med["bare"]["tokens_per_s"])
+        (one, bare), (two, bare2) = [(r["tokens_per_s"], b["tokens_per_s"])
+                                     for r, b in zip(record["runs"][arm], record["runs"]["bare"])]
+        # The median of two: their mean. Pairs each repetition's arm with its own bare run.
+        assert record["paired_ratio_to_bare"][arm] == pytest.approx((one / bare + two / bare2) / 2)
     assert med["bare"]["data_wait_pct"] == 0 and 0 <= med["scaffold"]["data_wait_pct"] < 100
 
 
