@@ -166,24 +166,33 @@ def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_p
     assert_identical(reference, out, f"console gone after step {stop}")
 
 
-# A wrapper around train.main: before step 26, the console becomes a pipe without a reader (fds 1
-# and 2), then Ctrl-C's KeyboardInterrupt is raised, in that order every time.
-CTRL_C_AFTER_THE_TEE = """
+# A wrapper around train.main: before step AT+1, the file descriptors FDS become a pipe without a
+# reader, then THEN happens (Ctrl-C's KeyboardInterrupt, or a warning printed to stderr), in that
+# order every time.
+CONSOLE_GONE = """
 import os, sys
 import train
 from loop.trainer import Trainer
 step = Trainer._step
-def ctrl_c(self):
-    if self.progress.step == 25:
+def gone(self):
+    if self.progress.step == int(os.environ["AT"]):
         r, w = os.pipe()
         os.close(r)
-        os.dup2(w, 1)
-        os.dup2(w, 2)
-        raise KeyboardInterrupt
+        for fd in map(int, os.environ["FDS"].split()):
+            os.dup2(w, fd)
+        if os.environ["THEN"] == "ctrl-c":
+            raise KeyboardInterrupt
+        print("a warning", file=sys.stderr, flush=True)
     return step(self)
-Trainer._step = ctrl_c
+Trainer._step = gone
 sys.exit(train.main(sys.argv[1:]))
 """
+
+
+def console_gone(out, *args: str, at: int, fds: str, then: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", CONSOLE_GONE, *train_cmd(out, *args)[2:]]
+    env = {**os.environ, "AT": str(at), "FDS": fds, "THEN": then}
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_ctrl_c_that_also_ends_a_tee_exits_130(tmp_path, cache, reference):
@@ -193,40 +202,19 @@ def test_ctrl_c_that_also_ends_a_tee_exits_130(tmp_path, cache, reference):
     # traceback nobody could read) where a Ctrl-C is 130, and the checkpoint writer's close skipped.
     out = tmp_path / "run"
     args = [cache, *STEPS, "train.log_every=1000", "train.async_save=true"]
-    cmd = [sys.executable, "-c", CTRL_C_AFTER_THE_TEE, *train_cmd(out, *args)[2:]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = console_gone(out, *args, at=25, fds="1 2", then="ctrl-c")
     assert proc.returncode == 130, proc.stdout + proc.stderr
     rerun = run_train(out, *args)
     assert resumed_at(rerun.stdout) == 20
     assert_identical(reference, out, "Ctrl-C with the console gone")
 
 
-# A wrapper around train.main: at step 4, stderr alone becomes a pipe without a reader
-# (`python train.py 2> >(tee err.log)`, the tee gone), then something warns there.
-STDERR_GONE = """
-import os, sys
-import train
-from loop.trainer import Trainer
-step = Trainer._step
-def warn(self):
-    if self.progress.step == 3:
-        r, w = os.pipe()
-        os.close(r)
-        os.dup2(w, 2)
-        print("a warning", file=sys.stderr, flush=True)
-    return step(self)
-Trainer._step = warn
-sys.exit(train.main(sys.argv[1:]))
-"""
-
-
 def test_a_stderr_whose_reader_goes_away_ends_the_run_with_141(tmp_path, cache):
-    # stdout still read: the console is gone all the same (it was a BrokenPipeError re-raised as a
-    # bug, its traceback written to the dead stderr, exit 1), and the stdout it still has says
-    # nothing more of the run.
+    # `python train.py 2> >(tee err.log)`, the tee gone, then a warning; stdout still read: the
+    # console is gone all the same (it was a BrokenPipeError re-raised as a bug, its traceback
+    # written to the dead stderr, exit 1), and the stdout it still has says nothing more of the run.
     out = tmp_path / "run"
-    cmd = [sys.executable, "-c", STDERR_GONE, *train_cmd(out, cache, "train.max_steps=8")[2:]]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = console_gone(out, cache, "train.max_steps=8", at=3, fds="2", then="warn")
     assert proc.returncode == 141, proc.stdout + proc.stderr
     assert "done:" not in proc.stdout and proc.stderr == "", proc.stdout + proc.stderr
 
