@@ -14,8 +14,10 @@ ENV :=
 JOBS ?= 1
 endif
 ARGS ?=
-# make bench: the scaffold vs a bare loop, then the checkpoint stall (bench/; a benchmark, not a test)
+# make bench: the scaffold vs a bare loop, then the checkpoint stall (bench/; a benchmark, not a test).
+# BENCH_CONFIG and BENCH_OVERRIDES (key=value ...) go to both, ARGS (e.g. --variant) to the first.
 BENCH_CONFIG ?= configs/default.yaml
+BENCH_OVERRIDES ?=
 BENCH_STEPS ?= 50
 BENCH_REPS ?= 3
 
@@ -33,8 +35,9 @@ profile: $(ENV)
 	$(PYTHON) train.py run.out_dir=runs/profile train.max_steps=8 train.profile=true $(ARGS)
 
 bench: $(ENV)
-	$(PYTHON) -m bench.loop_vs_bare --config $(BENCH_CONFIG) --steps $(BENCH_STEPS) --reps $(BENCH_REPS) $(ARGS)
-	$(PYTHON) -m bench.ckpt_stall --config $(BENCH_CONFIG) --reps $(BENCH_REPS)
+	$(PYTHON) -m bench.loop_vs_bare --config $(BENCH_CONFIG) --steps $(BENCH_STEPS) --reps $(BENCH_REPS) \
+		$(ARGS) $(BENCH_OVERRIDES)
+	$(PYTHON) -m bench.ckpt_stall --config $(BENCH_CONFIG) --reps $(BENCH_REPS) $(BENCH_OVERRIDES)
 
 test: $(ENV)
 	$(PYTHON) -m pytest $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile) $(ARGS)

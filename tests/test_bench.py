@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -164,3 +166,16 @@ def test_the_bare_loop_takes_a_dataset_smaller_than_its_two_steps(tmp_path, cach
     fig = loop_vs_bare.bare(DEFAULT_CONFIG, [*TINY, f"data.path={text}", cache, "train.grad_accum=4"],
                             warmup=1, steps=2)
     assert fig["tokens_per_s"] > 0
+
+
+def test_make_bench_gives_its_overrides_to_both_benchmarks():
+    # `make bench ARGS="model.n_layer=8"` measured the comparison on that model and the checkpoint
+    # stall on the config's own; BENCH_OVERRIDES goes to both, ARGS (its options) to the first.
+    out = subprocess.run(["make", "-n", "bench", f"PYTHON={sys.executable}", "BENCH_OVERRIDES=model.n_layer=3",
+                          "ARGS=--variant train.compile=true"], cwd=ROOT, capture_output=True, text=True,
+                         check=True).stdout
+    commands = out.replace("\\\n", " ").splitlines()
+    (vs_bare,) = [c.split() for c in commands if "bench.loop_vs_bare" in c]
+    (stall,) = [c.split() for c in commands if "bench.ckpt_stall" in c]
+    assert "model.n_layer=3" in vs_bare and "model.n_layer=3" in stall
+    assert "--variant" in vs_bare and "--variant" not in stall
