@@ -96,7 +96,7 @@ def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     b, k = cfg.data.batch_size, cfg.train.grad_accum
     loop = Bare(cfg, warmup + steps)
     train = loop.data.train
-    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.run.seed))
+    order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.run.seed)).tolist()
     # Around the order again where a small dataset has fewer samples, as the scaffold's epochs do.
     micro = [collate([train[order[i % len(train)]] for i in range(j * b, (j + 1) * b)]) for j in range(2 * k)]
     micro = [{key: v.to(loop.device) if torch.is_tensor(v) else v for key, v in m.items()} for m in micro]
