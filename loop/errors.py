@@ -5,8 +5,9 @@ in `run.out_dir` is written or changed. Raise it with a message that names the k
 says what was expected. `GaveUp`: training started but cannot continue; exit 3, as for any write
 the system refuses for want of room (`NO_ROOM`). Ctrl-C (KeyboardInterrupt): exit 130, as a shell
 reports it; the checkpoints on disk are whole (atomic writes), so the same command continues from
-the newest. A console whose reader went away (`python train.py | head`, or a `tee` ended by the
-same Ctrl-C): exit 141, as a shell reports a SIGPIPE, and no traceback (nobody could read it).
+the newest. A console whose reader went away (`python train.py | head`, `less` quit): exit 141, as a shell
+reports a SIGPIPE, and no traceback (nobody could read it); a `tee` ended by the same Ctrl-C as the
+run still gives 130 (the Ctrl-C came first).
 """
 
 import errno
