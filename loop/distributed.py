@@ -117,6 +117,11 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
         got = ", ".join(f"{k}={os.environ[k]!r}" for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         raise BadInput(f"environment variables RANK, LOCAL_RANK and WORLD_SIZE: expected integers; "
                        f"got {got}.") from None
+    # Before any process group exists: importing torch._dynamo (building the optimizer does) takes
+    # references to every group that exists then (10 to each, torch 2.13) that destroy_process_group
+    # does not drop, and their gloo threads outlived close() into interpreter shutdown (see close).
+    import torch._dynamo  # noqa: F401
+
     device = pick_device(device_name)
     if device.type == "cuda":
         if local >= (n := torch.cuda.device_count()):  # was "invalid device ordinal" from set_device

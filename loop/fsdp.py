@@ -14,6 +14,7 @@ way and saved with the model's shards under the key "ema".
 """
 from __future__ import annotations
 
+import sys
 import warnings
 from functools import partial
 from pathlib import Path
@@ -21,19 +22,19 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_state_dict, set_model_state_dict,
-                                                     set_state_dict)
-from torch.distributed.fsdp import (CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy,
-                                    fully_shard, register_fsdp_forward_method)
-from torch.distributed.tensor import DTensor
 
 from loop.errors import BadInput
 
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on rank 0's CPU
+# FSDP, DCP and DTensor are imported by the functions that use them, not here: importing them costs
+# 0.8 s of CPU at every start (measured on a 2-core machine, half the time of `import torch`), and a
+# run without FSDP never needs them. Every module imports this one for the checks below, which ask
+# sys.modules instead: nothing is an FSDP module or a DTensor before their module is imported.
+
+
+def _loaded(module: str, name: str) -> type | tuple:
+    """The class `module.name` if `module` is imported, else () (isinstance(x, ()) is False)."""
+    return getattr(sys.modules[module], name) if module in sys.modules else ()
 
 
 def check_shardable(model: nn.Module) -> None:
@@ -65,6 +66,9 @@ def shard(model: nn.Module, whole_weights: dict[str, torch.Tensor], param_dtype:
     to `device`), meta ones get memory here, then every rank's shards are filled from rank 0's
     weights, streamed one tensor at a time (DCP's `broadcast_from_rank0`). So host memory holds
     one whole model, on rank 0, and a device never more than its shards plus one whole tensor."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
     persistent = set(model.state_dict())  # names only; the rest of the buffers are in no state_dict
     kw = {"offload_policy": CPUOffloadPolicy()} if cpu_offload else {}
     if param_dtype is not None:  # compute in param_dtype, reduce gradients in float32
@@ -110,7 +114,7 @@ def deferred(cfg, world: int) -> bool:
 
 
 def is_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
+    return isinstance(model, _loaded("torch.distributed.fsdp", "FSDPModule"))
 
 
 def reshard(model: nn.Module) -> None:
@@ -124,23 +128,25 @@ def reshard(model: nn.Module) -> None:
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of a DTensor (a parameter or gradient shard); other tensors as they are."""
-    return t.to_local() if isinstance(t, DTensor) else t
+    return t.to_local() if isinstance(t, _loaded("torch.distributed.tensor", "DTensor")) else t
 
 
 def whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's full value (e.g. the gradient norm, reduced over ranks); other tensors as they are."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if isinstance(t, _loaded("torch.distributed.tensor", "DTensor")) else t
 
 
 def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
     """The whole state_dict on rank 0's CPU ({} on other ranks). A collective for FSDP models."""
     if is_sharded(model):
-        return get_model_state_dict(model, options=FULL)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return model.state_dict()
 
 
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
     """What DCP writes: this rank's shards of the model, optimizer and EMA weights (if any)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     msd, osd = get_state_dict(model, optimizer)
     state = {"model": msd, "optimizer": osd}
     if ema is not None:
@@ -151,6 +157,7 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Modul
 def write(state: dict, path: Path, group: dist.ProcessGroup | None = None) -> list[str]:
     """Every rank writes its part of `state` into `path` (a collective over `group`, which returns
     once all are written); returns the names of the files this rank wrote."""
+    import torch.distributed.checkpoint as dcp
     dcp.save(state, checkpoint_id=path, process_group=group)
     rank = dist.get_rank()
     return sorted(p.name for p in path.glob(f"__{rank}_*.distcp")) + [".metadata"] * (rank == 0)
@@ -163,6 +170,7 @@ def staged_writer(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Mo
     writer thread, meeting the other ranks' writers on `group` (gloo, not the training's group)."""
     # No pinned or shared memory, staged right here, blocking copies. Positional, as dcp.async_save
     # passes them: the last field was use_cuda_non_blocking_copy in earlier torch releases.
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     stager = DefaultStager(StagingOptions(False, False, False, False))
     staged = stager.stage(state_dict(model, optimizer, ema))
     stager.close()  # drops its cache of storages; the copy lives on in `staged`
@@ -171,7 +179,8 @@ def staged_writer(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Mo
 
 def saved_shapes(path: Path) -> dict[str, torch.Tensor]:
     """The model's tensors in a DCP checkpoint as shape-only (meta) tensors, to check a fit."""
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    from torch.distributed.checkpoint import FileSystemReader
+    meta = FileSystemReader(path).read_metadata().state_dict_metadata
     return {k.removeprefix("model."): torch.empty(v.size, device="meta")
             for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
 
@@ -181,6 +190,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) 
     if optimizer is None:
         load_weights(model, path, "model")
         return
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
     msd, osd = get_state_dict(model, optimizer)
     # get_state_dict gives a fresh optimizer state for every parameter, but a parameter that never
     # had a gradient (never used yet, e.g. an unrouted expert) has none in the checkpoint: load
@@ -196,6 +207,8 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) 
 
 def load_weights(module: nn.Module, path: Path, key: str) -> None:
     """Weights saved under `key` ("model" or "ema") in checkpoint `path` into `module`."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     sd = get_model_state_dict(module)
     with warnings.catch_warnings():  # a plain process (init_from, loop.sample) reads them all, as meant
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
@@ -205,4 +218,5 @@ def load_weights(module: nn.Module, path: Path, key: str) -> None:
 
 def load_full(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Weights from a whole (unsharded) state_dict, which every rank holds, into the shards."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
