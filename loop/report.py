@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from loop.atomic import atomic_write
+from loop.config import ReportConfig
 from loop.config_check import non_negative, writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.jsonl import read_records
@@ -29,6 +30,13 @@ def _json(path: Path) -> dict:
         return {}
 
 
+def _config(run_dir: Path) -> dict:
+    try:  # the run's resolved config: its device when metadata.json is missing, its report settings
+        return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
 def _numbers(recs: list[dict], key: str) -> list[float]:
     return [r[key] for r in recs if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
 
@@ -36,11 +44,7 @@ def _numbers(recs: list[dict], key: str) -> list[float]:
 def load_run(run_dir: Path) -> dict:
     """Everything the report needs from one run directory, finished or not."""
     recs = read_records(run_dir / "metrics.jsonl")
-    summ, meta = _json(run_dir / "summary.json"), _json(run_dir / "metadata.json")
-    try:  # only for the device, when metadata.json is missing
-        cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError):
-        cfg = {}
+    summ, meta, cfg = _json(run_dir / "summary.json"), _json(run_dir / "metadata.json"), _config(run_dir)
     last = recs[-1] if recs else {}
     # A summary.json is this run's end only if the log ends there too: a finished run resumed for
     # more steps (a larger train.max_steps) and stopped keeps its first end's, which the log covers.
@@ -161,8 +165,7 @@ def plot(runs: list[dict], out_dir: Path) -> list[str]:
                 if vs:
                     ax.plot(xs, vs, color=color, label=r["name"] + (f" {kind}" if kind else ""), **style)
         ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel}")
-        if logy:
-            ax.set_yscale("log")
+        ax.set_yscale("log" if logy else "linear")
         ax.xaxis.get_major_locator().set_params(integer=True)  # steps and tokens are counts
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
@@ -172,13 +175,12 @@ def plot(runs: list[dict], out_dir: Path) -> list[str]:
     return written
 
 
-def write_report(run_dirs: list[Path], out_dir: Path, price_per_hour: float | dict[str, float] = 0.0,
-                 co2_g_per_kwh: float = 400.0, plots: bool = True) -> Path:
-    """Read each run's metrics.jsonl (+ summary.json if it exists: a run without it is 'interrupted' and its
-    figures come from metrics.jsonl alone; + config.yaml/metadata.json if present for device name and world size),
-    write out_dir/report.md and, when matplotlib imports, PNGs (out_dir/loss_vs_step.png, loss_vs_tokens.png, lr.png,
-    tokens_per_s.png, and gpu_memory.png only if any record has cuda_max_alloc_gb); return the report.md path.
-    Several run dirs -> one plot per figure with one line per run (legend = run dir name), and one table row per run."""
+def write_report(run_dirs: list[Path], out_dir: Path,
+                 price_per_hour: float | dict[str, float] = ReportConfig.price_per_hour,
+                 co2_g_per_kwh: float = ReportConfig.co2_g_per_kwh, plots: bool = True) -> Path:
+    """Write out_dir/report.md, one table row per run, and when matplotlib imports `plot`'s PNGs, one
+    line per run (legend: the run dir's name); return report.md's path. A run without summary.json is
+    'interrupted': its figures come from metrics.jsonl alone (`load_run`)."""
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
         if not (d / "metrics.jsonl").is_file():
@@ -222,11 +224,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loop.report", description=__doc__.splitlines()[0])
     p.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     p.add_argument("--out", type=Path, help="default: the run dir (one run) or reports/A_vs_B (several)")
-    p.add_argument("--price-per-hour", type=non_negative, default=0.0,
-                   help="$ per device-hour (default 0: no cost)")
-    p.add_argument("--co2-g-per-kwh", type=non_negative, default=400.0,
-                   help="grid carbon intensity (default 400)")
+    p.add_argument("--price-per-hour", type=non_negative, help="$ per device-hour (default: the first "
+                   "RUN_DIR's report.price_per_hour; 0: no cost)")
+    p.add_argument("--co2-g-per-kwh", type=non_negative, help="grid g/kWh (default: the first RUN_DIR's report.co2_g_per_kwh)")
     a = p.parse_args(argv)
+    own = _config(a.run_dirs[0]).get("report") or {}  # as its end-of-run report had them
+    price = own.get("price_per_hour", ReportConfig.price_per_hour) if a.price_per_hour is None else a.price_per_hour
+    co2 = own.get("co2_g_per_kwh", ReportConfig.co2_g_per_kwh) if a.co2_g_per_kwh is None else a.co2_g_per_kwh
     out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else Path("reports") / "_vs_".join(d.name for d in a.run_dirs))
     try:
         for d in a.run_dirs:  # else a file named as RUN_DIR is blamed on --out, which was not given
@@ -234,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise BadInput(f"{d}: a file; expected a run directory (such as {d.parent}, if it "
                                f"holds metrics.jsonl).")
         writable_dir("option --out", str(out))
-        path = write_report(a.run_dirs, out, a.price_per_hour, a.co2_g_per_kwh)
+        path = write_report(a.run_dirs, out, price, co2)
     except (FileNotFoundError, BadInput) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

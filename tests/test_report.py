@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import ROOT, metrics, run_and_kill, run_train, summary, train_here
+from loop.report import main as report_main
 from loop.report import write_report
 
 PRICE = 36_000.0  # $ per device-hour: $10/s, so a test run of a second has a cost to 4 decimals
@@ -189,14 +191,28 @@ def test_cli(runs, tmp_path):
     assert str(empty) in bad.stderr and "metrics.jsonl" in bad.stderr
 
 
+def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
+    # `python -m loop.report RUN` redraws a run's report: it used the CLI's defaults ($0, 400 g/kWh)
+    # over the run's report.price_per_hour and co2_g_per_kwh, and the cost column went n/a.
+    run = tmp_path / "priced"
+    shutil.copytree(runs["finished"], run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    cfg["report"].update(price_per_hour=PRICE, co2_g_per_kwh=123.0)
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    wall = summary(run)["wall_s"]
+    for flags, price, co2 in (([], PRICE, "123"), (["--price-per-hour", "7", "--co2-g-per-kwh", "50"], 7.0, "50")):
+        assert report_main([str(run), "--out", str(tmp_path / "out"), *flags]) == 0
+        md = (tmp_path / "out" / "report.md").read_text()
+        assert f"x ${price} per device-hour" in md and f"CO2 = kWh x {co2} g/kWh" in md, flags
+        assert rows(md)["priced"]["cost $"] == f"{wall / 3600 * price:,.4f}", flags
+
+
 def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     # In this process (interpreters take seconds to start). A negative price or a nan intensity made
     # a report with a negative or nan cost; an --out under a file was a NotADirectoryError traceback.
-    from loop.report import main
-
     def code(args: list[str]) -> int:
         try:
-            return main(args)
+            return report_main(args)
         except SystemExit as e:  # argparse's own exit, after printing the error
             return e.code
 
