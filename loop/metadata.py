@@ -37,6 +37,9 @@ from loop.determinism import in_effect
 
 ROOT = Path(__file__).resolve().parent.parent
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+# A config key on the command line is masked when one of its words ends so (hf_token, api_key,
+# db.password): train.sample_tokens or data.markov.tokens is no secret, and was recorded as `=***`.
+SECRET_WORD = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)$", re.IGNORECASE)
 CODE = ("train.py", "loop", "data", "model")  # the code that decides how a run trains
 ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "OMP_", "MKL_", "SLURM_", "MASTER_",
                 "WORLD_SIZE", "RANK", "LOCAL_RANK", "CUBLAS_")
@@ -83,8 +86,9 @@ def safe_environment() -> dict:
 
 
 def safe_argv() -> list[str]:
-    return [f"{a.partition('=')[0]}=***" if "=" in a and SECRET.search(a.partition("=")[0]) else a
-            for a in sys.argv]
+    def secret(key: str) -> bool:
+        return any(SECRET_WORD.search(w) for w in re.split(r"[._]", key))
+    return [f"{a.partition('=')[0]}=***" if "=" in a and secret(a.partition("=")[0]) else a for a in sys.argv]
 
 
 def hardware() -> dict:

@@ -89,10 +89,12 @@ def test_the_code_hash_covers_the_training_code_and_nothing_else(tmp_path):
 
 
 def test_secret_looking_values_on_the_command_line_are_masked(monkeypatch):
+    # Config keys that merely contain such a word are recorded as given: the command must rerun.
+    given = ["train.sample_tokens=16", "data.markov.tokens=5000", "data.tokenizer=x"]
     monkeypatch.setattr("sys.argv", ["train.py", "run.mirror=s3://b/x", "aws_secret_access_key=zzz",
-                                     "hf_token=yyy"])
+                                     "hf_token=yyy", "data.apikey=k", "db.Password=p", *given])
     assert metadata.safe_argv() == ["train.py", "run.mirror=s3://b/x", "aws_secret_access_key=***",
-                                    "hf_token=***"]
+                                    "hf_token=***", "data.apikey=***", "db.Password=***", *given]
 
 
 def test_the_data_is_recorded_and_a_resume_on_other_data_says_so(tmp_path, cache):
