@@ -68,7 +68,7 @@ class TrainConfig:
     precision: str = opt("auto", choices=("auto", "bf16", "fp16", "fp32"))
     device: str = "auto"  # auto (cuda > mps > cpu) or a torch device string
     log_every: int = opt(10, min=1)
-    eval_every: int = opt(50, min=0)  # 0 = only at the end
+    eval_every: int = opt(50, min=0)  # and at the last step; 0 = only there
     eval_batches: int = opt(10, min=1)
     ckpt_every: int = opt(100, min=0)  # 0 = only at the end
     keep_last: int = opt(3, min=1)  # newest checkpoints kept, plus the best one

@@ -107,7 +107,10 @@ def evaluate(t, step: int) -> bool:
         t.log.scalar(step, name, value)
     if text := sample(t):
         t.log.text(step, "sample", text)  # a no-op off rank 0
-    return t.monitor.update(step, metrics[t.monitor.metric])
+    best = t.monitor.update(step, metrics[t.monitor.metric])
+    if t.monitor.state.stop_reason:  # set by this evaluation: the loop ends here
+        t.dist.say(f"stopped early at step {step}: {t.monitor.state.stop_reason}")
+    return best
 
 
 def check_model_output(t) -> None:

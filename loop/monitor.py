@@ -2,7 +2,8 @@
 
 `update(value)` is called after each evaluation; it says whether the value is a new best (the
 trainer then saves a checkpoint at that step and retention keeps it). Early stopping fires when the
-metric has not improved by `min_delta` for `patience` evaluations in a row. The state lives in the
+metric has not improved by `min_delta` for `patience` evaluations in a row; the best checkpoint
+takes any improvement (as Keras and Lightning keep them: min_delta is early stopping's alone). The state lives in the
 checkpoint, so a resumed run stops at the same evaluation an uninterrupted one would.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import asdict, dataclass
 class MonitorState:
     best: float | None = None
     best_step: int = 0
-    bad_evals: int = 0  # evaluations since the last improvement
+    bad_evals: int = 0  # evaluations since the last improvement by min_delta
+    reference: float | None = None  # the value that improvement is measured from (best if min_delta=0)
     stop_reason: str = ""  # set once early stopping fires
 
 
@@ -28,10 +30,14 @@ class Monitor:
         s = self.state
         # A non-finite value is never the best: NaN compares false with everything, so one taken as
         # the first best was never beaten, and `checkpoints/best` kept that evaluation's step.
-        better = math.isfinite(value) and (s.best is None or (
-            value < s.best - self.min_delta if self.mode == "min" else value > s.best + self.min_delta))
+        def beats(ref: float | None, delta: float) -> bool:
+            return ref is None or (value < ref - delta if self.mode == "min" else value > ref + delta)
+
+        better = math.isfinite(value) and beats(s.best, 0.0)
         if better:
-            s.best, s.best_step, s.bad_evals = value, step, 0
+            s.best, s.best_step = value, step
+        if math.isfinite(value) and beats(s.reference, self.min_delta):
+            s.reference, s.bad_evals = value, 0
         else:
             s.bad_evals += 1
             if self.patience and s.bad_evals >= self.patience:
@@ -44,7 +50,8 @@ class Monitor:
         return asdict(self.state)
 
     def load_state_dict(self, d: dict) -> None:
-        self.state = MonitorState(**d)
+        # A checkpoint from before `reference` (its best was measured by min_delta) has none.
+        self.state = MonitorState(**{"reference": d.get("best"), **d})
         # Stopped or not follows from the count under this run's patience: resumed with a larger
         # train.early_stop_patience, or 0, a run that stopped early trains on (it stayed stopped).
         if not (self.patience and self.state.bad_evals >= self.patience):

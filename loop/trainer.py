@@ -114,8 +114,8 @@ class Trainer:
                     profiler.step()
                 stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # all agree
                 step, best = self.progress.step, False
-                if tc.eval_every and step % tc.eval_every == 0:
-                    best = evaluate.evaluate(self, step)
+                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps:  # and the end's:
+                    best = evaluate.evaluate(self, step)  # logged, and a best like any other
                 done = step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if step % tc.log_every == 0 or done:
                     self.log.flush()

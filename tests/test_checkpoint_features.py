@@ -150,11 +150,13 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     args = [cache, "train.max_steps=200", "train.eval_every=4", "train.early_stop_patience=2",
             "train.early_stop_min_delta=0.2"]
     out = tmp_path / "run"
-    train_here(out, *args)
+    first = train_here(out, *args)
     vals = [(r["step"], r["val_loss"]) for r in metrics(out) if "val_loss" in r]
     s = summary(out)
     assert s["stopped_early"] and s["steps"] == expected_stop(vals, 2, 0.2) < 200, (vals, s)
     assert "did not improve by 0.2 for 2 evaluations" in s["stop_reason"]
+    # The console says why the run ended before train.max_steps (it said only "done: N steps").
+    assert f"stopped early at step {s['steps']}: {s['stop_reason']}" in first.stdout, first.stdout
     rerun = train_here(out, *args)  # the stop is part of the state: running again trains nothing
     assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
     assert (f"note: this run stopped early ({s['stop_reason']}), so nothing more is trained; to "
@@ -182,13 +184,24 @@ def test_a_non_finite_evaluation_is_never_the_best():
 
 def test_an_improvement_must_beat_the_best_by_more_than_min_delta_in_either_mode():
     # "Did not improve by min_delta": an equal value, or one better by min_delta or less, is no
-    # improvement and counts towards patience, in max mode as in min mode.
+    # improvement and counts towards patience, in max mode as in min mode. The best checkpoint
+    # takes any improvement: min_delta had it skip better evaluations, even with patience 0.
     from loop.monitor import Monitor
 
     m = Monitor("val_accuracy", "max", patience=3, min_delta=0.125)
     assert m.update(10, 0.5) is True
-    assert [m.update(20, 0.625), m.update(30, 0.5), m.update(40, 0.75)] == [False, False, True]
+    assert [m.update(20, 0.625), m.update(30, 0.5)] == [True, False] and m.state.bad_evals == 2
+    assert m.update(40, 0.75) is True
     assert (m.state.best, m.state.best_step, m.state.bad_evals) == (0.75, 40, 0)
+    m = Monitor("val_loss", "min", patience=2, min_delta=0.1)
+    assert [m.update(10, 1.0), m.update(20, 0.95), m.update(30, 0.92)] == [True, True, True]
+    assert m.state.stop_reason == "val_loss did not improve by 0.1 for 2 evaluations (best 0.92 at step 30)"
+    m = Monitor("val_loss", "min", patience=0, min_delta=0.5)
+    assert [m.update(10, 1.0), m.update(20, 0.9)] == [True, True] and not m.state.stop_reason
+    # A checkpoint written before the reference was kept apart: its best was that reference.
+    m = Monitor("val_loss", "min", patience=3, min_delta=0.1)
+    m.load_state_dict({"best": 1.0, "best_step": 10, "bad_evals": 1, "stop_reason": ""})
+    assert m.update(20, 0.95) is True and m.state.bad_evals == 2
     m = Monitor("val_loss", "min", patience=2, min_delta=0.0)
     assert m.update(10, 2.0) is True and m.update(20, 2.0) is False and m.update(30, 2.0) is False
     assert m.state.stop_reason == "val_loss did not improve by 0.0 for 2 evaluations (best 2 at step 10)"
@@ -213,6 +226,20 @@ def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cach
                      "train.early_stop_patience=2")
     assert ("note: train.early_stop_patience has no effect with train.eval_every=0: it counts "
             "evaluations, and this run evaluates once, at its end") in proc.stdout, proc.stdout
+
+
+def test_the_last_step_is_evaluated_like_any_other(tmp_path, cache):
+    # 10 steps, evaluating every 4: the end's evaluation gave summary.json its val_loss, but it was
+    # neither logged (metrics.jsonl, TensorBoard) nor a candidate for the best checkpoint, so the
+    # report gave a best val loss below the best checkpoint's (seen: 4.3214 at 10, best 4.3623 at 8).
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=10", "train.eval_every=4", "train.ckpt_every=0")
+    vals = {r["step"]: r["val_loss"] for r in metrics(out) if "val_loss" in r}
+    s = summary(out)
+    assert list(vals) == [4, 8, 10] and s["val_loss"] == vals[10]
+    best = min(vals, key=vals.get)
+    assert s["best"] == {"metric": "val_loss", "value": vals[best], "step": best}
+    assert (out / "checkpoints" / "best").read_text() == f"step_{best:08d}"
 
 
 @pytest.mark.parametrize("mode", ["min", "max"])
