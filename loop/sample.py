@@ -11,13 +11,14 @@ from where the training ran, relative paths are read from there. On the CPU unle
 otherwise. The same seed gives the same text. A character-level corpus takes the prompt as text; a
 token file takes it as token ids ("1 2 3") and prints ids. An empty prompt starts from token 0 (a
 newline in most texts). Bad input (no such file, a prompt outside the vocabulary, a model that does
-not generate) is exit 2 with a message that names it.
+not generate, a corpus edited since training) is exit 2 with a message that names it.
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
 import inspect
+import json
 import sys
 from pathlib import Path
 
@@ -26,7 +27,7 @@ import torch
 from data import build_data
 from loop import checkpoint, resume
 from loop.config import Config
-from loop.config_check import at_least, from_dict, non_negative
+from loop.config_check import at_least, from_dict, positive
 from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from model import build_model
@@ -51,6 +52,8 @@ def load(path: Path, ema: bool, device: torch.device):
                        f"model.pt or checkpoint that train.py wrote.")
     cfg = from_dict(Config, saved["config"], "", str(path))
     data = build_data(cfg.data)
+    recorded = saved.get("metadata") if not path.is_file() else _json(path.parent / "metadata.json")
+    check_corpus(data, (recorded or {}).get("data"), path)
     model = build_model(cfg.model, data)
     if not hasattr(model, "generate") or data.decode is None:
         raise BadInput(f"{path}: model.name={cfg.model.name} on data.name={cfg.data.name} does not "
@@ -66,6 +69,25 @@ def load(path: Path, ema: bool, device: torch.device):
     else:
         resume.load_model_state(path, model, cfg, advice=CODE)
     return model.to(device).eval(), data
+
+
+def _json(path: Path) -> dict | None:
+    try:  # a model.pt copied away from its run has no metadata.json beside it: nothing to check
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_corpus(data, recorded: dict | None, path: Path) -> None:
+    """A text corpus's characters are its vocabulary: edited since training (the cache is keyed by
+    content, so it is prepared anew), it may list them in another order, and the text came out
+    decoded with the wrong characters without a word. Compared by the sha256 the run recorded."""
+    was, now = (recorded or {}).get("sha256"), data.meta.get("sha256")
+    if "chars" in data.meta and was and was != now:
+        raise BadInput(f"{path}: trained on a corpus with sha256 {was[:16]}..., but data.path "
+                       f"({data.meta.get('source')}) now holds {now[:16]}...: its characters, the "
+                       f"model's vocabulary, may differ, and the text would be decoded wrongly; "
+                       f"expected the text it was trained on there.")
 
 
 def encode(prompt: str, data) -> list[int]:
@@ -91,15 +113,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("path", type=Path, help="a run dir, a model.pt or a checkpoint dir")
     p.add_argument("--prompt", default="", help="text (or token ids) to continue; default: token 0")
     p.add_argument("--tokens", type=at_least(1), default=200, help="tokens to generate (200)")
-    p.add_argument("--temperature", type=non_negative, default=None,
+    p.add_argument("--temperature", type=positive, default=None,
                    help="> 0: lower draws the likelier tokens more often (default: the model's "
                         "generate() default, 0.8 for the GPT)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=at_least(0, 2**64 - 1), default=0)  # what a torch.Generator takes
     p.add_argument("--ema", action="store_true", help="the EMA weights of model.pt")
     p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
     a = p.parse_args(argv)
-    if a.temperature == 0:  # logits / 0: no distribution to draw from
-        p.error("argument --temperature: expected a number > 0, got 0")
     try:
         device = pick_device(a.device, "option --device")
         with contextlib.redirect_stdout(sys.stderr):  # "preparing ...": stdout is the text alone

@@ -91,7 +91,11 @@ class GPT(nn.Module):
                  temperature: float = 0.8) -> torch.Tensor:
         """Sample n tokens after idx (1, T) with its own generator, so training RNG is untouched."""
         for _ in range(n):
-            logits = self.logits(idx[:, -self.seq_len :])[:, -1] / temperature
-            nxt = torch.multinomial(F.softmax(logits.float(), -1), 1, generator=generator)
+            logits = self.logits(idx[:, -self.seq_len :])[:, -1].float()
+            # The largest logit made 0 before dividing: a temperature of 1e-39 overflowed (inf - inf
+            # in softmax: NaN, and multinomial raised). Below float32's smallest normal it reads as 0.
+            tiny = torch.finfo(torch.float32).tiny
+            logits = (logits - logits.max(-1, keepdim=True).values) / max(temperature, tiny)
+            nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
             idx = torch.cat([idx, nxt], dim=1)
         return idx

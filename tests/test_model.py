@@ -86,9 +86,11 @@ def test_generate_continues_from_the_last_position_within_the_context():
     for length in (3, 8, 13):  # shorter than, as long as, and longer than the context
         for seed in range(4):
             prompt = torch.randint(0, 16, (1, length), generator=torch.Generator().manual_seed(seed))
-            out = model.generate(prompt, 1, g, temperature=1e-6)
-            assert out.shape == (1, length + 1) and torch.equal(out[:, :length], prompt)
-            assert out[0, -1] == model.logits(prompt[:, -8:])[0, -1].argmax(), (length, seed)
+            # 1e-39: logits / temperature overflowed float32, NaN probabilities, multinomial raised.
+            for temperature in (1e-6, 1e-39, 5e-324):
+                out = model.generate(prompt, 1, g, temperature=temperature)
+                assert out.shape == (1, length + 1) and torch.equal(out[:, :length], prompt)
+                assert out[0, -1] == model.logits(prompt[:, -8:])[0, -1].argmax(), (length, seed)
 
 
 def test_residual_projections_start_smaller_with_depth():

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_train, summary
+from conftest import TINY, run_train, summary, train_here
 from loop import sample
 
 # The run's train.sample_tokens (set below) and run.seed. 300 tokens: 16 drawn from the EMA and the
@@ -75,10 +75,16 @@ def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
     code, out, err = drawn(capsys, tmp_path)
     assert (code, out, err) == (2, "", f"error: {tmp_path}: expected a run directory with model.pt, "
                                        f"a model.pt, or a checkpoint directory.\n")
-    for bad in (["--tokens", "0"], ["--temperature", "0"]):
+    # A seed past 64 bits or a negative one was a ValueError traceback from manual_seed.
+    for bad, says in ((["--tokens", "0"], "--tokens: expected an integer >= 1, got 0"),
+                      (["--temperature", "0"], "--temperature: expected a finite number > 0, got '0'"),
+                      (["--temperature", "-1"], "--temperature: expected a finite number > 0, got '-1'"),
+                      (["--seed", str(2**64)], f"--seed: expected an integer from 0 to {2**64 - 1}, got {2**64}"),
+                      (["--seed", "-1"], f"--seed: expected an integer from 0 to {2**64 - 1}, got -1")):
         with pytest.raises(SystemExit) as e:
             sample.main([str(run), *bad])
-        assert e.value.code == 2
+        assert e.value.code == 2 and says in capsys.readouterr().err, bad
+    assert drawn(capsys, run, "--seed", str(2**64 - 1), "--tokens", "5")[0] == 0
 
 
 def test_weights_that_do_not_fit_their_own_config_blame_the_code(run, capsys, tmp_path):
@@ -119,3 +125,19 @@ def test_a_token_file_model_takes_and_prints_token_ids(tmp_path, cache, capsys):
                          ("15 16", "token ids [16] outside the vocabulary (0 to 15)."),
                          ("-1", "token ids [-1] outside the vocabulary (0 to 15).")]:
         assert drawn(capsys, out, "--prompt", prompt) == (2, "", f"error: option --prompt: {says}\n")
+
+
+def test_a_corpus_edited_since_training_is_exit_2(tmp_path, cache, capsys):
+    # Its characters are the vocabulary: "w" replaced by "q" gives as many characters in another
+    # order, and the text came out decoded with the wrong ones ("hir yella uuuoq" for "his yella
+    # wwwor"), exit 0. The sha256 the run recorded names the change, for model.pt and a checkpoint.
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog; a wolf howls\n" * 40)
+    out = tmp_path / "run"
+    train_here(out, *TINY, cache, f"data.path={text}", "train.max_steps=2")
+    assert drawn(capsys, out, "--tokens", "5")[0] == 0
+    text.write_text(text.read_text().replace("w", "q"))
+    for where in (out, out / "checkpoints" / "latest"):
+        code, printed, err = drawn(capsys, where, "--tokens", "5")
+        assert (code, printed) == (2, ""), err
+        assert "now holds" in err and "expected the text it was trained on there" in err, err
