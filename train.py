@@ -14,8 +14,9 @@ last three, rerun the same command to continue).
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
-from loop import determinism, distributed, dotenv, runlock
+from loop import checkpoint, determinism, distributed, dotenv, runlock
 from loop.build import build_trainer
 from loop.config import load_config, parse_args
 from loop.device import pick_device
@@ -24,8 +25,12 @@ from loop.errors import (EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_GAVE_UP, EXIT_I
 from loop.guards import EXIT_PREEMPTED, configure_allocator
 
 
-LOST = ("the steps since the newest checkpoint are lost, the checkpoints are whole; rerun the same "
-        "command to continue from the newest")
+def lost(cfg) -> str:
+    """What a run stopped mid-way leaves (said after Ctrl-C or a console gone)."""
+    if cfg and not checkpoint.step_dirs(Path(cfg.run.out_dir) / "checkpoints"):
+        return "no checkpoint was written yet, so rerunning the same command starts over"
+    return ("the steps since the newest checkpoint are lost, the checkpoints are whole; rerun the "
+            "same command to continue from the newest")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -49,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # before OSError: the console's reader went away, or a bug if not
         if not console_gone():
             raise
-        tell(f"stopped: the console's reader went away; {LOST}")
+        tell(f"stopped: the console's reader went away; {lost(cfg)}")
         return EXIT_CONSOLE_GONE
     except OSError as e:
         if e.errno not in NO_ROOM or cfg is None:  # anything else is a bug to see in full
@@ -57,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         tell(f"error: {no_room(e, {'run.out_dir': cfg.run.out_dir, 'data.cache_dir': cfg.data.cache_dir})}")
         return EXIT_GAVE_UP
     except KeyboardInterrupt:  # Ctrl-C: the user knows where it stopped; a traceback adds nothing
-        tell(f"interrupted: {LOST}")
+        tell(f"interrupted: {lost(cfg)}")
         return EXIT_INTERRUPTED
     finally:
         runlock.release()  # the run is over: a notebook's next run, or another process's, may lock it

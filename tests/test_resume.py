@@ -122,9 +122,19 @@ def test_ctrl_c_exits_130_without_a_traceback_then_rerun(tmp_path, cache, refere
     code, printed = run_and_signal(out, stop, *args, sig=signal.SIGINT, group=True)
     assert code == 130, printed
     assert "interrupted: " in printed and "Traceback" not in printed, printed
+    assert "rerun the same command to continue from the newest" in printed, printed
     rerun = run_train(out, *args)
     assert 10 <= resumed_at(rerun.stdout) <= stop
     assert_identical(reference, out, f"Ctrl-C at step {stop}")
+
+
+def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tmp_path, cache):
+    # It said "the checkpoints are whole; rerun ... to continue from the newest": there was none.
+    code, printed = run_and_signal(tmp_path / "run", 3, cache, "train.max_steps=200",
+                                   "train.ckpt_every=100", sig=signal.SIGINT)
+    assert code == 130 and not (tmp_path / "run" / "checkpoints").exists(), printed
+    assert ("interrupted: no checkpoint was written yet, so rerunning the same command starts "
+            "over") in printed, printed
 
 
 def test_a_console_is_gone_when_its_pipe_or_socket_has_no_reader():
