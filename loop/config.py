@@ -206,6 +206,8 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     except OSError as e:
         where = "" if path.is_absolute() else f", looked for in {Path.cwd()}"
         raise BadInput(f"config file {path}: cannot read it ({e.strerror}{where}); expected a YAML file.")
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        raise BadInput(f"config file {path}: byte {e.start} is not UTF-8 text; expected a YAML file.")
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""

@@ -24,6 +24,7 @@ import torch
 
 from loop import jsonl
 from loop.atomic import naming
+from loop.report import hms
 
 
 class MetricsLog:
@@ -116,7 +117,7 @@ class MetricsLog:
               f" | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f}"
               f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['ms_per_step']:.1f} ms/step"
               f" | data {rec['data_wait_pct']:.1f}%{extra}"
-              f" | ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}", flush=True)
+              f" | ETA {hms(eta)}", flush=True)  # strftime's %H wrapped at a day
 
     def close(self) -> None:
         self.flush()

@@ -25,7 +25,7 @@ from loop.jsonl import read_records
 
 def _json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return d if isinstance(d := json.loads(path.read_text()), dict) else {}  # not an object: none
     except (OSError, ValueError):  # absent or half-written: the report uses what else there is
         return {}
 
@@ -102,7 +102,7 @@ def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def _hms(seconds: float) -> str:  # h:mm:ss
+def hms(seconds: float) -> str:  # h:mm:ss, the hours unbounded (the console's ETA too)
     return f"{round(seconds) // 3600}:{round(seconds) % 3600 // 60:02d}:{round(seconds) % 60:02d}"
 
 
@@ -123,7 +123,7 @@ def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_
         cost = r["wall_s"] / 3600 * r["world"] * price if price else None
         co2 = r["kwh"] * co2_g_per_kwh / 1000 if r["kwh"] is not None else None
         rows.append([r["name"], r["status"], f"{r['device']} x{r['world']}", str(r["steps"]),
-                     f"{r['tokens']:,}", _hms(r["wall_s"]), _fmt(r["tokens_per_s"], ",.0f"),
+                     f"{r['tokens']:,}", hms(r["wall_s"]), _fmt(r["tokens_per_s"], ",.0f"),
                      _fmt(r["peak_gb"], ".2f"), "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
                      _fmt(r["kwh"], ".4f"), _fmt(co2, ".4f"), _fmt(cost, ",.4f"),
                      _fmt(r["final_loss"], ".4f"), _fmt(r["best_val"], ".4f"), _best(r["best"])])

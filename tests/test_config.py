@@ -162,6 +162,13 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
     assert str(f) in msg and " line " in msg and "malformed YAML" in msg
 
 
+def test_a_config_that_is_not_utf8_text_names_the_file(tmp_path):
+    # A binary file (or Latin-1 text) given as --config: a UnicodeDecodeError traceback, exit 1.
+    f = tmp_path / "binary.yaml"
+    f.write_bytes(b"train:\n  max_steps: 3\n\xff\xfe t: 1\n")
+    assert bad(path=f) == f"config file {f}: byte 22 is not UTF-8 text; expected a YAML file."
+
+
 def test_a_key_given_twice_in_yaml_names_both_lines(tmp_path):
     # YAML keeps the last of two equal keys without a word: a second `train:` section dropped
     # every key of the first (here max_steps: 3 became the default).

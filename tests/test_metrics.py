@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from loop import metrics
@@ -57,3 +58,18 @@ def test_interval_rates_cover_every_step_since_the_last_flush(tmp_path, monkeypa
     rates = ("tokens_per_s", "samples_per_s", "ms_per_step", "data_wait_pct")
     assert [recs[3][k] for k in rates] == [512.0, 16.0, 500.0, 5.0]
     assert [recs[4][k] for k in rates] == [256.0, 8.0, 1000.0, 5.0]
+
+
+# 1e20 - 1 steps of 1000.0 ms: 9.999999999999999e19 s in float64, 27777777777777773 h 13 min 36 s.
+@pytest.mark.parametrize("max_steps, eta", [(200_001, "55:33:20"), (10**20, "27777777777777773:13:36")])
+def test_the_console_eta_counts_hours_past_a_day(tmp_path, monkeypatch, capsys, max_steps, eta):
+    # strftime("%H:%M:%S", gmtime(eta)) showed 200,000 s as 07:33:20, and train.max_steps=1e20 (a
+    # valid value) ended the run at its first log line: OverflowError from gmtime.
+    now = [100.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+    log = metrics.MetricsLog(tmp_path, 0, 0, 0, max_steps=max_steps, tensorboard=False)
+    log.record({"step": 1, "lr": 1e-3, "tokens": 256, "samples": 8, "data_ms": 0.0},
+               torch.tensor(1.0), torch.tensor(1.0))
+    now[0] = 101.0  # one step a second
+    log.close()
+    assert capsys.readouterr().out.rstrip().endswith(f"| ETA {eta}")

@@ -207,6 +207,14 @@ def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
         assert rows(md)["priced"]["cost $"] == f"{wall / 3600 * price:,.4f}", flags
 
 
+def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
+    # A JSON list there was an AttributeError traceback; the device then comes from summary.json.
+    run = tmp_path / "odd"
+    shutil.copytree(runs["finished"], run)
+    (run / "metadata.json").write_text("[1, 2]")
+    assert rows(write_report([run], tmp_path / "out").read_text())["odd"]["device"] == "cpu x1"
+
+
 def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     # In this process (interpreters take seconds to start). A negative price or a nan intensity made
     # a report with a negative or nan cost; an --out under a file was a NotADirectoryError traceback.
