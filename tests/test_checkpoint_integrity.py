@@ -139,6 +139,17 @@ def test_corrupt_newest_checkpoint_is_skipped_and_run_ends_identical(tmp_path, c
 
 
 # ---------------------------------------------------------------------------- 2. all invalid
+def test_a_manifest_of_another_shape_is_a_reason_to_skip_not_a_traceback(tmp_path):
+    # "files": null or a list was an AttributeError out of run.resume=auto, which skips a
+    # checkpoint whose manifest is damaged in any other way.
+    from loop import checkpoint
+
+    for files in (None, [1], "state.pt"):
+        (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"files": files}))
+        assert checkpoint.verify(tmp_path).startswith(f"{checkpoint.MANIFEST} is missing, unreadable "
+                                                      f"or malformed ("), files
+
+
 def test_all_checkpoints_invalid_exits_2_and_changes_nothing(tmp_path, cache, base10):
     out = tmp_path / "run"
     shutil.copytree(base10, out, symlinks=True)
