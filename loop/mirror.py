@@ -185,6 +185,10 @@ def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Pa
         fsync_dir(local_root)
         if step_dirs(local_root)[-1] == final:  # never point `latest` back at an older step
             atomic_write(local_root / "latest", name.encode())
+        # Said: the resume line names the local copy, and a mirror two runs share hands one the
+        # other's checkpoints without a word otherwise.
+        print(f"note: no checkpoint in {local_root}; {name} fetched from run.mirror={target} (a "
+              f"mirror holds one run's checkpoints: give each run its own)")
         return final
     return None
 
