@@ -21,7 +21,8 @@ from data.tokens import TokenWindows
 from loop.errors import BadInput
 
 
-def _token_data(root: Path, seq_len: int) -> Data:
+def _token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
+    """`prepared`: written by this project into data.cache_dir (else data.name=tokens's own dir)."""
     try:
         meta = {"kind": "tokens", "source": str(root), **json.loads((root / "meta.json").read_text())}
         meta["vocab_size"] = int(meta["vocab_size"])
@@ -32,12 +33,30 @@ def _token_data(root: Path, seq_len: int) -> Data:
         if len(ds) == 0:
             raise BadInput(f"data: the {name} split of {meta['source']} is shorter than "
                            f"data.seq_len={seq_len} + 1 tokens; use a smaller data.seq_len.")
+    _check_files(root, meta, f" (a cache in data.cache_dir: delete {root} and it is prepared again)"
+                 if prepared else "")
     if meta["kind"] == "chars":
         chars = meta["chars"]
         decode = lambda ids: "".join(chars[i] for i in ids)  # noqa: E731
     else:
         decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
     return Data(train, val, meta["vocab_size"], seq_len, decode, meta)
+
+
+def _check_files(root: Path, meta: dict, again: str) -> None:
+    """The token files against their meta.json. A prepared cache cut short trained on what was left
+    without a word, and one overwritten (or another tokenizer's files) held an id past the
+    vocabulary: an IndexError traceback at whichever step drew it (on CUDA, a device-side assert).
+    One pass over each file, about 0.1 s a GB from the page cache."""
+    for name in ("train.bin", "val.bin"):
+        f, want = root / name, meta.get(f"{name[:-4]}_tokens")
+        if isinstance(want, int) and (size := f.stat().st_size) != 2 * want:
+            raise BadInput(f"data: {f} has {size} bytes, but {root / 'meta.json'} says {want} tokens "
+                           f"({2 * want} bytes): cut short or replaced since{again}.")
+        top = int(np.memmap(f, dtype=np.uint16, mode="r").max())
+        if top >= meta["vocab_size"]:
+            raise BadInput(f"data: {f} holds token id {top}, but {root / 'meta.json'} says "
+                           f"vocab_size {meta['vocab_size']}; expected every id below it{again}.")
 
 
 def build_text(cfg) -> Data:
@@ -78,15 +97,7 @@ def build_tokens(cfg) -> Data:
         if (size := (root / name).stat().st_size) % 2:
             raise BadInput(f"data: {root / name} has {size} bytes, an odd number; expected uint16 "
                            f"token ids, 2 bytes each.")
-    data = _token_data(root, cfg.seq_len)
-    for name in ("train.bin", "val.bin"):  # another tokenizer's files: an id past the vocabulary
-        # was an IndexError traceback at whichever step drew it (on CUDA, a device-side assert).
-        # One pass over the file, about 0.1 s a GB from the page cache.
-        top = int(np.memmap(root / name, dtype=np.uint16, mode="r").max())
-        if top >= data.vocab_size:
-            raise BadInput(f"data: {root / name} holds token id {top}, but {root / 'meta.json'} says "
-                           f"vocab_size {data.vocab_size}; expected every id below it.")
-    return data
+    return _token_data(root, cfg.seq_len, prepared=False)
 
 
 def build_shakespeare(cfg) -> Data:

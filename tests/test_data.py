@@ -483,6 +483,29 @@ def test_a_prepared_data_set_is_cached_by_every_option_that_shapes_it(tmp_path, 
     assert (first[:2] != second[:2] or not torch.equal(first[2], second[2])) == shaped, (first, second)
 
 
+def test_a_prepared_cache_cut_short_or_overwritten_is_bad_input(tmp_path):
+    # train.bin cut to 1000 bytes trained on its 500 tokens without a word (metadata.json still
+    # said 418,614); random bytes of the right size were an IndexError in the embedding at step 1.
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog\n" * 100)
+    cfg = load_config(DEFAULT_CONFIG, [f"data.path={text}", f"data.cache_dir={tmp_path / 'cache'}",
+                                       "data.seq_len=16"]).data
+    root = build_data(cfg).train.path.parent
+    train = root / "train.bin"
+    full = train.read_bytes()
+    again = f"(a cache in data.cache_dir: delete {root} and it is prepared again)."
+    train.write_bytes(full[:1000])
+    with pytest.raises(BadInput) as e:
+        build_data(cfg)
+    assert str(e.value) == (f"data: {train} has 1000 bytes, but {root / 'meta.json'} says "
+                            f"{len(full) // 2} tokens ({len(full)} bytes): cut short or replaced since {again}")
+    train.write_bytes(np.full(len(full) // 2, 500, dtype=np.uint16).tobytes())
+    with pytest.raises(BadInput) as e:
+        build_data(cfg)
+    assert str(e.value).startswith(f"data: {train} holds token id 500, but {root / 'meta.json'} says "
+                                   f"vocab_size ") and str(e.value).endswith(f"expected every id below it {again}")
+
+
 def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_input(tmp_path):
     # Another tokenizer's files: a token id >= vocab_size was an IndexError traceback at the step
     # that first drew it (a device-side assert on CUDA), an odd byte count one in a DataLoader.
