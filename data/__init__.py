@@ -25,9 +25,16 @@ def _token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
     """`prepared`: written by this project into data.cache_dir (else data.name=tokens's own dir)."""
     try:
         meta = {"kind": "tokens", "source": str(root), **json.loads((root / "meta.json").read_text())}
-        meta["vocab_size"] = int(meta["vocab_size"])
+        given = meta["vocab_size"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise BadInput(f"data: {root}: expected a meta.json holding vocab_size ({e}).")
+    # A string of digits as another tool may write it. uint16 ids: 1e10 built an embedding of
+    # 1.28 TB (a traceback), and 103.5 passed as 103.
+    vocab = int(given) if isinstance(given, str) and given.isdigit() else given
+    if type(vocab) is not int or not 1 <= vocab <= 2**16:
+        raise BadInput(f"data: {root / 'meta.json'} says vocab_size {given!r}; expected an integer "
+                       f"from 1 to 65536 (the files hold uint16 token ids).")
+    meta["vocab_size"] = vocab
     train, val = TokenWindows(root / "train.bin", seq_len), TokenWindows(root / "val.bin", seq_len)
     for name, ds in (("train", train), ("val", val)):
         if len(ds) == 0:

@@ -506,6 +506,20 @@ def test_a_prepared_cache_cut_short_or_overwritten_is_bad_input(tmp_path):
                                    f"vocab_size ") and str(e.value).endswith(f"expected every id below it {again}")
 
 
+@pytest.mark.parametrize("vocab", [1e10, 103.5, "ten", 0, 2**16 + 1, True])
+def test_a_token_directory_whose_vocab_size_is_no_uint16_count_is_bad_input(tmp_path, vocab):
+    root = tmp_path / "tok"
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps({"vocab_size": vocab}))
+    for name in ("train.bin", "val.bin"):
+        (np.arange(3000, dtype=np.uint16) % 10).tofile(root / name)
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    with pytest.raises(BadInput) as e:
+        build_data(cfg.data)
+    assert str(e.value) == (f"data: {root / 'meta.json'} says vocab_size {vocab!r}; expected an integer "
+                            f"from 1 to 65536 (the files hold uint16 token ids).")
+
+
 def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_input(tmp_path):
     # Another tokenizer's files: a token id >= vocab_size was an IndexError traceback at the step
     # that first drew it (a device-side assert on CUDA), an odd byte count one in a DataLoader.
@@ -539,7 +553,7 @@ def test_a_token_directory_s_vocab_size_may_be_a_string_of_digits(tmp_path):
     cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
     (root / "meta.json").write_text(json.dumps({"vocab_size": "10"}))
     assert build_data(cfg.data).vocab_size == 10
-    (root / "meta.json").write_text(json.dumps({"vocab_size": "ten"}))
+    (root / "meta.json").write_text(json.dumps({"size": 10}))
     with pytest.raises(BadInput, match=f"data: {root}: expected a meta.json holding vocab_size"):
         build_data(cfg.data)
 
