@@ -39,6 +39,8 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
                                f"that a fresh run's mirroring would delete; give the run its own "
                                f"run.mirror, or run.resume=auto to continue from them.")
         return None
+    if not resume:  # Path("") is "." (here), which was named as "not a valid checkpoint"
+        raise BadInput("config key run.resume is empty; expected auto, never or a checkpoint directory.")
     if resume != "auto":
         return verified(followed(Path(resume)), "run.resume")
     if not checkpoint.step_dirs(ckpt_root) and mirror:
@@ -58,6 +60,9 @@ def followed(path: Path) -> Path:
 
 
 def verified(path: Path, key: str) -> Path:
+    if not path.exists():  # it said "manifest.json is missing" of a path that is not there at all
+        raise BadInput(f"{key}={path}: no such file or directory; expected a checkpoint directory."
+                       f"{checkpoints_near(path)}")
     reason = checkpoint.verify(path)
     if reason:
         raise BadInput(f"{key}={path}: not a valid checkpoint ({reason}); expected a checkpoint "

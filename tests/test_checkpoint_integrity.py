@@ -291,9 +291,13 @@ def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
     proc = train_here(out, cache, *BASE, f"run.resume={missing}", check=False)
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert str(missing) in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr == (f"error: run.resume={missing}: no such file or directory; expected a "
+                           f"checkpoint directory.\n")  # it said manifest.json was missing
     assert not out.exists(), "nothing is written on the bad-input path"
+    proc = train_here(out, cache, *BASE, "run.resume=", check=False)
+    assert proc.returncode == 2 and proc.stderr == ("error: config key run.resume is empty; expected "
+                                                    "auto, never or a checkpoint directory.\n")
+    assert not out.exists()
 
 
 # ---------------------------------------------------------------------------- 6. a full disk
