@@ -295,6 +295,15 @@ def test_each_side_of_a_split_holds_at_least_two_tokens(n, fraction, n_val):
         assert held_out(n, fraction) == n_val
 
 
+@pytest.mark.parametrize("fraction", [1.0, 1.5])
+def test_a_held_out_fraction_of_1_or_more_names_its_bound(fraction):
+    # It said "splits 60 tokens into -30 for training and 90 for validation ... lower it".
+    with pytest.raises(BadInput) as e:
+        held_out(60, fraction)
+    assert str(e.value) == (f"data: data.val_fraction={fraction}: expected a fraction below 1, the "
+                            f"share of the text held out for validation.")
+
+
 def test_a_text_of_65536_distinct_characters_is_prepared_and_one_more_is_refused(tmp_path):
     # uint16 ids run 0-65535: all 65,536 fit (65,536 were refused: "uint16 holds 65535").
     chars = [chr(c) for c in range(32, 0x20000) if not 0xD800 <= c < 0xE000][:65537]  # no surrogates
