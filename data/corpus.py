@@ -38,7 +38,7 @@ def held_out(n: int, val_fraction: float) -> int:
     side gets at least 2."""
     if val_fraction >= 1:  # else "splits 60 tokens into -30 for training" (python -m data.prepare too)
         raise BadInput(f"data: data.val_fraction={val_fraction}: expected a fraction below 1, the "
-                       f"share of the text held out for validation.")
+                       f"share of the data held out for validation.")
     n_val = int(n * val_fraction)
     if n_val < 2 or n - n_val < 2:
         fix = "raise it" if n_val < 2 else "lower it"

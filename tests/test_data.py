@@ -301,7 +301,7 @@ def test_a_held_out_fraction_of_1_or_more_names_its_bound(fraction):
     with pytest.raises(BadInput) as e:
         held_out(60, fraction)
     assert str(e.value) == (f"data: data.val_fraction={fraction}: expected a fraction below 1, the "
-                            f"share of the text held out for validation.")
+                            f"share of the data held out for validation.")
 
 
 def test_a_text_of_65536_distinct_characters_is_prepared_and_one_more_is_refused(tmp_path):
