@@ -90,9 +90,9 @@ def test_sample_tokens_0_draws_no_sample(tmp_path, cache):
 
 
 def test_the_summary_validates_the_final_weights(tmp_path, cache, monkeypatch):
-    # Evaluations at steps 10 and 20 of a 25-step run: summary.json's val_loss is measured again on
-    # the weights the run ends with, equal to a run that evaluates at step 25 (evaluating does not
-    # change training), not step 20's; and not twice when the last step evaluated already.
+    # Evaluations at steps 10 and 20 of a 25-step run, and at its last: summary.json's val_loss is
+    # that of the weights the run ends with, logged like the others, equal to a run that evaluates
+    # every 5 steps (evaluating does not change training), not step 20's; and measured once.
     from loop import evaluate
 
     validate, validated = evaluate.validate, []
@@ -101,7 +101,7 @@ def test_the_summary_validates_the_final_weights(tmp_path, cache, monkeypatch):
     train_here(every10, cache, "train.max_steps=25", "train.eval_every=10")
     train_here(every5, cache, "train.max_steps=25", "train.eval_every=5")
     at = {r["step"]: r["val_loss"] for r in metrics(every10) if "val_loss" in r}
-    assert sorted(at) == [10, 20]
-    assert summary(every10)["val_loss"] == metrics(every5)[-1]["val_loss"] != at[20]
+    assert sorted(at) == [10, 20, 25]
+    assert summary(every10)["val_loss"] == at[25] == metrics(every5)[-1]["val_loss"] != at[20]
     assert summary(every10)["params_sha256"] == summary(every5)["params_sha256"]
     assert validated == [10, 20, 25, 5, 10, 15, 20, 25]
