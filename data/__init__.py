@@ -1,8 +1,9 @@
 """Datasets, one builder per `data.name`, each returning a `Data` bundle (data/bundle.py) that the
 loop consumes.
 
-To add a task: write a builder `build_mine(cfg) -> Data` in a module of its own, import it and
-add it to BUILDERS (`from data.mine import build_mine`, `BUILDERS["mine"] = build_mine`), and its options, if any, to data/config.py.
+To add a task: write a builder `build_mine(cfg) -> Data` in a module of its own, import it and add
+it to BUILDERS (`from data.mine import build_mine`, `BUILDERS["mine"] = build_mine`), and its
+options, if any, to data/config.py.
 """
 from __future__ import annotations
 

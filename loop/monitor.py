@@ -3,8 +3,9 @@
 `update(value)` is called after each evaluation; it says whether the value is a new best (the
 trainer then saves a checkpoint at that step and retention keeps it). Early stopping fires when the
 metric has not improved by `min_delta` for `patience` evaluations in a row; the best checkpoint
-takes any improvement (as Keras and Lightning keep them: min_delta is early stopping's alone). The state lives in the
-checkpoint, so a resumed run stops at the same evaluation an uninterrupted one would.
+takes any improvement (as Keras and Lightning keep them: min_delta is early stopping's alone). The
+state lives in the checkpoint, so a resumed run stops at the same evaluation an uninterrupted one
+would.
 """
 from __future__ import annotations
 
