@@ -93,7 +93,8 @@ class GPT(nn.Module):
         for _ in range(n):
             logits = self.logits(idx[:, -self.seq_len :])[:, -1].float()
             # The largest logit made 0 before dividing: a temperature of 1e-39 overflowed (inf - inf
-            # in softmax: NaN, and multinomial raised). Below float32's smallest normal it reads as 0.
+            # in softmax: NaN, and multinomial raised). One below float32's smallest normal, which a
+            # float32 division takes as 0 (0 / 0), is taken as that smallest normal.
             tiny = torch.finfo(torch.float32).tiny
             logits = (logits - logits.max(-1, keepdim=True).values) / max(temperature, tiny)
             nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)
