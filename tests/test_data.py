@@ -360,9 +360,11 @@ def test_prepare_command_prints_the_corpus_dir_and_exits_2_on_bad_input(tmp_path
                          f"data.val_fraction=0.0 splits {len(TEXT)} tokens into {len(TEXT)} for "
                          f"training and 0 for validation; expected at least 2 in each (every run "
                          f"validates, at its end at least): raise it, or give more data."),
-                        (["--path", str(f), "--val-fraction", "1"], "into 0 for training and "
-                         f"{len(TEXT)} for validation; expected at least 2 in each (every run "
-                         f"validates, at its end at least): lower it, or give more data.")]:
+                        (["--path", str(f), "--val-fraction", "0.999"], "into 1 for training and "
+                         f"{len(TEXT) - 1} for validation; expected at least 2 in each (every run "
+                         f"validates, at its end at least): lower it, or give more data."),
+                        (["--path", str(f), "--val-fraction", "1"], "data.val_fraction=1.0: expected "
+                         "a fraction below 1, the share of the data held out for validation.")]:
         bad = prepare(*args)
         assert bad.returncode == 2 and bad.stderr.startswith("error: ") and named in bad.stderr, bad.stderr
         assert bad.stdout == "", bad.stdout  # not "preparing ..." first, as if it had begun
