@@ -179,3 +179,15 @@ def test_make_bench_gives_its_overrides_to_both_benchmarks():
     (stall,) = [c.split() for c in commands if "bench.ckpt_stall" in c]
     assert "model.n_layer=3" in vs_bare and "model.n_layer=3" in stall
     assert "--variant" in vs_bare and "--variant" not in stall
+
+
+def test_the_scaffold_s_end_of_run_work_is_outside_the_timed_window(tmp_path, cache):
+    # A run's last step evaluates (and checkpoints): with the window ending there, the last timed
+    # interval held a validation pass that the bare arm never makes. The run goes one interval on.
+    from argparse import Namespace
+
+    args = Namespace(warmup=2, steps=4, config=DEFAULT_CONFIG,
+                     overrides=[*[t for t in TINY if "log_every" not in t], cache])
+    loop_vs_bare.run_arm("scaffold", [], args, tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "scaffold" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "val_loss" in r] == [8] and records[-1]["step"] == 8
