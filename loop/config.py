@@ -24,6 +24,7 @@ from loop.atomic import atomic_write
 from loop.config_check import check, from_dict, opt, override, to_dict, writable_dir
 from loop.errors import BadInput
 from loop.lab import SWITCHES
+from loop.runlock import refuse_nested
 from model.config import ModelConfig
 
 # Found from anywhere: `python ~/proj/train.py` run in another directory trains the default too
@@ -222,6 +223,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     check(cfg)
     writable_dir("config key run.out_dir", cfg.run.out_dir)
     writable_dir("config key data.cache_dir", cfg.data.cache_dir)
+    refuse_nested(Path(cfg.run.out_dir))
     return cfg
 
 

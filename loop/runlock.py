@@ -1,5 +1,6 @@
 """One run per run directory: rank 0 holds a lock on `<run.out_dir>/.lock` while it trains; and
-no run in a directory that holds files a run writes but that no run made (`refuse_foreign`).
+no run in a directory that holds files a run writes but that no run made (`refuse_foreign`), nor
+inside what another run writes (`refuse_nested`).
 
 A second `train.py` on the same `run.out_dir` (launched twice by mistake, or requeued while the
 first job still runs) would interleave its checkpoints and metrics with the first one's. It exits 2
@@ -71,6 +72,19 @@ def refuse_foreign(out: Path) -> None:
         raise BadInput(f"run.out_dir {out} holds {', '.join(clash)}, which a run writes, and no run "
                        f"made it (no .lock or metadata.json): a run would overwrite them. Expected a "
                        f"new or empty directory, or a run's; give another run.out_dir, or move them.")
+
+
+def refuse_nested(out: Path) -> None:
+    """A run.out_dir inside what another run writes: in its checkpoints/ that run's pruning deletes
+    this one's files with the step directory they are in; in its tb/ they mix with its curves."""
+    out = out.resolve()
+    for run in out.parents:
+        part = out.relative_to(run).parts[0]
+        if part in RUN_FILES and any((run / m).exists() for m in MARKS):
+            raise BadInput(f"run.out_dir {out} is inside {run / part}, which the run in {run} "
+                           f"writes (its old checkpoints are deleted with what is in them); "
+                           f"expected a directory outside what another run writes. Give another "
+                           f"run.out_dir.")
 
 
 def _lock(path: Path) -> int | None:

@@ -118,3 +118,22 @@ def test_the_lock_names_its_holder_only_once_the_run_writes(tmp_path):
     assert (tmp_path / ".lock").read_text() == "pid 4194303 on the-previous-holders-rather-long-host-name"
     runlock.hold(tmp_path, sign=True)
     assert (tmp_path / ".lock").read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
+
+
+def test_a_run_inside_what_another_run_writes_is_refused(tmp_path, cache):
+    # A run in another run's checkpoint directory trained and ended well; when the other run went
+    # on, its pruning deleted that step directory and the run inside it with it.
+    outer = tmp_path / "outer"
+    train_here(outer, cache, "train.max_steps=2", "train.ckpt_every=1", "train.keep_last=1")
+    step = outer / "checkpoints" / "step_00000002"
+    before = snapshot(outer)
+    for inner in (step / "mine", outer / "tb" / "mine", outer / "checkpoints"):
+        bad = train_here(inner, cache, "train.max_steps=1", check=False)
+        assert bad.returncode == 2 and bad.stderr.endswith(
+            f"error: run.out_dir {inner} is inside {outer / inner.relative_to(outer).parts[0]}, which "
+            f"the run in {outer} writes (its old checkpoints are deleted with what is in them); "
+            f"expected a directory outside what another run writes. Give another run.out_dir.\n"), bad.stderr
+    assert snapshot(outer) == before and not (step / "mine").exists()
+    # Beside the run's own files, or in another directory of the user's there, is fine.
+    train_here(outer / "ablation", cache, "train.max_steps=1")
+    assert summary(outer / "ablation")["steps"] == 1
