@@ -223,7 +223,13 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
     check(cfg)
     writable_dir("config key run.out_dir", cfg.run.out_dir)
     writable_dir("config key data.cache_dir", cfg.data.cache_dir)
-    refuse_nested(Path(cfg.run.out_dir))
+    refuse_nested("run.out_dir", Path(cfg.run.out_dir))
+    if cfg.run.mirror:
+        from fsspec.core import split_protocol
+
+        protocol, path = split_protocol(cfg.run.mirror)
+        if protocol in (None, "file", "local"):  # a directory: it could be a run's checkpoints/
+            refuse_nested("run.mirror", Path(path), also=Path(cfg.run.out_dir))
     return cfg
 
 

@@ -13,6 +13,7 @@ still fails after its retries prints one warning and is dropped; nothing here ra
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import posixpath
@@ -46,6 +47,9 @@ def _mirrored(fs, root: str) -> list[tuple[int, str]]:
     except FileNotFoundError:
         return []
     return sorted((int(m.group(1)), p) for p in paths if (m := STEP_DIR.match(_name(p))))
+
+
+INCOMPLETE = f"incomplete (no {MANIFEST}; a copy was cut short)"  # skipped: never a copy to miss
 
 
 def _name(path: str) -> str:
@@ -160,12 +164,14 @@ def listed(target: str) -> tuple:
 def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Path | None:
     """Copy the newest mirrored checkpoint that verifies into local_root (atomic: temp dir then rename,
     so local_root/step_XXXXXXXX appears complete or not at all) and return its local path; None if the
-    mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them.
+    mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them; if
+    none of those with a manifest can be fetched, BadInput.
     `before_write` is called before anything is written (the trainer makes and locks run.out_dir)."""
     fs, root, mirrored = listed(target)
     local_root = Path(local_root)
     if mirrored:
         before_write()
+    refused = 0
     for _, src in reversed(mirrored):
         name = _name(src)
         final, tmp = local_root / name, local_root / f".tmp-{name}-{os.getpid()}"
@@ -179,6 +185,7 @@ def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Pa
         if reason is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             print(f"warning: skipping mirrored checkpoint {target}/{name}: {reason}", file=sys.stderr)
+            refused += reason != INCOMPLETE
             continue
         shutil.rmtree(final, ignore_errors=True)  # a leftover at this step: replace it
         os.replace(tmp, final)
@@ -190,13 +197,21 @@ def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Pa
         print(f"note: no checkpoint in {local_root}; {name} fetched from run.mirror={target} (a "
               f"mirror holds one run's checkpoints: give each run its own)")
         return final
+    if refused:  # a fresh start would delete them from the mirror: an error (a credential, a full
+        # disk) must not cost the run its checkpoints, as none verifying locally does not
+        with contextlib.suppress(OSError):
+            local_root.rmdir()  # made for the fetch; empty again
+        raise BadInput(f"run.mirror={target}: none of its {refused} whole checkpoints could be fetched "
+                       f"or verifies (see the warnings above); expected at least one valid checkpoint, "
+                       f"as a fresh start would delete them from the mirror. Fix what the warnings "
+                       f"name, or give the run a new run.mirror.")
     return None
 
 
 def _download(fs, src: str, tmp: Path) -> str | None:
     """Copy one mirrored checkpoint into tmp, fsynced; the reason it is unusable, or None."""
     if not fs.exists(posixpath.join(src, MANIFEST)):
-        return f"incomplete (no {MANIFEST}; a copy was cut short)"
+        return INCOMPLETE
     names = json.loads(fs.cat_file(posixpath.join(src, MANIFEST)))["files"]
     for name in [*names, MANIFEST]:
         if name != posixpath.basename(name) or name in ("", ".", ".."):  # no writing outside tmp

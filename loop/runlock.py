@@ -74,17 +74,18 @@ def refuse_foreign(out: Path) -> None:
                        f"new or empty directory, or a run's; give another run.out_dir, or move them.")
 
 
-def refuse_nested(out: Path) -> None:
-    """A run.out_dir inside what another run writes: in its checkpoints/ that run's pruning deletes
-    this one's files with the step directory they are in; in its tb/ they mix with its curves."""
-    out = out.resolve()
-    for run in out.parents:
-        part = out.relative_to(run).parts[0]
-        if part in RUN_FILES and any((run / m).exists() for m in MARKS):
-            raise BadInput(f"run.out_dir {out} is inside {run / part}, which the run in {run} "
-                           f"writes (its old checkpoints are deleted with what is in them); "
-                           f"expected a directory outside what another run writes. Give another "
-                           f"run.out_dir.")
+def refuse_nested(key: str, path: Path, also: Path | None = None) -> None:
+    """run.out_dir or a local run.mirror inside what a run writes (a run directory's `checkpoints/`,
+    `tb/`...): one run's pruning would delete what another keeps there (a run inside another's
+    step directory; a mirror on a run's own checkpoints). `also`: a run directory not made yet."""
+    path = path.resolve()
+    also = also and also.resolve()
+    for run in path.parents:
+        part = path.relative_to(run).parts[0]
+        if part in RUN_FILES and (run == also or any((run / m).exists() for m in MARKS)):
+            raise BadInput(f"{key} {path} is inside {run / part}, which the run in {run} writes "
+                           f"and prunes; expected a directory outside what a run writes. Give "
+                           f"another {key}.")
 
 
 def _lock(path: Path) -> int | None:

@@ -379,3 +379,39 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_thread(tmp_path, cache
     assert not checkpoint.step_dirs(tmp_path / "run" / "checkpoints")
     assert set(threading.enumerate()) == before
 
+
+
+def test_a_mirror_whose_whole_checkpoints_none_can_be_fetched_is_bad_input(tmp_path, capsys):
+    # Unreadable copies (a credential, a full local disk, damage): the run started over and its
+    # mirroring deleted them. A copy cut short (no manifest) alone is still no checkpoint at all.
+    target, root = mem_target(), tmp_path / "out" / "checkpoints"
+    run_with_mirror(Mirror(target), root, [1, 2])
+    fs, _ = fsspec.core.url_to_fs(target)
+    for step in (1, 2):
+        fs.pipe_file(remote(target, f"step_0000000{step}", "state.pt"), b"damaged")
+    fresh = tmp_path / "fresh" / "checkpoints"
+    with pytest.raises(BadInput) as e:
+        fetch_latest(target, fresh)
+    assert str(e.value) == (
+        f"run.mirror={target}: none of its 2 whole checkpoints could be fetched or verifies (see the "
+        f"warnings above); expected at least one valid checkpoint, as a fresh start would delete "
+        f"them from the mirror. Fix what the warnings name, or give the run a new run.mirror.")
+    assert capsys.readouterr().err.count("warning: skipping mirrored checkpoint") == 2
+    assert not fresh.exists() and mirrored_names(target) >= {"step_00000001", "step_00000002"}
+    fs.rm_file(remote(target, "step_00000001", "manifest.json"))
+    fs.rm_file(remote(target, "step_00000002", "manifest.json"))
+    assert fetch_latest(target, fresh) is None
+
+
+@pytest.mark.parametrize("mirror", ["own", "other"])
+def test_a_local_mirror_inside_what_a_run_writes_is_bad_input(tmp_path, cache, mirror):
+    # On its own checkpoints/, the mirror's copy deleted the manifests it copied over and its prune
+    # every step directory but the oldest; on another run's, it pruned that run's checkpoints.
+    other = tmp_path / "other"
+    assert train.main([f"run.out_dir={other}", *TINY, cache, "train.max_steps=2", "train.ckpt_every=1"]) == 0
+    out = tmp_path / "run"
+    target = out / "checkpoints" if mirror == "own" else other / "checkpoints"
+    before = {p: p.read_bytes() for p in other.rglob("*") if p.is_file()}
+    code = train.main([f"run.out_dir={out}", f"run.mirror={target}", *TINY, cache, "train.max_steps=2"])
+    assert code == 2 and not out.exists()
+    assert {p: p.read_bytes() for p in other.rglob("*") if p.is_file()} == before

@@ -131,8 +131,8 @@ def test_a_run_inside_what_another_run_writes_is_refused(tmp_path, cache):
         bad = train_here(inner, cache, "train.max_steps=1", check=False)
         assert bad.returncode == 2 and bad.stderr.endswith(
             f"error: run.out_dir {inner} is inside {outer / inner.relative_to(outer).parts[0]}, which "
-            f"the run in {outer} writes (its old checkpoints are deleted with what is in them); "
-            f"expected a directory outside what another run writes. Give another run.out_dir.\n"), bad.stderr
+            f"the run in {outer} writes and prunes; expected a directory outside what a run writes. "
+            f"Give another run.out_dir.\n"), bad.stderr
     assert snapshot(outer) == before and not (step / "mine").exists()
     # Beside the run's own files, or in another directory of the user's there, is fine.
     train_here(outer / "ablation", cache, "train.max_steps=1")
