@@ -71,6 +71,15 @@ def verify(path: Path) -> str | None:
     return None
 
 
+def manifest(path: Path) -> dict:
+    """A checkpoint's manifest.json ({} if it cannot be read: `verify` says why)."""
+    try:
+        found = json.loads((path / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def newest_valid(root: Path) -> Path | None:
     """The newest checkpoint that verifies; invalid newer ones are skipped with a warning."""
     dirs = step_dirs(root)

@@ -4,7 +4,8 @@
                       the newest valid one in run.mirror); none at all -> a fresh start
     run.resume=never  fresh start; refused if out_dir already holds checkpoints it would overwrite
     run.resume=PATH   that checkpoint dir, which must verify (checkpoints/latest or /best: the
-                      one it names)
+                      one it names); or, once this run has saved since starting there, its
+                      newest checkpoint from PATH on (`continued`): the same command reruns on
     run.init_from=PATH (fresh starts only) model weights from that checkpoint (or exported
                       model.pt), nothing else
 """
@@ -42,12 +43,38 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
     if not resume:  # Path("") is "." (here), which was named as "not a valid checkpoint"
         raise BadInput("config key run.resume is empty; expected auto, never or a checkpoint directory.")
     if resume != "auto":
-        return verified(followed(Path(resume)), "run.resume")
+        given = followed(Path(resume))
+        return continued(ckpt_root, given) or verified(given, "run.resume")
     if not checkpoint.step_dirs(ckpt_root) and mirror:
         from loop.mirror import fetch_latest
 
         return fetch_latest(mirror, ckpt_root, before_fetch)
     return checkpoint.newest_valid(ckpt_root)
+
+
+def continued(ckpt_root: Path, given: Path) -> Path | None:
+    """The newest valid checkpoint in ckpt_root saved by a run that started from `given` (its
+    manifest's `resumed_from`): a rerun of a command naming run.resume=PATH (after a Ctrl-C, a
+    preemption, a torchrun restart, a requeue) went back to PATH and trained those steps again."""
+    start = str(given.resolve())
+    for path in reversed(checkpoint.step_dirs(ckpt_root)):
+        if path.resolve() != given.resolve() and checkpoint.manifest(path).get("resumed_from") == start \
+                and checkpoint.verify(path) is None:
+            print(f"note: run.resume={given}: continuing from {path}, which this run saved after "
+                  f"starting there (to start from {given} again, give a new run.out_dir)")
+            return path
+    return None
+
+
+def origin(resume: str, path: Path | None) -> str | None:
+    """The checkpoint a run's lineage started from by run.resume=PATH, recorded in each checkpoint
+    it saves (`continued` looks for it); inherited through resumes from its own checkpoints."""
+    if path is None:
+        return None
+    recorded = checkpoint.manifest(path).get("resumed_from")
+    if resume in ("auto", "never") or recorded == str(followed(Path(resume)).resolve()):
+        return recorded
+    return str(path.resolve())
 
 
 def followed(path: Path) -> Path:

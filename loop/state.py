@@ -80,6 +80,7 @@ def restore(t, path: Path) -> None:
                    f"-> {now.best_metric}/{now.best_mode}: the best checkpoint and early stopping "
                    f"start over from this step")
     t.progress = Progress(**state["progress"])
+    t.origin = resume.origin(t.cfg.run.resume, path)
     mine = f"rng_rank{t.dist.rank}.pt"
     if t.lab == "no_rng_restore":  # lab: the streams go on from wherever this process is
         pass
@@ -168,9 +169,10 @@ def global_batch_change(saved: dict, saved_world: int, cfg, world: int) -> str |
 
 
 def _note_later_checkpoints(t, path: Path) -> None:
-    """run.resume=PATH back in time in the same out_dir: the newer checkpoints there are from the
-    run before; this one replaces each as it saves that step (loop/checkpoint.py::save)."""
-    if t.cfg.run.resume == "auto" or not t.dist.main or path.resolve().parent != t.ckpt_root.resolve():
+    """run.resume=PATH back in time in the same out_dir, or from another into one with newer
+    checkpoints: those are from the run before; this one replaces each as it saves that step
+    (loop/checkpoint.py::save)."""
+    if t.cfg.run.resume == "auto" or not t.dist.main:
         return
     later = [d.name for d in checkpoint.step_dirs(t.ckpt_root) if d.name > f"step_{t.progress.step:08d}"]
     if later:
@@ -207,7 +209,7 @@ def save(t, step: int) -> None:
     if step == t.cfg.faults.kill_in_ckpt_at_step:
         midway = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
     best = {f"step_{t.monitor.state.best_step:08d}"} if t.monitor.state.best_step else set()
-    meta = {"config_sha256": config_hash(t.cfg), "world_size": t.dist.world}
+    meta = {"config_sha256": config_hash(t.cfg), "world_size": t.dist.world, "resumed_from": t.origin}
     args = (t.ckpt_root, step, capture(t), t.cfg.train.keep_last, meta, best, midway)
     then = partial(_saved, t, best=next(iter(best), None))
     ema = t.ema.module if t.ema else None

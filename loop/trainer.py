@@ -59,7 +59,7 @@ class Trainer:
                                self.dist.rank, self.dist.world)
         self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, val_loss, val_...)
         self.log: MetricsLog | None = None
-        self.mirror = None
+        self.mirror, self.origin = None, None  # origin: where run.resume=PATH began (resume.origin)
         self.telemetry: Telemetry | None = None  # rank 0 only
         self.metadata: dict = {}  # rank 0 only; also goes into every checkpoint
         self.preempted = False

@@ -302,6 +302,28 @@ def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
             "step 30, resume from an older checkpoint") in fewer.stdout
 
 
+def test_a_command_naming_run_resume_reruns_from_what_it_saved_since(tmp_path, cache, reference):
+    # Branching off another directory's step 20 into a run.out_dir with newer checkpoints of its
+    # own said nothing of them; and the same command rerun after a kill (or a preemption, a torchrun
+    # restart, a SLURM requeue) went back to step 20 every time instead of on from its own newest.
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    start = reference / "checkpoints" / "step_00000020"
+    command = [*STEPS, f"run.resume={start}"]
+    killed = run_train(out, cache, *command, "faults.kill_in_ckpt_at_step=40", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    ckpts = out / "checkpoints"
+    assert f"note: step_00000030, step_00000040 in {ckpts} are from before this resume" in killed.stdout
+    rerun = run_train(out, cache, *command)
+    assert (f"note: run.resume={start}: continuing from {ckpts / 'step_00000030'}, which this run "
+            f"saved after starting there (to start from {start} again, give a new run.out_dir)") in rerun.stdout
+    assert resumed_at(rerun.stdout) == 30
+    assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
+    assert [r["step"] for r in metrics(out)] == list(range(1, 41))
+
+
 def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cache, reference):
     # Going back to step 30 with another optim.lr or weight_decay: they used to stay the
     # checkpoint's (load_state_dict restores each group's settings) while a changed schedule
