@@ -137,7 +137,7 @@ def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
 
 def load_export(path: Path, model: nn.Module, cfg: Config) -> None:
     """run.init_from=FILE: the weights of an exported model.pt (loop/summary.py: {"model",
-    "config"}, "ema" too with EMA on; FSDP runs export it whole), or of a bare state_dict
+    "config", "data"}, "ema" too with EMA on; FSDP runs export it whole), or of a bare state_dict
     (`torch.save(model.state_dict(), PATH)`), into `model`."""
     export = checkpoint.load(path.parent, path.name)
     weights = export.get("model", export) if isinstance(export, dict) else None

@@ -52,8 +52,9 @@ def load(path: Path, ema: bool, device: torch.device):
                        f"model.pt or checkpoint that train.py wrote.")
     cfg = from_dict(Config, saved["config"], "", str(path))
     data = build_data(cfg.data)
-    recorded = saved.get("metadata") if not path.is_file() else _json(path.parent / "metadata.json")
-    check_corpus(data, (recorded or {}).get("data"), path)
+    if path.is_file() and "data" not in saved:  # a model.pt exported before it held its "data"
+        saved["data"] = (_json(path.parent / "metadata.json") or {}).get("data")
+    check_corpus(data, saved["data"] if path.is_file() else (saved.get("metadata") or {}).get("data"), path)
     model = build_model(cfg.model, data)
     if not hasattr(model, "generate") or data.decode is None:
         raise BadInput(f"{path}: model.name={cfg.model.name} on data.name={cfg.data.name} does not "

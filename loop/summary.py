@@ -60,7 +60,9 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
                     if k in ("energy_j", "cuda_max_alloc_gb")})
     t.log.text(p.step, "sample", summary["sample"] or "")
     close_sinks(t)
-    export = {"model": weights, "config": to_dict(t.cfg)}  # FSDP: the consolidated model
+    # FSDP: the consolidated model. "data": what it was trained on (loop.sample checks a corpus
+    # by it; metadata.json beside it is rewritten by a later resume, on other data maybe).
+    export = {"model": weights, "config": to_dict(t.cfg), "data": t.metadata.get("data")}
     if ema is not None:
         export["ema"] = ema
     atomic_write(t.out / "model.pt", checkpoint.to_bytes(export))

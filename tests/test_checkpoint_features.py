@@ -61,7 +61,7 @@ def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
     assert b["ema_params_sha256"] == a["ema_params_sha256"]
     assert b["val_loss"] == a["val_loss"]  # validation uses the EMA weights
     exported = torch.load(out / "model.pt", weights_only=True)
-    assert set(exported) == {"model", "ema", "config"}
+    assert set(exported) == {"model", "ema", "config", "data"}
     assert not all(torch.equal(exported["ema"][k], exported["model"][k]) for k in exported["model"])
 
 

@@ -136,8 +136,18 @@ def test_a_corpus_edited_since_training_is_exit_2(tmp_path, cache, capsys):
     out = tmp_path / "run"
     train_here(out, *TINY, cache, f"data.path={text}", "train.max_steps=2")
     assert drawn(capsys, out, "--tokens", "5")[0] == 0
-    text.write_text(text.read_text().replace("w", "q"))
+    trained = text.read_text()
+    text.write_text(trained.replace("w", "q"))
     for where in (out, out / "checkpoints" / "latest"):
         code, printed, err = drawn(capsys, where, "--tokens", "5")
         assert (code, printed) == (2, ""), err
         assert "now holds" in err and "expected the text it was trained on there" in err, err
+    # Resumed on the edited corpus and killed before its end: metadata.json names the new corpus,
+    # but model.pt is still the finished run's, trained on the old one. ("ж" for "w": as many
+    # characters, so the checkpoint fits.)
+    text.write_text(trained.replace("w", "ж"))
+    killed = run_train(out, *TINY, cache, f"data.path={text}", "train.max_steps=4", "faults.kill_in_ckpt_at_step=4",
+                       check=False)
+    assert killed.returncode == -9 and "data differs" in killed.stdout, killed.stdout + killed.stderr
+    code, printed, err = drawn(capsys, out, "--tokens", "5")
+    assert (code, printed) == (2, "") and "now holds" in err, err
