@@ -27,6 +27,7 @@ from loop.errors import BadInput
 
 
 _held: dict[Path, int | None] = {}  # run dirs this process holds -> the lock's fd (None: no locks)
+_unsigned: set[Path] = set()  # of those, where this process made .lock and has written nothing
 
 
 def hold(out: Path, sign: bool = False) -> None:
@@ -39,15 +40,25 @@ def hold(out: Path, sign: bool = False) -> None:
         if not out.is_dir():
             return
         refuse_foreign(out)  # before .lock marks it as a run's
+        made = not (out / ".lock").exists()
         _held[out] = _lock(out / ".lock")
+        if made:
+            _unsigned.add(out)
     fd = _held[out]
+    if sign:
+        _unsigned.discard(out)
     if sign and fd is not None:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
 
 
 def release() -> None:
-    """Unlock every run directory this process holds (closing the descriptor drops the lock)."""
+    """Unlock every run directory this process holds (closing the descriptor drops the lock). A
+    .lock this process made in a directory it then wrote nothing in (bad input) goes too: left, it
+    marked a user's directory as a run's, and a later run there overwrote their files."""
+    for out in _unsigned:
+        (out / ".lock").unlink(missing_ok=True)
+    _unsigned.clear()
     for fd in _held.values():
         if fd is not None:
             os.close(fd)

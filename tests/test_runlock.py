@@ -137,3 +137,21 @@ def test_a_run_inside_what_another_run_writes_is_refused(tmp_path, cache):
     # Beside the run's own files, or in another directory of the user's there, is fine.
     train_here(outer / "ablation", cache, "train.max_steps=1")
     assert summary(outer / "ablation")["steps"] == 1
+
+
+def test_bad_input_leaves_no_lock_in_a_directory_it_wrote_nothing_in(tmp_path, cache):
+    # The .lock of a run refused after locking (a run.resume that is not there) marked the user's
+    # directory as a run's: a model.pt they put there next was overwritten by the next run.
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    bad = train_here(mine, cache, f"run.resume={tmp_path / 'missing'}", check=False)
+    assert bad.returncode == 2 and not list(mine.iterdir()), bad.stderr
+    (mine / "model.pt").write_text("my own weights")
+    again = train_here(mine, cache, "train.max_steps=1", check=False)
+    assert again.returncode == 2 and "holds model.pt, which a run writes" in again.stderr
+    assert (mine / "model.pt").read_text() == "my own weights"
+    # A run's own directory keeps its .lock: the mark that it is a run's.
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=1")
+    assert train_here(out, cache, f"run.resume={tmp_path / 'missing'}", check=False).returncode == 2
+    assert (out / ".lock").exists()
