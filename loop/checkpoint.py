@@ -138,13 +138,13 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
     dist = dist or Dist()
     final = root / f"step_{step:08d}"
     tmp = root / f".tmp-{final.name}"
-    if dist.main:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):  # left by a write that was killed
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
     try:
+        if dist.main:
+            root.mkdir(parents=True, exist_ok=True)
+            for stale in root.glob(".tmp-*"):  # left by a write that was killed
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        dist.barrier()
         _write(tmp, final, step, files, meta, midway, dist, shards)
     except OSError as e:  # a full disk, a quota: the part written goes, the checkpoints before stay
         shutil.rmtree(tmp, ignore_errors=True)

@@ -155,6 +155,9 @@ def writable_dir(name: str, path: str) -> None:
         raise BadInput(f"{name}: expected a directory path, got ''.")
     there = Path(path).absolute()
     while not there.exists():  # the nearest part of the path that exists
+        if there.is_symlink():  # mkdir would meet it: FileExistsError, a traceback mid-setup
+            raise BadInput(f"{name}={path}: {there} is a symbolic link to {os.readlink(there)}, which "
+                           f"does not exist; expected a directory, or a path where one can be made.")
         there = there.parent
     if not there.is_dir():
         raise BadInput(f"{name}={path}: {there} is a file; expected a directory, or a path "

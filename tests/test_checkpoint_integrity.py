@@ -473,3 +473,15 @@ def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
         checkpoint.load(tmp_path, "empty.pt")
     with pytest.raises(BadInput, match=r"notes.pt: not a file torch.save wrote \(it starts with b'step'\)"):
         checkpoint.load(tmp_path, "notes.pt")
+
+
+def test_a_checkpoint_directory_that_cannot_be_made_is_exit_3_not_a_traceback(tmp_path, cache):
+    # Making checkpoints/ (or its temporary step directory) was outside the save's handling of
+    # write errors: a file in the way, or a directory the user cannot write, was a traceback (exit 1).
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=1")
+    shutil.rmtree(out / "checkpoints")
+    (out / "checkpoints").write_text("in the way")
+    proc = train_here(out, cache, "train.max_steps=2", check=False)
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"error: checkpoint step 2: cannot write it in {out / 'checkpoints'} (File exists)" in proc.stderr

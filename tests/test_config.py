@@ -141,6 +141,13 @@ def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
                                        f"or a path where one can be made.")
         assert bad([f"{key}={f}/sub/dir"]).startswith(f"config key {key}={f}/sub/dir: {f} is a file;")
         assert bad([f"{key}="]) == f"config key {key}: expected a directory path, got ''."
+    # A link to a directory not there (an unmounted disk): mkdir met it, a FileExistsError traceback.
+    (tmp_path / "link").symlink_to(tmp_path / "gone")
+    for key in ("run.out_dir", "data.cache_dir"):
+        for path in (tmp_path / "link", tmp_path / "link" / "run"):
+            assert bad([f"{key}={path}"]) == (
+                f"config key {key}={path}: {tmp_path / 'link'} is a symbolic link to {tmp_path / 'gone'}, "
+                f"which does not exist; expected a directory, or a path where one can be made.")
     cfg = load_config(DEFAULT, [f"run.out_dir={tmp_path}/new/run", f"data.cache_dir={tmp_path}"])
     assert cfg.run.out_dir == f"{tmp_path}/new/run" and f.read_text() == "kept"
 
