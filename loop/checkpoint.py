@@ -66,6 +66,8 @@ def verify(path: Path) -> str | None:
                 return f"{name} has {f.stat().st_size} bytes, manifest says {want['size']}"
             if hashlib.sha256(f.read_bytes()).hexdigest() != want["sha256"]:
                 return f"{name} does not match its sha256"
+        if "state.pt" not in manifest["files"]:  # every checkpoint has one (rank 0's shared state)
+            return f"{MANIFEST} lists no state.pt"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: "files" no dict
         return f"{MANIFEST} is missing, unreadable or malformed ({type(e).__name__}: {e})"
     return None

@@ -81,8 +81,10 @@ def followed(path: Path) -> Path:
     """checkpoints/latest and checkpoints/best are files holding a checkpoint's name: that one."""
     if path.name in ("latest", "best") and path.is_file():
         target = path.parent / path.read_text(errors="replace").strip()
-        if target.is_dir():
-            return target
+        if not target.is_dir():  # deleted by hand, or copied without it
+            raise BadInput(f"{path} names {target.name}, which is not in {path.parent}; expected the "
+                           f"name of a checkpoint directory there.{checkpoints_near(path.parent)}")
+        return target
     return path
 
 

@@ -417,6 +417,17 @@ def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, re
     assert proc.stderr.endswith(f"error: checkpoint file {reference / 'summary.json'}: not a file "
                                 f"torch.save wrote (it starts with b'{{\\n \"'); expected a "
                                 f"checkpoint's state.pt or an exported model.pt.\n"), proc.stderr
+    # A pointer naming a checkpoint that is gone (deleted by hand): it was read as a checkpoint
+    # directory itself ("manifest.json is missing ... NotADirectoryError").
+    copy = tmp_path / "copy"
+    shutil.copytree(ckpts, copy)
+    (copy / "latest").write_text("step_00000099")
+    out = tmp_path / "stale"
+    proc = train_here(out, cache, f"run.resume={copy / 'latest'}", check=False)
+    assert proc.returncode == 2 and not out.exists(), proc.stderr
+    assert proc.stderr.startswith(f"error: {copy / 'latest'} names step_00000099, which is not in {copy}; "
+                                  f"expected the name of a checkpoint directory there. {copy} holds "
+                                  f"checkpoints: the newest is {copy / 'step_00000040'}"), proc.stderr
 
 
 @pytest.mark.parametrize("named", ["", "checkpoints"])

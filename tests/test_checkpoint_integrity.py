@@ -148,6 +148,10 @@ def test_a_manifest_of_another_shape_is_a_reason_to_skip_not_a_traceback(tmp_pat
         (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"files": files}))
         assert checkpoint.verify(tmp_path).startswith(f"{checkpoint.MANIFEST} is missing, unreadable "
                                                       f"or malformed ("), files
+    # Emptied by hand with state.pt deleted, it verified, and the resume exited 2 instead of
+    # going on to the next checkpoint.
+    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"files": {}}))
+    assert checkpoint.verify(tmp_path) == f"{checkpoint.MANIFEST} lists no state.pt"
 
 
 def test_all_checkpoints_invalid_exits_2_and_changes_nothing(tmp_path, cache, base10):
