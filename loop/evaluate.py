@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 from data.sampler import split_batch, val_batches
+from data.seeded import SeededSamples
 from loop import fsdp
 from loop.errors import BadInput, GaveUp
 from loop.guards import oom_in_collectives
@@ -181,5 +182,7 @@ def sample(t) -> str | None:
         t.dist.say(f"warning: step {step}: val_loss is {metrics['val_loss']}; no text sample drawn",
                    file=sys.stderr)
         return None
-    prompt = t.data.val[0]["x"][None, :8].to(t.device)  # (1, 8)
+    # Fetched as training fetches (data/seeded.py): a validation set that augments drew from the
+    # training streams here, and evaluating changed the dropout masks of the steps after it.
+    prompt = SeededSamples(t.data.val, t.cfg.run.seed)[(0, 0)]["x"][None, :8].to(t.device)  # (1, 8)
     return text_sample(model, prompt, t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode)

@@ -228,6 +228,28 @@ def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cach
             "evaluations, and this run evaluates once, at its end") in proc.stdout, proc.stdout
 
 
+def test_evaluating_a_validation_set_that_augments_leaves_training_as_it_was(tmp_path, cache, monkeypatch):
+    # The text sample's prompt, fetched from the validation set at each evaluation, drew from the
+    # global streams when that set augments (as the README says a Dataset may): the steps after an
+    # evaluation trained with other dropout masks than a run that did not evaluate there.
+    import data
+    from conftest import Mapped, augment
+
+    def text_val_augmented(cfg):
+        d = data.BUILDERS["text"](cfg)
+        d.val = Mapped(d.val, augment)
+        return d
+
+    monkeypatch.setitem(data.BUILDERS, "text_val_augmented", text_val_augmented)
+    losses = {}
+    for every in (2, 0):
+        out = tmp_path / f"every{every}"
+        train_here(out, cache, "data.name=text_val_augmented", "model.dropout=0.2", "train.max_steps=5",
+                   f"train.eval_every={every}", "train.sample_tokens=4")
+        losses[every] = [r["loss"] for r in metrics(out)]
+    assert len(losses[2]) == 5 and losses[2] == losses[0]
+
+
 def test_the_last_step_is_evaluated_like_any_other(tmp_path, cache):
     # 10 steps, evaluating every 4: the end's evaluation gave summary.json its val_loss, but it was
     # neither logged (metrics.jsonl, TensorBoard) nor a candidate for the best checkpoint, so the
