@@ -13,6 +13,7 @@ import torch
 
 from loop.gpu import GpuSampler
 from loop.mfu import gpt_flops_per_token, peak_flops
+from model.gpt import GPT
 
 
 def node_gpus(device: torch.device) -> dict[int, str] | None:
@@ -33,7 +34,8 @@ class Telemetry:
         gpus = node_gpus(device)  # the sampler says once that it is off without NVIDIA
         self.gpu = GpuSampler(devices=gpus) if gpus else None
         self.flops = None
-        if hasattr(model, "wpe"):  # the GPT: 6N + attention, N without position embeddings
+        if isinstance(model, GPT):  # 6N + attention, N without position embeddings (not `wpe` of
+            # a model of the user's own, whose FLOPs this formula does not count)
             n = sum(p.numel() for p in model.parameters())
             self.flops = gpt_flops_per_token(n, model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd,
                                              seq_len, model.wpe.weight.numel())

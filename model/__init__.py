@@ -3,7 +3,9 @@ the loss summed over the batch's real targets (a scalar tensor), or a dict of su
 loss under "loss" (loop/evaluate.py). `generate` is optional."""
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
+from torch.nn.parameter import UninitializedParameter
 
 from loop.errors import BadInput
 from model.cnn import CNN
@@ -38,4 +40,24 @@ def build_model(cfg, data) -> nn.Module:
         frozen = sum(p.numel() for p in model.parameters())
         raise BadInput(f"config key model.name={cfg.name}: the model has no parameter to train "
                        f"({frozen:,} parameters, none with requires_grad=True); expected at least one.")
+    refuse_what_the_loop_cannot_keep(model, f"config key model.name={cfg.name}")
     return model
+
+
+def refuse_what_the_loop_cannot_keep(model: nn.Module, where: str) -> None:
+    """Valid PyTorch the loop cannot train or keep, named before anything is written: each was a
+    traceback, at the optimizer's build, the first clipping, or after the last step."""
+    for name, p in model.named_parameters():
+        if isinstance(p, UninitializedParameter):  # the optimizer, EMA and checkpoints need shapes
+            raise BadInput(f"{where}: {name} is a lazy parameter (nn.LazyLinear...), still without a "
+                           f"shape; expected sizes given when the model is built (or one forward in "
+                           f"its builder).")
+    for name, m in model.named_modules():
+        if getattr(m, "sparse", False) is True:  # nn.Embedding(sparse=True), nn.EmbeddingBag
+            raise BadInput(f"{where}: {name} makes sparse gradients (sparse=True), which gradient "
+                           f"clipping and AdamW do not take; expected sparse=False.")
+    for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor):  # get_extra_state: hashed, averaged, sharded? no
+            raise BadInput(f"{where}: its state_dict holds {key}, a {type(value).__name__} "
+                           f"(get_extra_state), not a tensor; checkpoints, params_sha256, the EMA "
+                           f"copy and FSDP take tensors; expected tensors only (keep it in a buffer).")

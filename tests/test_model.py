@@ -151,6 +151,35 @@ def test_a_model_with_nothing_to_train_is_named(monkeypatch):
                             "parameters, none with requires_grad=True); expected at least one.")
 
 
+class Extra(torch.nn.Module):
+    def get_extra_state(self):
+        return {"version": 1}
+
+    def set_extra_state(self, state):
+        pass
+
+
+@pytest.mark.parametrize("add, said", [
+    (lambda m: setattr(m, "lazy", torch.nn.LazyLinear(4)),
+     "lazy.weight is a lazy parameter (nn.LazyLinear...), still without a shape; expected sizes given "
+     "when the model is built (or one forward in its builder)."),
+    (lambda m: setattr(m, "wte", torch.nn.Embedding(8, 8, sparse=True)),
+     "wte makes sparse gradients (sparse=True), which gradient clipping and AdamW do not take; "
+     "expected sparse=False."),
+    (lambda m: setattr(m, "extra", Extra()),
+     "its state_dict holds extra._extra_state, a dict (get_extra_state), not a tensor; checkpoints, "
+     "params_sha256, the EMA copy and FSDP take tensors; expected tensors only (keep it in a buffer)."),
+])
+def test_what_the_loop_cannot_keep_is_named_when_the_model_is_built(monkeypatch, add, said):
+    # Valid PyTorch, each a traceback: a lazy parameter at the optimizer's build, sparse gradients at
+    # the first clipping, extra state (a dict) after the last step, when hashing the weights (no
+    # model.pt, no summary.json) and at every resume.
+    monkeypatch.setitem(BUILDERS, "mine", lambda cfg, data: (m := BUILDERS["gpt"](cfg, data), add(m))[0])
+    with pytest.raises(BadInput) as e:
+        build_model(ModelConfig(name="mine", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4))
+    assert str(e.value) == f"config key model.name=mine: {said}"
+
+
 def test_unknown_model_name():
     with pytest.raises(BadInput, match="model.name"):
         build_model(ModelConfig(name="rnn"), SimpleNamespace(vocab_size=8, seq_len=4))
@@ -352,3 +381,34 @@ def test_frozen_parameters_are_counted_apart_and_stay_unchanged(tmp_path, cache,
     t.run()
     assert " parameters (1,024 frozen) | cpu | fp32 |" in capsys.readouterr().out
     assert torch.equal(t.raw.wpe.weight, before)  # no gradient, so no update and no weight decay
+
+
+class PositionsOfItsOwn(torch.nn.Module):
+    """A model of a user's own that names its position parameter `wpe`, as the GPT names its table."""
+
+    def __init__(self, vocab_size: int, seq_len: int):
+        super().__init__()
+        self.wte, self.wpe = torch.nn.Embedding(vocab_size, 16), torch.nn.Parameter(torch.zeros(seq_len, 16))
+        self.head = torch.nn.Linear(16, vocab_size)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        logits = self.head(self.wte(batch["x"]) + self.wpe[: batch["x"].shape[1]])
+        return F.cross_entropy(logits.flatten(0, 1), batch["y"].flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum")
+
+
+def test_a_model_of_ones_own_trains_whatever_its_attributes_are_named(tmp_path, cache, monkeypatch):
+    # Telemetry took any model with a `wpe` for the GPT and read `wpe.weight`: an AttributeError
+    # after config.yaml and metadata.json were written (and, with an nn.Embedding there, an MFU
+    # from the GPT's FLOP formula for a model it does not describe).
+    from conftest import summary, train_here
+
+    monkeypatch.setitem(BUILDERS, "mine", lambda cfg, data: PositionsOfItsOwn(data.vocab_size, data.seq_len))
+    out = tmp_path / "run"
+    train_here(out, cache, "model.name=mine", "train.max_steps=2")
+    assert summary(out)["steps"] == 2
+    # Extra state is refused before anything is written.
+    monkeypatch.setitem(BUILDERS, "extra", lambda cfg, data: (m := PositionsOfItsOwn(data.vocab_size, data.seq_len),
+                                                              setattr(m, "extra", Extra()))[0])
+    bad = train_here(tmp_path / "extra", cache, "model.name=extra", check=False)
+    assert bad.returncode == 2 and "extra._extra_state, a dict" in bad.stderr and not (tmp_path / "extra").exists()
