@@ -109,14 +109,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def reference(model: torch.nn.Module, batch: dict, device, clip: float):
-    """Plain float32, one batch, mean loss over the real targets, backward; clipped by hand."""
-    model = copy.deepcopy(model).float()
+    """Plain float32, one batch, mean loss over the real targets, backward; clipped by hand. Returns
+    (gradients, their norm, the reference's arithmetic): the model's own dtypes where its forward
+    casts to one of them (`x.to(torch.bfloat16)` before a bf16 layer), which float32 weights fail."""
     on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-    (loss_and_sums(model(on_device))[0] / batch["n_targets"]).backward()
-    grads = {name: p.grad.detach().double() for name, p in model.named_parameters() if p.grad is not None}
+    try:
+        ref, what = copy.deepcopy(model).float(), "float32"
+        loss = loss_and_sums(ref(on_device))[0]
+    except RuntimeError:  # "expected m1 and m2 to have the same dtype": a traceback, no table
+        ref, what = copy.deepcopy(model), "own-dtype"
+        loss = loss_and_sums(ref(on_device))[0]
+    (loss / batch["n_targets"]).backward()
+    grads = {name: p.grad.detach().double() for name, p in ref.named_parameters() if p.grad is not None}
     norm = float(_flat(grads).norm())
     scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # clip_grad_norm_'s rule
-    return {name: g * scale for name, g in grads.items()}, norm
+    return {name: g * scale for name, g in grads.items()}, norm, what
 
 
 def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list[Result]:
@@ -149,7 +156,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
                               "step (not averaged per micro-batch), so the model's forward must return "
                               "the loss summed over its targets (reduction=\"sum\"), not their mean"))
     if "clipping" in checks:
-        want, norm = reference(start, _join(micro), whole.device, whole.cfg.train.clip_grad)
+        want, norm, what = reference(start, _join(micro), whole.device, whole.cfg.train.clip_grad)
         if not g_whole:
             out.append(Result("clipping", False, "no optimizer step was taken in 8 tries",
                               "lower optim.lr or check the data"))
@@ -157,7 +164,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
             diff = _rel(_flat(g_whole), _flat(want))
             ok = diff <= tol and abs(norm_whole - norm) <= max(tol * norm, 1e-6)
             out.append(Result("clipping", ok,
-                              f"applied gradient vs a plain float32 reference: rel. difference "
+                              f"applied gradient vs a plain {what} reference: rel. difference "
                               f"{diff:.1e}; gradient norm logged {norm_whole:.4g}, reference {norm:.4g}"
                               f" (train.clip_grad={whole.cfg.train.clip_grad:g}, {kind})",
                               "unscale the gradients (GradScaler.unscale_) before clipping and before "

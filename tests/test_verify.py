@@ -149,6 +149,32 @@ def test_a_model_kept_in_bf16_is_held_to_bf16_tolerances(cache, monkeypatch):
     assert 1e-4 < diff < 5e-2, results[0].numbers  # bf16 rounding, not a wrong normalisation (~1)
 
 
+def test_a_model_whose_forward_casts_to_its_16_bit_layer_is_audited_in_its_own_dtypes(cache, monkeypatch):
+    # The clipping check's reference made every weight float32, and a forward that casts to a bf16
+    # layer's dtype then failed in it: a traceback (dtype mismatch), no table.
+    import torch
+
+    import model
+    from loop.audit_grads import gradient_audits
+    from loop.config import DEFAULT_CONFIG
+
+    class Bf16Linear(torch.nn.Linear):
+        def forward(self, x):
+            return super().forward(x.to(torch.bfloat16)).to(x.dtype)
+
+    def gpt_mixed(cfg, data):
+        m = model.build_gpt(cfg, data)
+        m.drop = torch.nn.Sequential(Bf16Linear(cfg.n_embd, cfg.n_embd).to(torch.bfloat16), m.drop)
+        return m
+
+    monkeypatch.setitem(model.BUILDERS, "gpt_mixed", gpt_mixed)
+    results = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_mixed", "train.precision=fp32"],
+                              {"accumulation", "clipping"})
+    assert [(r.check, r.ok) for r in results] == [("accumulation", True), ("clipping", True)], results
+    assert results[1].numbers.startswith("applied gradient vs a plain own-dtype reference"), results[1].numbers
+    assert results[1].numbers.endswith("(train.clip_grad=1, bf16 weights)"), results[1].numbers
+
+
 def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monkeypatch):
     # Two ways the resume check could pass without proving anything: run R finished before the kill
     # (a config that runs fewer steps than asked), or its rerun started over instead of resuming (a
