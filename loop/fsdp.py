@@ -147,7 +147,14 @@ def full_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Module | None) -> dict:
     """What DCP writes: this rank's shards of the model, optimizer and EMA weights (if any)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    fresh = not optimizer.state
     msd, osd = get_state_dict(model, optimizer)
+    if fresh:  # no step taken yet (nan_policy=rollback's step-0 checkpoint): DCP made the state by
+        # an optimizer step at lr 0 on zero gradients, and AdamW counted it: every later bias
+        # correction was one step off. Its moments are zeros, so with the count at 0 it is fresh.
+        for s in optimizer.state.values():
+            if torch.is_tensor(s.get("step")):
+                s["step"].zero_()
     state = {"model": msd, "optimizer": osd}
     if ema is not None:
         state["ema"] = get_model_state_dict(ema)

@@ -264,6 +264,15 @@ def test_compiled_fsdp_trains_like_uncompiled(tmp_path, cache, fsdp_run):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
 
 
+def test_fsdp_with_nan_policy_rollback_trains_like_fsdp_without_it(tmp_path, cache, fsdp_run):
+    # rollback's checkpoint of step 0 made DCP build the optimizer's state with a step of its own
+    # (lr 0, zero gradients), which AdamW counted: the losses parted from step 2 on, with no NaN.
+    out = tmp_path / "run"
+    run_train(out, cache, *FSDP, "train.nan_policy=rollback", nproc=2)
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(fsdp_run)]
+    assert summary(out)["params_sha256"] == summary(fsdp_run)["params_sha256"]
+
+
 def test_activation_checkpointing_under_fsdp_changes_nothing_but_memory(tmp_path, cache, fsdp_run):
     # Each block's forward is recomputed in backward, its weights gathered again by FSDP's hooks:
     # the same operations on the same values, so the same bits (seen on CPU/gloo; dropout is off in
