@@ -117,6 +117,12 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
         got = ", ".join(f"{k}={os.environ[k]!r}" for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         raise BadInput(f"environment variables RANK, LOCAL_RANK and WORLD_SIZE: expected integers; "
                        f"got {got}.") from None
+    if not (0 <= rank < world and local >= 0):  # RANK 3 of 2 waited forever for its peers
+        raise BadInput(f"environment variables RANK={rank}, LOCAL_RANK={local}, WORLD_SIZE={world}: "
+                       f"expected 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0.")
+    if not (port := os.environ["MASTER_PORT"]).isdigit() or not 0 < int(port) < 65536:
+        raise BadInput(f"environment variable MASTER_PORT: expected a port number from 1 to 65535; "
+                       f"got {port!r}.")
     # Before any process group exists: importing torch._dynamo (building the optimizer does) takes
     # references to every group that exists then (10 to each, torch 2.13) that destroy_process_group
     # does not drop, and their gloo threads outlived close() into interpreter shutdown (see close).

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -255,7 +256,10 @@ LAUNCH = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127
 @pytest.mark.parametrize("env, named", [
     ({"RANK": "0"}, "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
     ({**LAUNCH, "MASTER_ADDR": ""}, "MASTER_ADDR is not"),
-    ({**LAUNCH, "RANK": "zero"}, "expected integers; got RANK='zero'")])
+    ({**LAUNCH, "RANK": "zero"}, "expected integers; got RANK='zero'"),
+    ({**LAUNCH, "RANK": "3", "WORLD_SIZE": "2"}, "RANK=3, LOCAL_RANK=0, WORLD_SIZE=2: expected 0 <= RANK"),
+    ({**LAUNCH, "WORLD_SIZE": "0"}, "WORLD_SIZE=0: expected 0 <= RANK < WORLD_SIZE"),
+    ({**LAUNCH, "MASTER_PORT": "http"}, "MASTER_PORT: expected a port number from 1 to 65535; got 'http'")])
 def test_a_half_set_launch_environment_exits_2_naming_the_variables(tmp_path, env, named):
     # A stray RANK (another tool's, or a hand-made launch) must not end in torch's rendezvous error.
     out = tmp_path / "run"
@@ -293,3 +297,27 @@ def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
     # step 20 replayed the dropout masks every rank 1 draws from step 1, and every test passed.
     seeds = {rank_seed(1337, r, s) for r in range(4) for s in (0, 20, 40)}
     assert len(seeds) == 12 and 1337 not in seeds
+
+
+def test_processes_with_different_configs_exit_2_naming_the_keys(tmp_path, cache):
+    # Each node reads its own config file, overrides and .env: with optim.lr apart the replicas
+    # trained apart without a word (only rank 0's weights are saved), and with train.max_steps
+    # apart the run hung at rank 0's end.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "run"
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH}
+    procs = [subprocess.Popen(train_cmd(out, cache, "train.max_steps=3", f"optim.lr={lr}"), cwd=ROOT, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              env={**clean, **LAUNCH, "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                   "MASTER_PORT": str(port)})
+             for r, lr in ((0, "1e-3"), (1, "5e-3"))]
+    errs = [p.communicate(timeout=120)[1] for p in procs]
+    assert [p.returncode for p in procs] == [2, 2], errs
+    tail = "; expected the same config on every process (the same config file, overrides and .env on every node).\n"
+    assert errs[0].endswith("error: the config differs between processes: 1 process(es) have another one than "
+                            "rank 0 (their messages name the keys)" + tail), errs[0]
+    assert errs[1].endswith("error: the config differs between processes: rank 1 has optim.lr=0.005 where "
+                            "rank 0 has optim.lr=0.001" + tail), errs[1]
+    assert not out.exists()
