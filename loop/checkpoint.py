@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from loop.atomic import atomic_write, fsync_dir, write_synced
 from loop.distributed import Dist
-from loop.errors import BadInput, GaveUp
+from loop.errors import NO_ROOM, BadInput, GaveUp
 
 MANIFEST = "manifest.json"
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -150,9 +150,11 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
         _write(tmp, final, step, files, meta, midway, dist, shards)
     except OSError as e:  # a full disk, a quota: the part written goes, the checkpoints before stay
         shutil.rmtree(tmp, ignore_errors=True)
+        fix = ("Free space there (a save needs room for one checkpoint more than train.keep_last)"
+               if e.errno in NO_ROOM else "Make it a directory this user can write to (with several "
+               "nodes, run.out_dir must be on storage they all see: each writes its part there)")
         raise GaveUp(f"checkpoint step {step}: cannot write it in {root} ({e.strerror}). Nothing of "
-                     f"it is kept, and the checkpoints before it are whole. Free space there (a save "
-                     f"needs room for one checkpoint more than train.keep_last) and rerun the same "
+                     f"it is kept, and the checkpoints before it are whole. {fix} and rerun the same "
                      f"command to continue from the newest.") from e
     if dist.main:
         fsync_dir(root)

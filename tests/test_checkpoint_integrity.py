@@ -489,3 +489,6 @@ def test_a_checkpoint_directory_that_cannot_be_made_is_exit_3_not_a_traceback(tm
     proc = train_here(out, cache, "train.max_steps=2", check=False)
     assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
     assert f"error: checkpoint step 2: cannot write it in {out / 'checkpoints'} (File exists)" in proc.stderr
+    # Not a full disk: the advice is not to free space (nor, with several nodes, where run.out_dir
+    # is not on storage they all see, and a rank's part finds no directory).
+    assert "Make it a directory this user can write to (with several nodes" in proc.stderr, proc.stderr
