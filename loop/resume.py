@@ -48,8 +48,15 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
     if not checkpoint.step_dirs(ckpt_root) and mirror:
         from loop.mirror import fetch_latest
 
-        return fetch_latest(mirror, ckpt_root, before_fetch)
-    return checkpoint.newest_valid(ckpt_root)
+        if fetched := fetch_latest(mirror, ckpt_root, before_fetch):
+            return fetched
+    path = checkpoint.newest_valid(ckpt_root)
+    if path is None and (latest := ckpt_root / "latest").is_file():  # its checkpoints deleted by hand
+        raise BadInput(f"run.resume=auto: {latest} names {latest.read_text(errors='replace').strip()}, "
+                       f"but {ckpt_root} holds no checkpoint; a fresh start would overwrite this "
+                       f"run's metrics and model. Expected the checkpoints it names; to start over, "
+                       f"use a new run.out_dir (or delete {latest}).")
+    return path
 
 
 def continued(ckpt_root: Path, given: Path) -> Path | None:

@@ -479,6 +479,23 @@ def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
         checkpoint.load(tmp_path, "notes.pt")
 
 
+def test_a_run_whose_checkpoints_were_deleted_is_not_started_over(tmp_path, cache):
+    # Only `latest` (and `best`) left in checkpoints/: the run started over from step 0 without a
+    # word and overwrote the run's metrics.jsonl, summary.json and model.pt.
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=2", "train.ckpt_every=1")
+    for step in (out / "checkpoints").glob("step_*"):
+        shutil.rmtree(step)
+    before = snapshot(out)
+    proc = train_here(out, cache, "train.max_steps=4", check=False)
+    latest = out / "checkpoints" / "latest"
+    assert proc.returncode == 2 and proc.stderr.endswith(
+        f"error: run.resume=auto: {latest} names step_00000002, but {out / 'checkpoints'} holds no "
+        f"checkpoint; a fresh start would overwrite this run's metrics and model. Expected the "
+        f"checkpoints it names; to start over, use a new run.out_dir (or delete {latest}).\n"), proc.stderr
+    assert snapshot(out) == before
+
+
 def test_a_checkpoint_directory_that_cannot_be_made_is_exit_3_not_a_traceback(tmp_path, cache):
     # Making checkpoints/ (or its temporary step directory) was outside the save's handling of
     # write errors: a file in the way, or a directory the user cannot write, was a traceback (exit 1).
