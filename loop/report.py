@@ -21,6 +21,7 @@ from loop.config import ReportConfig
 from loop.config_check import non_negative, writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.jsonl import read_records
+from loop.plots import plot
 
 
 def _json(path: Path) -> dict:
@@ -32,7 +33,7 @@ def _json(path: Path) -> dict:
 
 def _config(run_dir: Path) -> dict:
     try:  # the run's resolved config: its device when metadata.json is missing, its report settings
-        return yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+        return d if isinstance(d := yaml.safe_load((run_dir / "config.yaml").read_text()), dict) else {}
     except (OSError, yaml.YAMLError):
         return {}
 
@@ -83,10 +84,21 @@ def load_run(run_dir: Path) -> dict:
         "kwh": sum(sessions) / 3.6e6 if sessions else None,
         "final_loss": summ.get("final_loss") if finished else last.get("loss"),
         "best_val": min(vals) if vals else None, "world": int(meta.get("world_size") or 1),
-        "best": summ.get("best"),  # the checkpoint train.best_metric picked
+        "best": summ.get("best") or _best_so_far(run_dir, cfg, recs),  # train.best_metric's pick
         "device": meta.get("gpu") or meta.get("device") or summ.get("device")
         or (cfg.get("train") or {}).get("device") or "unknown",
     }
+
+
+def _best_so_far(run_dir: Path, cfg: dict, recs: list[dict]) -> dict | None:
+    """An interrupted run's best checkpoint: the one checkpoints/best names, with its logged value."""
+    try:
+        step = int((run_dir / "checkpoints" / "best").read_text().strip().removeprefix("step_"))
+    except (OSError, ValueError):
+        return None
+    metric = (cfg.get("train") or {}).get("best_metric") or "val_loss"
+    value = next((r[metric] for r in recs if r.get("step") == step and metric in r), None)
+    return {"metric": metric, "value": value, "step": step}
 
 
 def _price(price_per_hour: float | dict[str, float], device: str) -> float:
@@ -129,50 +141,6 @@ def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_
                      _fmt(r["final_loss"], ".4f"), _fmt(r["best_val"], ".4f"), _best(r["best"])])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
-
-
-def plot(runs: list[dict], out_dir: Path) -> list[str]:
-    """One PNG per figure, one line per run; returns the file names written."""
-    import matplotlib
-    if "matplotlib.pyplot" not in sys.modules:
-        # Headless: never open a window. Not forced when pyplot is already in use (a notebook),
-        # because switching backends there closes the user's figures; Figure below needs no pyplot.
-        matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
-    def series(recs: list[dict], x: str, y: str) -> tuple[list, list]:
-        pts = [(r[x], r[y]) for r in recs if isinstance(r.get(y), (int, float)) and r.get(x) is not None]
-        return [p[0] for p in pts], [p[1] for p in pts]
-
-    figures = {  # name: (x key, [(y key, style suffix)], x label, y label, log y)
-        "loss_vs_step": ("step", [("loss", "train"), ("val_loss", "val")], "step", "loss", False),
-        "loss_vs_tokens": ("tokens", [("loss", "train"), ("val_loss", "val")], "tokens", "loss", False),
-        "lr": ("step", [("lr", "")], "step", "learning rate", False),
-        "tokens_per_s": ("step", [("tokens_per_s", "")], "step", "tokens/s (per log interval)", True),
-        "gpu_memory": ("step", [("cuda_max_alloc_gb", "")], "step", "peak CUDA memory allocated (GB)", False),
-    }
-    written = []
-    for name, (x, ys, xlabel, ylabel, logy) in figures.items():
-        if not any(series(r["recs"], x, y)[1] for r in runs for y, _ in ys):
-            continue  # e.g. no GPU memory on a CPU run: no empty plot
-        fig = Figure(figsize=(7, 4), dpi=110)
-        ax = fig.add_subplot()
-        for i, r in enumerate(runs):
-            color = f"C{i % 10}"  # one colour per run; train solid, val dashed with markers
-            for y, kind in ys:
-                xs, vs = series(r["recs"], x, y)
-                style = {"linestyle": "--", "marker": "o"} if kind == "val" else {"marker": "." if len(vs) < 30 else ""}
-                if vs:
-                    ax.plot(xs, vs, color=color, label=r["name"] + (f" {kind}" if kind else ""), **style)
-        ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel}")
-        ax.set_yscale("log" if logy else "linear")
-        ax.xaxis.get_major_locator().set_params(integer=True)  # steps and tokens are counts
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
-        fig.tight_layout()
-        fig.savefig(out_dir / f"{name}.png")
-        written.append(f"{name}.png")
-    return written
 
 
 def write_report(run_dirs: list[Path], out_dir: Path,

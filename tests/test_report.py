@@ -86,6 +86,10 @@ def test_interrupted_run(runs, tmp_path):
     assert row["mean tokens/s"] == f"{last['tokens'] / wall:,.0f}"
     assert row["final train loss"] == f"{last['loss']:.4f}"
     assert row["energy kWh"] == "n/a"
+    # Its best checkpoint is the one checkpoints/best names, at its logged value (was "n/a").
+    step = int((cut / "checkpoints" / "best").read_text().removeprefix("step_"))
+    val = next(r["val_loss"] for r in recs if r["step"] == step)
+    assert row["best checkpoint"] == f"val_loss {val:.4g} at step {step}"
     assert_png(tmp_path / "loss_vs_step.png")
 
 
@@ -148,7 +152,10 @@ def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     md = write_report([run], tmp_path / "out").read_text()
     row = rows(md)["resumed"]
     assert (row["status"], row["steps"], row["final train loss"]) == ("interrupted at step 25", "25", "1.5000")
-    assert row["energy kWh"] == f"{(2.0e6 + 1.2e6) / 3.6e6:.4f}" and row["best checkpoint"] == "n/a"
+    assert row["energy kWh"] == f"{(2.0e6 + 1.2e6) / 3.6e6:.4f}"
+    best = (run / "checkpoints" / "best").read_text()  # from checkpoints/best, not the old summary
+    val = next(r["val_loss"] for r in recs if f"step_{r['step']:08d}" == best)
+    assert row["best checkpoint"] == f"val_loss {val:.4g} at step {int(best[5:])}"
     assert "**resumed**, step 25:\n\n```\nthe resumed session's\n```" in md and "first end" not in md
 
 
@@ -212,6 +219,8 @@ def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
     run = tmp_path / "odd"
     shutil.copytree(runs["finished"], run)
     (run / "metadata.json").write_text("[1, 2]")
+    assert rows(write_report([run], tmp_path / "out").read_text())["odd"]["device"] == "cpu x1"
+    (run / "config.yaml").write_text("- a list\n")  # the same for a config.yaml that is no mapping
     assert rows(write_report([run], tmp_path / "out").read_text())["odd"]["device"] == "cpu x1"
 
 
