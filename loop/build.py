@@ -22,6 +22,7 @@ from loop.rng import rank_seed, seed_everything
 from loop.schedule import build_scheduler
 from loop.trainer import Trainer
 from model import build_model
+from model.gpt import GPT
 
 
 def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
@@ -44,7 +45,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     # Before wrapping: an FSDP module cannot be deep-copied.
     ema = build_ema(model, cfg.ema, shapes_only=deferred)
-    for note in idle_settings(cfg, precision):
+    for note in idle_settings(cfg, precision, model):
         dist.say(f"note: {note}")
     model = distributed.wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
@@ -55,10 +56,13 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)
 
 
-def idle_settings(cfg, precision: Precision) -> list[str]:
+def idle_settings(cfg, precision: Precision, model=None) -> list[str]:
     """Settings that cannot act in this run: said, not refused (a later run may extend
     train.max_steps, or evaluate more often)."""
     t, notes = cfg.train, []
+    if cfg.model.activation_checkpointing and model is not None and not isinstance(model, GPT):
+        notes.append(f"model.activation_checkpointing=true is the GPT's (model/gpt.py): "
+                     f"model.name={cfg.model.name} does what its builder does with it, maybe nothing")
     if t.early_stop_patience and not t.eval_every:
         notes.append("train.early_stop_patience has no effect with train.eval_every=0: it counts "
                      "evaluations, and this run evaluates once, at its end")

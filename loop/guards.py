@@ -22,6 +22,7 @@ from loop.distributed import ddp, is_ddp
 from loop.errors import GaveUp
 from loop.fsdp import local
 from loop.state import restore
+from model.gpt import GPT
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a terminated job
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -110,7 +111,8 @@ def oom_in_collectives(t, where: str) -> None:
     raise GaveUp(f"rank {t.dist.rank}: step {p.step + 1}: out of memory {where} (micro-batch "
                  f"{-(-b // p.micro_split)}). Collectives over the ranks were under way, so it cannot "
                  f"be retried in place. Rerun with a smaller data.batch_size and a larger "
-                 f"train.grad_accum (the same global batch), or model.activation_checkpointing=true.")
+                 f"train.grad_accum (the same global batch)"
+                 f"{', or model.activation_checkpointing=true' if isinstance(t.raw, GPT) else ''}.")
 
 
 def recover_from_oom(t) -> None:

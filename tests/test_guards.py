@@ -574,3 +574,17 @@ def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # the user's choice stays
     assert guards.configure_allocator() == "expandable_segments:False"
+
+
+def test_activation_checkpointing_on_a_model_of_ones_own_says_it_is_the_gpt_s():
+    # Only build_gpt reads it: on another model it silently did nothing (and an out-of-memory
+    # message advised it to every model).
+    from model.cnn import CNN
+    from model.gpt import GPT
+
+    cfg = load_config(DEFAULT, ["model.activation_checkpointing=true", "model.name=cnn"])
+    fp32 = Precision("fp32", torch.device("cpu"))
+    assert idle_settings(cfg, fp32, CNN((1, 8, 8), 10, 2, 8, 0.0)) == [
+        "model.activation_checkpointing=true is the GPT's (model/gpt.py): model.name=cnn does what its "
+        "builder does with it, maybe nothing"]
+    assert idle_settings(cfg, fp32, GPT(8, 4, 1, 1, 8, 0.0, False, True)) == []
