@@ -26,6 +26,7 @@ from model.gpt import GPT
 
 
 def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
+    check_same_config(cfg, dist)
     check_with_world(cfg, dist)
     # The builders draw the same numbers on every rank: the same data (a random split stays one
     # split) and the same initial weights.
@@ -85,21 +86,25 @@ def idle_settings(cfg, precision: Precision, model=None) -> list[str]:
     return notes
 
 
-def check_with_world(cfg, dist: Dist) -> None:
-    """One config on every process (each node reads its own files, overrides and .env: a
+def check_same_config(cfg, dist: Dist) -> None:
+    """One config on every process: each node reads its own files, overrides and .env, and a
     train.max_steps apart hung the run at its end, an optim.lr apart trained replicas that parted
-    without a word); and keys whose range is the run's ranks: a fault aimed at a rank the run does
-    not have never fires, and a fire drill that passes because nothing happened proves nothing."""
-    if dist.world > 1:
-        main = flat(dist.from_main(to_dict(cfg)))
-        mine = flat(to_dict(cfg))
-        differ = sorted(k for k in main.keys() | mine.keys() if main.get(k) != mine.get(k))
-        if n := int(dist.sum_host([float(bool(differ))])[0]):
-            here = (f"rank {dist.rank} has {', '.join(f'{k}={mine.get(k)}' for k in differ)} where rank 0 "
-                    f"has {', '.join(f'{k}={main.get(k)}' for k in differ)}" if differ else
-                    f"{n} process(es) have another one than rank 0 (their messages name the keys)")
-            raise BadInput(f"the config differs between processes: {here}; expected the same config "
-                           f"on every process (the same config file, overrides and .env on every node).")
+    without a word. Every rank raises, so none waits for the others in a collective."""
+    if dist.world == 1:
+        return
+    main, mine = flat(dist.from_main(to_dict(cfg))), flat(to_dict(cfg))
+    differ = sorted(k for k in main.keys() | mine.keys() if main.get(k) != mine.get(k))
+    if n := int(dist.sum_host([float(bool(differ))])[0]):
+        here = (f"rank {dist.rank} has {', '.join(f'{k}={mine.get(k)}' for k in differ)} where rank 0 "
+                f"has {', '.join(f'{k}={main.get(k)}' for k in differ)}" if differ else
+                f"{n} process(es) have another one than rank 0 (their messages name the keys)")
+        raise BadInput(f"the config differs between processes: {here}; expected the same config on "
+                       f"every process (the same config file, overrides and .env on every node).")
+
+
+def check_with_world(cfg, dist: Dist) -> None:
+    """Keys whose range is the run's ranks. A fault aimed at a rank the run does not have never
+    fires, and a fire drill that passes because nothing happened proves nothing."""
     for key in ("nan_rank", "oom_rank"):
         rank = getattr(cfg.faults, key)
         if rank >= dist.world:
