@@ -14,6 +14,9 @@ from loop.evaluate import loss_and_sums
 from loop.guards import fire_once, forward_oom, injected_oom, oom_in_collectives
 
 
+UNDER_FSDP = "in forward or backward under FSDP, which gathers each block's weights from all ranks"
+
+
 def forward_backward(t, micro: list[dict], n_targets: int) -> torch.Tensor | None:
     """Summed loss of each micro-batch, (n,) on the device; None if a rank ran out of memory
     before gradients crossed ranks (every rank then retries the same batches in smaller pieces).
@@ -37,8 +40,7 @@ def forward_backward(t, micro: list[dict], n_targets: int) -> torch.Tensor | Non
     except torch.OutOfMemoryError:
         oom = True  # recover outside the except block: its traceback pins the tensors
     if oom and t.sharded:
-        oom_in_collectives(t, "in forward or backward under FSDP, which gathers each block's "
-                              "weights from all ranks")
+        oom_in_collectives(t, UNDER_FSDP)
     if t.dist.sum_host([float(oom)])[0]:  # anyone: all retry, before gradients cross ranks
         return None
     try:
@@ -47,8 +49,8 @@ def forward_backward(t, micro: list[dict], n_targets: int) -> torch.Tensor | Non
     except torch.OutOfMemoryError:
         oom = True
     if oom and (t.sharded or t.dist.world > 1):  # alone, a fresh DDP starts clean
-        oom_in_collectives(t, "in the last micro-batch's backward, where gradients are reduced "
-                              "over the ranks")
+        oom_in_collectives(t, UNDER_FSDP if t.sharded else "in the last micro-batch's backward, "
+                              "where gradients are reduced over the ranks")
     return None if oom else torch.stack(losses)
 
 

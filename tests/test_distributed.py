@@ -234,7 +234,8 @@ def test_oom_on_one_rank_is_agreed_by_every_rank(tmp_path, cache, two_proc):
 
 @pytest.mark.parametrize("where, said", [
     (["train.grad_accum=1", "faults.oom_in=backward"], "in the last micro-batch's backward"),
-    (["train.strategy=fsdp"], "in forward or backward under FSDP")])
+    (["train.strategy=fsdp"], "in forward or backward under FSDP"),
+    (["train.strategy=fsdp", "train.grad_accum=1", "faults.oom_in=backward"], "in forward or backward under FSDP")])
 def test_oom_inside_collectives_ends_the_job_with_what_to_do(tmp_path, cache, where, said):
     # Rank 1 runs out of memory where rank 0 is already in a collective it will never join: no
     # retry can put that right. Rank 1 says why and exits 3 (torchrun's report may show it killed
