@@ -35,9 +35,11 @@ from pathlib import Path
 from data import build_data
 from loop import audit_runs, determinism
 from loop.audit_grads import TOLERANCE, Result, arithmetic, gradient_audits
+from loop.build import check_with_world
 from loop.config import DEFAULT_CONFIG, load_config
 from loop.config_check import writable_dir
 from loop.device import pick_device
+from loop.distributed import Dist
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.lab import banner
 from loop.precision import resolve
@@ -89,6 +91,7 @@ def ckpt_every(steps: int) -> int:
 
 def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     cfg = load_config(a.config, a.overrides)  # bad input stops here, before anything runs
+    check_with_world(cfg, Dist())  # every check runs one process (a fault on rank 1: exit 2, not a FAIL)
     if cfg.lab.break_:
         print(banner(cfg.lab.break_), flush=True)
     if cfg.run.deterministic:

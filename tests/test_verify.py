@@ -65,7 +65,10 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
                        (["--kill-at", "5"], "got 5."),
                        (["--kill-at", "0"], "got 0."),  # was taken for no --kill-at: a random step
                        (["--nproc", "1"], "--nproc: expected 2 or more processes to compare with "
-                                          "one; got 1.")]:  # was no ddp check, unsaid
+                                          "one; got 1."),  # was no ddp check, unsaid
+                       # The 1-process runs refused it, and the table said FAIL (exit 1):
+                       (["--nproc", "2", "faults.nan_rank=1", "faults.nan_at_step=3"],
+                        "config key faults.nan_rank: rank 1, but this run has 1 process(es)")]:
         code, err = main(["--out", str(tmp_path / "verify"), *args]), capsys.readouterr().err
         assert code == 2 and said in err, (args, err)
     proc = verify(tmp_path, "model.n_layr=2")  # and once as users run it: the exit code is 2
