@@ -8,7 +8,7 @@ This file only wires parts together; the loop lives in loop/trainer.py. Exit cod
 run.out_dir is written or changed on that path), 3 gave up (non-finite values under
 train.nan_policy=abort or too many in a row, out of memory at micro-batch 1 or inside collectives
 over the ranks, a write the disk refuses), 130 interrupted by Ctrl-C, 141 the console's reader went
-away (`| head`), 143 preempted by SIGTERM/SIGUSR1 after writing a checkpoint (after any of the
+away (`| head`), 143 preempted by SIGTERM/SIGUSR1/SIGHUP after writing a checkpoint (after any of the
 last three, rerun the same command to continue).
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """Guards around the loop: preemption signals, out-of-memory recovery, the non-finite policy, steps
 without a single target.
 
-SIGTERM and SIGUSR1 (what SLURM and spot machines send before taking the machine) do not kill the
-run: the handler only raises a flag; the loop finishes the current optimizer step, writes a
-checkpoint, and exits with EXIT_PREEMPTED. A second signal during that save changes nothing.
+SIGTERM and SIGUSR1 (what SLURM and spot machines send before taking the machine) and SIGHUP (the
+terminal closed: an ssh session dropped) do not kill the run: the handler only raises a flag; the
+loop finishes the current optimizer step, writes a checkpoint, and exits with EXIT_PREEMPTED. A
+second signal during that save changes nothing. A signal the launcher ignores (`nohup`) stays ignored.
 DataLoader workers ignore these signals (a scheduler signals the whole process group), so the main
 process shuts them down itself instead of finding them dead in the middle of the save.
 """
@@ -19,13 +20,13 @@ import torch
 
 from loop import checkpoint
 from loop.distributed import ddp, is_ddp
-from loop.errors import GaveUp
+from loop.errors import GaveUp, mute_dead_console
 from loop.fsdp import local
 from loop.state import restore
 from model.gpt import GPT
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: what a shell reports for a terminated job
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP)
 
 
 def worker_ignores_stop_signals(_worker_id: int) -> None:
@@ -42,7 +43,8 @@ class Preemption:
         # end unsupervised. They stop as if preempted instead. Not plain python: `nohup python
         # train.py &` outlives its shell on purpose.
         self._launcher = os.getppid() if "RANK" in os.environ else None
-        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS}
+        self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
+                          if signal.getsignal(s) is not signal.SIG_IGN}
 
     def _stop(self, reason: str) -> None:
         if self.reason is None:
@@ -51,6 +53,8 @@ class Preemption:
                   f"{EXIT_PREEMPTED}", file=sys.stderr, flush=True)
 
     def _handle(self, signum: int, _frame) -> None:
+        if signum == signal.SIGHUP:  # a closed terminal: every write to it fails (EIO) from now on
+            mute_dead_console()
         self._stop(f"received {signal.Signals(signum).name}")
 
     def requested(self) -> bool:

@@ -50,6 +50,50 @@ def test_preemption_saves_exits_143_and_resumes_exactly(tmp_path, cache, referen
     same_run(reference, out)
 
 
+def test_a_closed_terminal_saves_exits_143_and_resumes_exactly(tmp_path, cache, reference):
+    # An ssh session that drops closes the run's terminal and sends SIGHUP, which ended the run at
+    # once: every step since the newest checkpoint was lost. From then on each write to the
+    # console fails (EIO), so the run also stops writing there. Under nohup SIGHUP stays ignored.
+    import os
+    import pty
+    import subprocess
+
+    from conftest import train_cmd, watchdog
+
+    out = tmp_path / "run"
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(train_cmd(out, cache, *STEPS), cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=slave, stderr=slave, start_new_session=True)
+    os.close(slave)
+    timer, seen = watchdog(proc), b""
+    while not re.search(rb"step +17/", seen):
+        seen += os.read(master, 4096)
+    os.close(master)  # the terminal is gone
+    proc.send_signal(signal.SIGHUP)
+    code = proc.wait()
+    timer.cancel()
+    assert code == EXIT_PREEMPTED, seen.decode(errors="replace")
+    step = checkpoint.step_dirs(out / "checkpoints")[-1]
+    assert int(step.name[5:]) >= 17 and checkpoint.verify(step) is None
+    rerun = run_train(out, cache, *STEPS)
+    assert f"resumed from {step} at step {int(step.name[5:])}" in rerun.stdout
+    same_run(reference, out)
+
+
+def test_a_stop_signal_the_launcher_ignores_stays_ignored():
+    from loop.guards import Preemption
+
+    before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a process
+    try:
+        preemption = Preemption()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+        assert signal.getsignal(signal.SIGTERM) == preemption._handle
+        preemption.close()
+        assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, before)
+
+
 def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
     args = [cache, *STEPS, "ema.enabled=true", "ema.decay=0.9"]
     ref, out = tmp_path / "ref", tmp_path / "run"
