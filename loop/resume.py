@@ -21,7 +21,8 @@ from loop.config import Config, flat, to_dict
 from loop.errors import BadInput
 
 # What to do about weights that do not fit: when resuming, and when only the weights are taken.
-RESUME = "Use the config and model code it was trained with, or a new run.out_dir."
+RESUME = ("Use the config and model code it was trained with, or a new run.out_dir (and a new run.mirror, "
+          "if one is set: it would hand the new run the same checkpoint).")
 WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from empty to start from "
               "random weights.")
 
