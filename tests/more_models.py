@@ -6,7 +6,8 @@ cannot shard: `gpt_scalar`, with a parameter of shape (), and `gpt_shared`, its 
 first one again (weights shared across layers); `gpt_bf16`, the GPT with its weights in bfloat16 (a
 checkpoint loaded in bf16 to fine-tune); and two more
 datasets, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug),
-and `text_augmented`, the text corpus with random augmentation (conftest.augment).
+and `text_augmented`, the text corpus with random augmentation (conftest.augment), and
+`text_masked`, the text corpus with a varying number of each sample's targets masked (-100).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
 """
@@ -35,6 +36,18 @@ def broken(i: int, item: dict) -> dict:
 def text_broken(cfg) -> data.Data:
     d = data.BUILDERS["text"](cfg)
     d.train = Mapped(d.train, broken)
+    return d
+
+
+def mask_some(i: int, item: dict) -> dict:
+    y = item["y"].clone()
+    y[: (i * 7) % y.numel()] = -100  # 0 to seq_len - 1 targets masked: ranks hold different counts
+    return {**item, "y": y}
+
+
+def text_masked(cfg) -> data.Data:
+    d = data.BUILDERS["text"](cfg)
+    d.train = Mapped(d.train, mask_some)
     return d
 
 
@@ -86,5 +99,5 @@ def gpt_bf16(cfg, data) -> nn.Module:
 if __name__ == "__main__":
     model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar,
                           gpt_shared=gpt_shared, gpt_bf16=gpt_bf16)
-    data.BUILDERS.update(text_broken=text_broken, text_augmented=text_augmented)
+    data.BUILDERS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked)
     sys.exit(train.main())

@@ -55,6 +55,26 @@ def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
     assert not torch.equal(r0["numpy"]["keys"], r1["numpy"]["keys"])
 
 
+def test_ranks_holding_different_target_counts_still_equal_one_process(tmp_path, cache):
+    # Each rank divides its summed loss by the step's target count over all ranks. With every
+    # sample holding seq_len targets, its own count times the world size is the same number, and
+    # every test passed with that bug: here each sample has another count (padding-like masks).
+    def run(out, nproc, batch):
+        cmd = train_cmd(out, cache, "train.max_steps=6", "model.dropout=0", "data.log_ids=true",
+                        "data.name=text_masked", f"data.batch_size={batch}", nproc=nproc)
+        cmd[cmd.index(str(ROOT / "train.py"))] = str(ROOT / "tests" / "more_models.py")
+        subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, timeout=300)
+        return metrics(out)
+
+    one, two = run(tmp_path / "one", 0, 8), run(tmp_path / "two", 2, 4)
+    assert [r["ids"] for r in one] == [r["ids"] for r in two]
+    tokens = [r["tokens"] for r in one]
+    assert tokens == [r["tokens"] for r in two] and len({b - a for a, b in zip([0, *tokens], tokens)}) > 1
+    for x, y in zip(one, two):  # float32 reduction order only (as above)
+        assert (y["loss"], y["grad_norm"]) == (pytest.approx(x["loss"], rel=1e-5),
+                                               pytest.approx(x["grad_norm"], rel=1e-5)), x["step"]
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_torchrun_with_one_process_runs_the_distributed_path_bit_for_bit(tmp_path, cache, one_proc,
                                                                         strategy):
