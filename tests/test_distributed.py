@@ -117,6 +117,20 @@ def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc, asyn
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
 
 
+def test_ddp_with_dropout_sigkill_then_rerun_is_bit_identical(tmp_path, cache):
+    # Every rank gets its own random streams back. The runs above train without dropout (DIST), so
+    # nothing draws from rank 1's streams: every rank restoring rank 0's passed them all.
+    args = [*STEPS, "model.dropout=0.1"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, cache, *args, nproc=2)
+    code, printed = run_and_signal(out, 12, cache, *args, nproc=2, group=True)
+    assert code == -signal.SIGKILL, printed
+    rerun = run_train(out, cache, *args, nproc=2)
+    assert re.search(r"resumed from \S+ at step 10\b", rerun.stdout), rerun.stdout
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
+    assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
+
+
 @pytest.mark.parametrize("strategy, first, then",
                          [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)])
 def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc, strategy, first, then):
