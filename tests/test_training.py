@@ -80,6 +80,10 @@ def test_fp16_grad_scaler_state_survives_resume(tmp_path, cache):
     assert summary(out)["precision"] == "fp16"
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
+    # The losses alone cannot tell a fresh scaler (nothing overflows in 20 steps): its state can.
+    last = [torch.load(d / "checkpoints" / "step_00000020" / "state.pt", weights_only=True)["scaler"]
+            for d in (ref, out)]
+    assert last[0] == last[1] and last[0]["_growth_tracker"] == 20
 
 
 def test_sample_tokens_0_draws_no_sample(tmp_path, cache):
