@@ -34,7 +34,7 @@ def test_skip_leaves_everything_as_it_was(tmp_path, cache):
               "ema.enabled=true", "faults.nan_at_step=7")
     before, after = state(out, 6), state(out, 7)
     for part in ("model", "optimizer", "scheduler", "ema"):
-        assert repr(before[part]) == repr(after[part]) or _equal(before[part], after[part]), part
+        assert _equal(before[part], after[part]), part
     assert after["progress"]["skipped"] == 1 and after["progress"]["samples"] == 7 * GB
     recs = metrics(out)
     assert [r["skipped"] for r in recs].count(True) == 1 and recs[6]["skipped"]
