@@ -27,8 +27,10 @@ def embedded_text() -> str:
 
 
 def read_text(path: str) -> str:
+    """The file's characters as they are: read_text's newline translation turned \r\n and \r into
+    \n, so the model trained on other text than the file's, under a sha256 no file had."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return Path(path).read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise BadInput(f"data.path {path}: cannot read it as UTF-8 text ({e}).")
 

@@ -7,7 +7,7 @@ With `data.path` empty the four canonical files are downloaded once into `data.c
 (sha256 pinned, data/download.py), from PyTorch's mirror, then TensorFlow's, then the original site;
 `data.url=<base>` replaces that list with one mirror (the checksums stay pinned). With `data.path` set,
 that directory's four files of the same names (Fashion-MNIST, generated data, ...) are used as they
-are: no checksum, but every file is validated. Sample i of a split is
+are: no checksum, but every file is validated (a `data.url` beside it is bad input). Sample i of a split is
 {"x": (1, 28, 28) float32 normalised with MNIST's mean and std, "y": the label (int64), "idx": i}.
 """
 from __future__ import annotations
@@ -94,6 +94,10 @@ def load_split(root: Path, images_name: str, labels_name: str) -> Digits:
 def mnist_splits(cfg) -> tuple[Digits, Digits, dict]:
     """(train, val, meta) from data.path's own files, or from the verified download in the cache."""
     if cfg.path:
+        if cfg.url:  # ignored, it trained on data.path's files as if it had read the URL's
+            raise BadInput(f"config keys data.path={cfg.path} and data.url={cfg.url} (data.name=mnist): "
+                           f"data.path's own files are read, nothing is downloaded; expected one of "
+                           f"the two (the other empty).")
         root = Path(cfg.path)
         missing = [n for n in FILES if not (root / n).is_file()]
         if missing:

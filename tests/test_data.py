@@ -398,6 +398,18 @@ def test_build_text_decode(tmp_path):
     assert data.decode(s["y"].tolist()) == TEXT[25:33]
 
 
+def test_a_corpus_is_read_as_its_bytes_say(tmp_path):
+    # \r\n and \r were read as \n (newline translation): the model learnt a text the file does not
+    # hold, and metadata recorded a sha256 that was not the file's.
+    import hashlib
+
+    f = tmp_path / "windows.txt"
+    f.write_bytes(b"hello\r\nworld\r\n" * 50)
+    data = build_data(DataConfig(name="text", path=str(f), cache_dir=str(tmp_path / "cache"), seq_len=8))
+    assert data.meta["sha256"] == hashlib.sha256(f.read_bytes()).hexdigest()
+    assert data.decode(data.train[0]["x"].tolist()) == "hello\r\nw"
+
+
 def test_missing_data_path(tmp_path):
     missing = tmp_path / "nope.txt"
     cache = tmp_path / "cache"

@@ -150,6 +150,16 @@ def test_missing_files_in_data_path(tmp_path):
         build_data(DataConfig(name="mnist", path=str(tmp_path)))
 
 
+def test_a_url_beside_a_data_path_is_bad_input(digits, tmp_path):
+    # data.path's files were read and data.url ignored without a word: not the data named.
+    with pytest.raises(BadInput) as e:
+        build_data(DataConfig(name="mnist", path=str(digits), url="http://127.0.0.1:9/mnist/",
+                              cache_dir=str(tmp_path)))
+    assert str(e.value) == (f"config keys data.path={digits} and data.url=http://127.0.0.1:9/mnist/ "
+                            f"(data.name=mnist): data.path's own files are read, nothing is downloaded; "
+                            f"expected one of the two (the other empty).")
+
+
 def test_train_py_bad_idx_exits_2(tmp_path):
     root, out = tmp_path / "digits", tmp_path / "run"
     name = malformed(root, "truncated gzip")
