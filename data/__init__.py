@@ -7,6 +7,7 @@ options, if any, to data/config.py.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
@@ -36,15 +37,22 @@ def _token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
         raise BadInput(f"data: {root / 'meta.json'} says vocab_size {given!r}; expected an integer "
                        f"from 1 to 65536 (the files hold uint16 token ids).")
     meta["vocab_size"] = vocab
+    again = f" (a cache in data.cache_dir: delete {root} and it is prepared again)" if prepared else ""
+    if missing := [n for n in ("train.bin", "val.bin") if not (root / n).is_file()]:
+        raise BadInput(f"data: {root} has no {' or '.join(missing)}; expected train.bin, val.bin and "
+                       f"meta.json{again}.")
+    chars = meta.get("chars")
+    if meta["kind"] == "chars" and not (isinstance(chars, str) and len(chars) == vocab):
+        # a KeyError at the start, or an IndexError at the first text sample (no model.pt)
+        raise BadInput(f"data: {root / 'meta.json'} says kind chars, so expected \"chars\": a string of "
+                       f"its vocab_size {vocab} characters{again}.")
     train, val = TokenWindows(root / "train.bin", seq_len), TokenWindows(root / "val.bin", seq_len)
     for name, ds in (("train", train), ("val", val)):
         if len(ds) == 0:
             raise BadInput(f"data: the {name} split of {meta['source']} is shorter than "
                            f"data.seq_len={seq_len} + 1 tokens; use a smaller data.seq_len.")
-    _check_files(root, meta, f" (a cache in data.cache_dir: delete {root} and it is prepared again)"
-                 if prepared else "")
+    _check_files(root, meta, again)
     if meta["kind"] == "chars":
-        chars = meta["chars"]
         decode = lambda ids: "".join(chars[i] for i in ids)  # noqa: E731
     else:
         decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
@@ -54,8 +62,10 @@ def _token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
 def _check_files(root: Path, meta: dict, again: str) -> None:
     """The token files against their meta.json. A prepared cache cut short trained on what was left
     without a word, and one overwritten (or another tokenizer's files) held an id past the
-    vocabulary: an IndexError traceback at whichever step drew it (on CUDA, a device-side assert).
-    One pass over each file, about 0.1 s a GB from the page cache."""
+    vocabulary: an IndexError traceback at whichever step drew it (on CUDA, a device-side assert);
+    one edited in place (same size, valid ids) trained on other tokens: where meta.json holds the
+    files' tokens_sha256 (this project's caches), they are hashed too. Two passes over each file:
+    the maximum, about 0.1 s a GB from the page cache, and sha256 (1.7 GB/s on this 2-core VM)."""
     for name in ("train.bin", "val.bin"):
         f, want = root / name, meta.get(f"{name[:-4]}_tokens")
         if isinstance(want, int) and (size := f.stat().st_size) != 2 * want:
@@ -65,6 +75,15 @@ def _check_files(root: Path, meta: dict, again: str) -> None:
         if top >= meta["vocab_size"]:
             raise BadInput(f"data: {f} holds token id {top}, but {root / 'meta.json'} says "
                            f"vocab_size {meta['vocab_size']}; expected every id below it{again}.")
+    if want := meta.get("tokens_sha256"):  # the same size, ids in range, but other tokens
+        h = hashlib.sha256()
+        for name in ("train.bin", "val.bin"):  # one hash over both, as write_tokens made it
+            with open(root / name, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+        if h.hexdigest() != want:
+            raise BadInput(f"data: {root}'s train.bin and val.bin do not match the tokens_sha256 in "
+                           f"its meta.json: edited since they were written{again}.")
 
 
 def build_text(cfg) -> Data:

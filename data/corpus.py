@@ -60,10 +60,12 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    meta = {**meta, "train_tokens": len(ids) - n_val, "val_tokens": n_val}
+    train, val = ids[:-n_val].astype(np.uint16).tobytes(), ids[-n_val:].astype(np.uint16).tobytes()
+    meta = {**meta, "train_tokens": len(ids) - n_val, "val_tokens": n_val,
+            "tokens_sha256": hashlib.sha256(train + val).hexdigest()}  # data/__init__.py checks it
     try:
-        write_synced(tmp / "train.bin", ids[:-n_val].astype(np.uint16).tobytes())
-        write_synced(tmp / "val.bin", ids[-n_val:].astype(np.uint16).tobytes())
+        write_synced(tmp / "train.bin", train)
+        write_synced(tmp / "val.bin", val)
         write_synced(tmp / "meta.json", json.dumps(meta, indent=1).encode())
     except BaseException:  # a full disk, Ctrl-C: no half-written corpus is left in the cache
         shutil.rmtree(tmp, ignore_errors=True)
@@ -72,6 +74,9 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
         os.replace(tmp, out_dir)
     except OSError:  # another process prepared the same corpus first: theirs is identical
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (out_dir / "meta.json").exists():  # not a race: a cache damaged by hand is in the way
+            raise BadInput(f"data: {out_dir} holds no meta.json, so it is no prepared cache; delete "
+                           f"it and it is prepared again.") from None
     fsync_dir(out_dir.parent)
     return out_dir
 

@@ -527,6 +527,39 @@ def test_a_prepared_cache_cut_short_or_overwritten_is_bad_input(tmp_path):
         build_data(cfg)
     assert str(e.value).startswith(f"data: {train} holds token id 500, but {root / 'meta.json'} says "
                                    f"vocab_size ") and str(e.value).endswith(f"expected every id below it {again}")
+    # Edited in place, the same size and every id in range: it trained on other tokens, exit 0.
+    train.write_bytes(np.zeros(len(full) // 2, dtype=np.uint16).tobytes())
+    with pytest.raises(BadInput) as e:
+        build_data(cfg)
+    assert str(e.value) == (f"data: {root}'s train.bin and val.bin do not match the tokens_sha256 in its "
+                            f"meta.json: edited since they were written {again}")
+    # A file deleted, or meta.json: said, with the same way out (a traceback; a cache that failed forever).
+    train.unlink()
+    with pytest.raises(BadInput) as e:
+        build_data(cfg)
+    assert str(e.value) == f"data: {root} has no train.bin; expected train.bin, val.bin and meta.json {again}"
+    (root / "meta.json").unlink()
+    with pytest.raises(BadInput) as e:
+        build_data(cfg)
+    assert str(e.value) == (f"data: {root} holds no meta.json, so it is no prepared cache; delete it and "
+                            f"it is prepared again.")
+
+
+@pytest.mark.parametrize("chars", [None, "abc"])
+def test_a_token_directory_of_kind_chars_needs_its_characters(tmp_path, chars):
+    # Without "chars": a KeyError. With too few: all steps trained, then an IndexError drawing the
+    # text sample at the first evaluation, and no model.pt.
+    root = tmp_path / "tok"
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 10, "kind": "chars",
+                                                **({"chars": chars} if chars else {})}))
+    for name in ("train.bin", "val.bin"):
+        (np.arange(3000, dtype=np.uint16) % 10).tofile(root / name)
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    with pytest.raises(BadInput) as e:
+        build_data(cfg.data)
+    assert str(e.value) == (f"data: {root / 'meta.json'} says kind chars, so expected \"chars\": a "
+                            f"string of its vocab_size 10 characters.")
 
 
 @pytest.mark.parametrize("vocab", [1e10, 103.5, "ten", 0, 2**16 + 1, True])
