@@ -72,12 +72,17 @@ def _download(url: str, dest: Path, sha256: str, timeout: float) -> None:
     tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")  # same directory: os.replace is atomic
     try:
         digest = hashlib.sha256()
+        got = 0
         with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
             while chunk := response.read(CHUNK):
                 digest.update(chunk)
                 f.write(chunk)
+                got += len(chunk)
             f.flush()
             os.fsync(f.fileno())
+            length = response.headers.get("Content-Length", "")
+        if length.isdigit() and got < int(length):  # read(n) returns short, no IncompleteRead
+            raise _Failed(f"the connection closed after {got:,} of {int(length):,} bytes")
         if digest.hexdigest() != sha256:
             raise _Failed(f"checksum mismatch: got {digest.hexdigest()}, expected {sha256}")
         os.replace(tmp, dest)

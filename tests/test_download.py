@@ -33,6 +33,7 @@ class Server:
 
     def __init__(self):
         self.files: dict[str, bytes] = {}
+        self.cut: dict[str, int] = {}  # URL path -> bytes sent before hanging up (Content-Length whole)
         self.requests: list[str] = []
         server = self
 
@@ -46,7 +47,7 @@ class Server:
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(body)
+                self.wfile.write(body[: server.cut.get(self.path, len(body))])
 
             def log_message(self, *args):  # keep the test output quiet
                 pass
@@ -101,6 +102,15 @@ def test_checksum_mismatch_leaves_nothing(server, tmp_path):
     assert f"{server.url}/blob.bin (checksum mismatch: got {BLOB_SHA}, expected {WRONG_SHA})" in str(e.value)
     assert hint(e, cache / "blob.bin", f"{server.url}/blob.bin", WRONG_SHA)
     assert list(cache.iterdir()) == []  # neither a temp file nor the final one
+
+
+def test_a_connection_dropped_mid_file_is_named_as_such(server, tmp_path):
+    # It was reported as a checksum mismatch, as if the mirror served another file.
+    server.files["/blob.bin"], server.cut["/blob.bin"] = BLOB, 1_250_000
+    with pytest.raises(BadInput) as e:
+        fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, tmp_path / "cache")
+    assert f"{server.url}/blob.bin (the connection closed after 1,250,000 of 2,500,000 bytes)" in str(e.value)
+    assert list((tmp_path / "cache").iterdir()) == []
 
 
 def test_server_down_and_http_errors_name_each_url(server, dead_url, tmp_path):
