@@ -103,7 +103,7 @@ def build_random(cfg) -> Data:
     s = cfg.synthetic
     if s.vocab_size > 2**16:  # token files hold uint16 ids
         raise BadInput(f"config key data.synthetic.vocab_size: expected at most 65536; got {s.vocab_size}.")
-    out = Path(cfg.cache_dir) / f"random-v{s.vocab_size}-n{s.tokens}-s{s.seed}-val{cfg.val_fraction:g}"
+    out = Path(cfg.cache_dir) / f"random-v{s.vocab_size}-n{s.tokens}-s{s.seed}-val{cfg.val_fraction!r}"
     if not (out / "meta.json").exists():
         ids = np.random.default_rng(s.seed).integers(0, s.vocab_size, s.tokens, dtype=np.uint16)
         meta = {"kind": "random", "source": f"random(vocab={s.vocab_size}, seed={s.seed})",
@@ -115,6 +115,9 @@ def build_random(cfg) -> Data:
 def build_tokens(cfg) -> Data:
     """A directory already holding train.bin / val.bin (uint16 token ids) and meta.json (at least
     `vocab_size`), e.g. written by another tokenizer's prepare script."""
+    if not cfg.path:  # Path("") is ".": a token directory there would be read without being named
+        raise BadInput("config key data.path (data.name=tokens): expected the directory holding "
+                       "train.bin, val.bin and meta.json; got ''.")
     root = Path(cfg.path)
     missing = [n for n in ("train.bin", "val.bin", "meta.json") if not (root / n).is_file()]
     if missing:

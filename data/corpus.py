@@ -84,7 +84,7 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
 def prepare_text(text: str, source: str, cache_dir: str, val_fraction: float) -> Path:
     """Character-level tokens: the vocabulary is the sorted set of characters in the text."""
     sha = hashlib.sha256(text.encode()).hexdigest()
-    out = Path(cache_dir) / f"text-{sha[:16]}-val{val_fraction:g}"
+    out = Path(cache_dir) / f"text-{sha[:16]}-val{val_fraction!r}"
     if (out / "meta.json").exists():
         return out
     held_out(len(text), val_fraction)  # a split that cannot work is refused before "preparing"

@@ -34,7 +34,7 @@ def entropy_rate(P: np.ndarray) -> float:
 
 def prepare_markov(vocab: int, branching: int, tokens: int, seed: int, cache_dir: str,
                    val_fraction: float) -> Path:
-    out = Path(cache_dir) / f"markov-v{vocab}-b{branching}-n{tokens}-s{seed}-val{val_fraction:g}"
+    out = Path(cache_dir) / f"markov-v{vocab}-b{branching}-n{tokens}-s{seed}-val{val_fraction!r}"
     if (out / "meta.json").exists():
         return out
     P = transition_matrix(vocab, min(branching, vocab), seed)

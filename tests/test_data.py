@@ -545,6 +545,18 @@ def test_a_prepared_cache_cut_short_or_overwritten_is_bad_input(tmp_path):
                             f"it is prepared again.")
 
 
+def test_token_data_names_its_directory_and_caches_name_their_whole_split(tmp_path):
+    # An empty data.path read the current directory; and a cache named with 6 digits of
+    # val_fraction (0.1000001 as 0.1) handed one split's cache to another split.
+    with pytest.raises(BadInput) as e:
+        build_data(DataConfig(name="tokens", path="", cache_dir=str(tmp_path)))
+    assert str(e.value) == ("config key data.path (data.name=tokens): expected the directory holding "
+                            "train.bin, val.bin and meta.json; got ''.")
+    text = "the quick brown fox jumps over the lazy dog\n" * 20
+    from data.corpus import prepare_text
+    assert prepare_text(text, "t", str(tmp_path), 0.1) != prepare_text(text, "t", str(tmp_path), 0.1000001)
+
+
 @pytest.mark.parametrize("chars", [None, "abc"])
 def test_a_token_directory_of_kind_chars_needs_its_characters(tmp_path, chars):
     # Without "chars": a KeyError. With too few: all steps trained, then an IndexError drawing the
