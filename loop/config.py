@@ -21,10 +21,10 @@ import yaml
 
 from data.config import DataConfig, MarkovConfig  # noqa: F401 (MarkovConfig: importable from here too)
 from loop.atomic import atomic_write
-from loop.config_check import check, from_dict, opt, override, to_dict, writable_dir
+from loop.config_check import DecimalLoader, check, from_dict, opt, override, to_dict
 from loop.errors import BadInput
 from loop.lab import SWITCHES
-from loop.runlock import refuse_nested
+from loop.paths import check_paths
 from model.config import ModelConfig
 
 # Found from anywhere: `python ~/proj/train.py` run in another directory trains the default too
@@ -182,7 +182,7 @@ class _Once(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
-class _Loader(yaml.SafeLoader):
+class _Loader(DecimalLoader):
     """yaml.safe_load that refuses a key given twice in one mapping. YAML keeps the last one
     silently, so a second `train:` section at the end of a file dropped every key of the first."""
 
@@ -221,15 +221,7 @@ def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
             raise BadInput(f"override '{item}': expected the form section.key=value{file}.")
         override(cfg, key.split("."), value, key)
     check(cfg)
-    writable_dir("config key run.out_dir", cfg.run.out_dir)
-    writable_dir("config key data.cache_dir", cfg.data.cache_dir)
-    refuse_nested("run.out_dir", Path(cfg.run.out_dir))
-    if cfg.run.mirror:
-        from fsspec.core import split_protocol
-
-        protocol, path = split_protocol(cfg.run.mirror)
-        if protocol in (None, "file", "local"):  # a directory: it could be a run's checkpoints/
-            refuse_nested("run.mirror", Path(path), also=Path(cfg.run.out_dir))
+    check_paths(cfg)
     return cfg
 
 

@@ -14,6 +14,7 @@ import difflib
 import keyword
 import math
 import os
+import re
 import typing
 from pathlib import Path
 
@@ -79,7 +80,24 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
         return
     if rest:
         raise BadInput(_unknown(key))
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)  # run.mirror=none made ./none:
+    if hint is str and text.lower() in NONE_WORDS and f.default == "" and not f.metadata.get("choices"):
+        raise BadInput(f"config key {key}: {text!r} would be taken as a path called {text}; expected "
+                       f"a path, or {key}= (empty) for none.")
     setattr(obj, name, _coerce(_parse(text, hint), hint, key))
+
+
+class DecimalLoader(yaml.SafeLoader):
+    """yaml.safe_load with decimal integers only: YAML 1.1's 010 is 8 (train.max_steps=010 trained 8
+    steps), 1:30 is 90, 0x10 is 16. Those are text here, which an integer key refuses by name."""
+
+
+DecimalLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+DecimalLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"),
+                                    list("-+0123456789"))
+NONE_WORDS = {"none", "null", "~", "off", "false", "no"}  # meant as "none" for a key whose none is ''
 
 
 def _parse(text: str, hint):
@@ -87,7 +105,7 @@ def _parse(text: str, hint):
     if hint is str:
         return text
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=DecimalLoader)
     except yaml.YAMLError:
         return text
 

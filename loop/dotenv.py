@@ -50,7 +50,7 @@ def parse(text: str, source: str = ENV_FILE) -> dict[str, str]:
         if not line or line.startswith("#"):
             continue
         match = LINE.fullmatch(line)
-        if match is None:
+        if match is None or "\0" in line:  # an environment value cannot hold NUL (a ValueError)
             raise _malformed(source, number)
         name, value = match.groups()
         if value[:1] in ("'", '"'):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import json
 import os
 import socket
 from pathlib import Path
@@ -66,23 +67,36 @@ def release() -> None:
 
 
 # What a run writes at the top of run.out_dir (the README's table; tests/test_runlock.py keeps this
-# list whole), and what marks a directory as a run's: every run makes .lock first.
+# list whole).
 RUN_FILES = ("config.yaml", "metadata.json", "metrics.jsonl", "tb", "checkpoints", "summary.json",
              "model.pt", "report.md", "loss_vs_step.png", "loss_vs_tokens.png", "lr.png",
              "tokens_per_s.png", "gpu_memory.png", "profile")
-MARKS = (".lock", "metadata.json")
+
+
+def is_run(d: Path) -> bool:
+    """A directory a run made: every run makes .lock first; one copied without it still has the
+    metadata.json a run wrote (any file of that name marked a user's directory as a run's, and the
+    run overwrote their model.pt)."""
+    if (d / ".lock").exists():
+        return True
+    try:
+        meta = json.loads((d / "metadata.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and "code_sha256" in meta
 
 
 def refuse_foreign(out: Path) -> None:
     """An existing directory that no run made (run.out_dir=. in a project, a home directory) but
     that holds a file a run writes: a run would overwrite it (a model.pt of the user's was)."""
-    if any((out / m).exists() for m in MARKS):
+    if is_run(out):
         return
     clash = [n for n in RUN_FILES if (out / n).exists()]
     if clash:
         raise BadInput(f"run.out_dir {out} holds {', '.join(clash)}, which a run writes, and no run "
-                       f"made it (no .lock or metadata.json): a run would overwrite them. Expected a "
-                       f"new or empty directory, or a run's; give another run.out_dir, or move them.")
+                       f"made it (no .lock, nor a metadata.json a run wrote): a run would overwrite "
+                       f"them. Expected a new or empty directory, or a run's; give another "
+                       f"run.out_dir, or move them.")
 
 
 def refuse_nested(key: str, path: Path, also: Path | None = None) -> None:
@@ -93,7 +107,7 @@ def refuse_nested(key: str, path: Path, also: Path | None = None) -> None:
     also = also and also.resolve()
     for run in path.parents:
         part = path.relative_to(run).parts[0]
-        if part in RUN_FILES and (run == also or any((run / m).exists() for m in MARKS)):
+        if part in RUN_FILES and (run == also or is_run(run)):
             raise BadInput(f"{key} {path} is inside {run / part}, which the run in {run} writes "
                            f"and prunes; expected a directory outside what a run writes. Give "
                            f"another {key}.")

@@ -133,6 +133,35 @@ def test_upper_bounds_and_list_elements():
     assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas, cfg.optim.eps) == (1.0, 1.0, [0.0, 0.999], 1e-30)
 
 
+def test_integers_are_decimal_in_files_and_overrides(tmp_path):
+    # YAML 1.1 reads 010 as 8 (octal) and 1:30 as 90 (base 60): train.max_steps=010 trained 8 steps,
+    # and seed: 0042 in a file recorded seed 34.
+    for text in ("010", "1:30", "0x10"):
+        assert bad([f"train.max_steps={text}"]) == f"config key train.max_steps: expected int, got '{text}' (str)."
+    f = tmp_path / "c.yaml"
+    f.write_text("run:\n  seed: 0042\n")
+    assert bad(path=f) == "config key run.seed: expected int, got '0042' (str)."
+    cfg = load_config(DEFAULT, ["train.max_steps=1_000", "run.seed=0", "optim.lr=1e-3"])
+    assert (cfg.train.max_steps, cfg.run.seed, cfg.optim.lr) == (1000, 0, 1e-3)
+
+
+def test_none_words_for_a_key_whose_none_is_empty_are_refused():
+    # run.mirror=none mirrored into ./none, and the next run on that "mirror" continued from it.
+    for key in ("run.mirror", "run.init_from", "data.path", "data.url"):
+        for word in ("none", "None", "null", "off", "false"):
+            assert bad([f"{key}={word}"]) == (f"config key {key}: {word!r} would be taken as a path called "
+                                              f"{word}; expected a path, or {key}= (empty) for none.")
+    assert load_config(DEFAULT, ["run.mirror="]).run.mirror == ""
+
+
+def test_a_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, monkeypatch):
+    # Given through make's ARGS or a YAML file, no shell expanded it: a directory named ~ was made here.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(DEFAULT, ["run.out_dir=~/runs/a", "data.cache_dir=~/cache", "run.mirror=~/bucket"])
+    assert (cfg.run.out_dir, cfg.data.cache_dir, cfg.run.mirror) == (
+        f"{tmp_path}/runs/a", f"{tmp_path}/cache", f"{tmp_path}/bucket")
+
+
 def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
     f = tmp_path / "a_file"
     f.write_text("kept")

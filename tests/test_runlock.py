@@ -55,8 +55,8 @@ def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_p
     proc = run_train(mine, cache, "train.max_steps=2", check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr.endswith(
-        f"error: run.out_dir {mine} holds model.pt, which a run writes, and no run made it (no .lock "
-        f"or metadata.json): a run would overwrite them. Expected a new or empty directory, or a "
+        f"error: run.out_dir {mine} holds model.pt, which a run writes, and no run made it (no .lock, "
+        f"nor a metadata.json a run wrote): a run would overwrite them. Expected a new or empty directory, or a "
         f"run's; give another run.out_dir, or move them.\n"), proc.stderr
     assert snapshot(mine) == before and sorted(p.name for p in mine.iterdir()) == ["model.pt", "notes.txt"]
     # A directory holding only other files (a scheduler's log written before the run) is fine,
@@ -67,16 +67,30 @@ def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_p
     assert made <= set(RUN_FILES) and {"model.pt", "profile", "lr.png", "tb"} <= made, made
 
 
-@pytest.mark.parametrize("marks", [(".lock",), ("metadata.json",)])
-def test_a_directory_with_either_mark_is_a_runs(tmp_path, marks):
+@pytest.mark.parametrize("mark, is_a_runs", [
+    (".lock", True), ("metadata.json", True),
+    ("a user's metadata.json", False),  # it marked their directory as a run's: model.pt overwritten
+])
+def test_a_directory_with_a_run_s_mark_is_a_runs(tmp_path, mark, is_a_runs):
     # A run killed between its .lock and its metadata.json (config.yaml comes between them), or a
     # run directory copied without its .lock: either mark says a run made it, and its files are
-    # that run's to write again.
-    from loop import runlock
+    # that run's to write again. A metadata.json of the user's own is no such mark.
+    import json
 
-    for name in (*marks, "config.yaml"):
-        (tmp_path / name).write_text("")
-    runlock.refuse_foreign(tmp_path)
+    from loop import runlock
+    from loop.errors import BadInput
+
+    (tmp_path / "config.yaml").write_text("")
+    if mark == ".lock":
+        (tmp_path / ".lock").write_text("")
+    else:
+        meta = {"code_sha256": "ab12"} if mark == "metadata.json" else {"mine": 1}
+        (tmp_path / "metadata.json").write_text(json.dumps(meta))
+    if is_a_runs:
+        runlock.refuse_foreign(tmp_path)
+    else:
+        with pytest.raises(BadInput, match="holds config.yaml, metadata.json, which a run writes"):
+            runlock.refuse_foreign(tmp_path)
 
 
 def test_a_run_in_this_process_leaves_the_directory_free_when_it_ends(tmp_path, cache):

@@ -53,7 +53,8 @@ def test_parse_quotes_export_comments():
 @pytest.mark.parametrize("bad", ["no equals sign hunter2", "1STARTS_WITH_DIGIT=hunter2",
                                  "TWO WORDS=hunter2", "=hunter2", "OPEN='hunter2", "MIXED=\"hunter2'",
                                  "AFTER='hunter2' trailing", 'INNER="hunter2"x"', "export",
-                                 "KEY-DASH=hunter2"])
+                                 "KEY-DASH=hunter2",
+                                 "NUL=hunter2\0x"])  # os.environ refused it: a ValueError traceback
 def test_a_malformed_line_names_the_file_and_line_but_not_the_line(bad):
     text = f"# header\nGOOD=1\n{bad}\n"
     with pytest.raises(BadInput) as e:
