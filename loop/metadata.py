@@ -122,9 +122,11 @@ def hardware() -> dict:
 
 def data_identity(meta: dict) -> dict:
     """The plain values of a Data.meta (a user's builder may put anything there), less a text
-    corpus's character list (up to 65,536 characters, and its sha256 already covers it)."""
+    corpus's character list (up to 65,536 characters, and its sha256 already covers it) and a
+    prepared cache's tokens_sha256 (its integrity check; caches of older code have none, and a
+    resume from their checkpoints would say the data differs)."""
     return {k: v for k, v in meta.items()
-            if k != "chars" and (v is None or isinstance(v, (str, int, float, bool)))}
+            if k not in ("chars", "tokens_sha256") and (v is None or isinstance(v, (str, int, float, bool)))}
 
 
 def collect(cfg, device: torch.device, precision: str, world_size: int, data_meta: dict,

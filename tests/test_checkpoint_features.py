@@ -459,7 +459,8 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
     assert shorter.stderr.endswith(
         "  wpe.weight: checkpoint (32, 32) vs model (16, 32)\nIt was trained with data.seq_len=32 (this "
         "config: data.seq_len=16). Use the config and model code it was trained with, or a new "
-        "run.out_dir.\n"), shorter.stderr
+        "run.out_dir (and a new run.mirror, if one is set: it would hand the new run the same "
+        "checkpoint).\n"), shorter.stderr
 
 
 def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, reference):
