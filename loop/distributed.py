@@ -121,8 +121,7 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
         raise BadInput(f"environment variables RANK={rank}, LOCAL_RANK={local}, WORLD_SIZE={world}: "
                        f"expected 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0.")
     if not (port := os.environ["MASTER_PORT"]).isdigit() or not 0 < int(port) < 65536:
-        raise BadInput(f"environment variable MASTER_PORT: expected a port number from 1 to 65535; "
-                       f"got {port!r}.")
+        raise BadInput(f"environment variable MASTER_PORT: expected a port from 1 to 65535; got {port!r}.")
     # Before any process group exists: importing torch._dynamo (building the optimizer does) takes
     # references to every group that exists then (10 to each, torch 2.13) that destroy_process_group
     # does not drop, and their gloo threads outlived close() into interpreter shutdown (see close).

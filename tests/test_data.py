@@ -557,35 +557,34 @@ def test_token_data_names_its_directory_and_caches_name_their_whole_split(tmp_pa
     assert prepare_text(text, "t", str(tmp_path), 0.1) != prepare_text(text, "t", str(tmp_path), 0.1000001)
 
 
+def refused_token_dir(root: Path, meta: dict) -> str:
+    """The BadInput message for a token directory (ids 0-9 in both files) with this meta.json."""
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps(meta))
+    for name in ("train.bin", "val.bin"):
+        (np.arange(3000, dtype=np.uint16) % 10).tofile(root / name)
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    with pytest.raises(BadInput) as e:
+        build_data(cfg.data)
+    return str(e.value)
+
+
 @pytest.mark.parametrize("chars", [None, "abc"])
 def test_a_token_directory_of_kind_chars_needs_its_characters(tmp_path, chars):
     # Without "chars": a KeyError. With too few: all steps trained, then an IndexError drawing the
     # text sample at the first evaluation, and no model.pt.
     root = tmp_path / "tok"
-    root.mkdir()
-    (root / "meta.json").write_text(json.dumps({"vocab_size": 10, "kind": "chars",
-                                                **({"chars": chars} if chars else {})}))
-    for name in ("train.bin", "val.bin"):
-        (np.arange(3000, dtype=np.uint16) % 10).tofile(root / name)
-    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
-    with pytest.raises(BadInput) as e:
-        build_data(cfg.data)
-    assert str(e.value) == (f"data: {root / 'meta.json'} says kind chars, so expected \"chars\": a "
-                            f"string of its vocab_size 10 characters.")
+    meta = {"vocab_size": 10, "kind": "chars", **({"chars": chars} if chars else {})}
+    assert refused_token_dir(root, meta) == (f"data: {root / 'meta.json'} says kind chars, so expected "
+                                             f"\"chars\": a string of its vocab_size 10 characters.")
 
 
 @pytest.mark.parametrize("vocab", [1e10, 103.5, "ten", 0, 2**16 + 1, True])
 def test_a_token_directory_whose_vocab_size_is_no_uint16_count_is_bad_input(tmp_path, vocab):
     root = tmp_path / "tok"
-    root.mkdir()
-    (root / "meta.json").write_text(json.dumps({"vocab_size": vocab}))
-    for name in ("train.bin", "val.bin"):
-        (np.arange(3000, dtype=np.uint16) % 10).tofile(root / name)
-    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
-    with pytest.raises(BadInput) as e:
-        build_data(cfg.data)
-    assert str(e.value) == (f"data: {root / 'meta.json'} says vocab_size {vocab!r}; expected an integer "
-                            f"from 1 to 65536 (the files hold uint16 token ids).")
+    assert refused_token_dir(root, {"vocab_size": vocab}) == (
+        f"data: {root / 'meta.json'} says vocab_size {vocab!r}; expected an integer from 1 to 65536 "
+        f"(the files hold uint16 token ids).")
 
 
 def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_input(tmp_path):
