@@ -36,8 +36,9 @@ def lost(cfg) -> str:
 def main(argv: list[str] | None = None) -> int:
     cfg, undo = None, None
     try:
-        dotenv.load()  # ./.env first (loop/dotenv.py): the config and the loop see its variables
-        cfg = load_config(*parse_args(argv))
+        args = parse_args(argv)  # --help answers whatever ./.env holds
+        dotenv.load()  # ./.env next (loop/dotenv.py): the config and the loop see its variables
+        cfg = load_config(*args)
         if cfg.run.deterministic:
             undo = determinism.enable()  # process-wide: put back at the end (a notebook's next run)
         if pick_device(cfg.train.device).type == "cuda":

@@ -152,6 +152,9 @@ def test_a_malformed_env_file_exits_2_and_writes_nothing(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert ".env line 3" in proc.stderr and "dotenv-secret" not in proc.stdout + proc.stderr
     assert not out.exists()
+    # --help still answers (the .env was read first, and its error was all --help printed)
+    helped = run_in(tmp_path / "again", "GOOD=1\n\nAWS_SECRET_ACCESS_KEY dotenv-secret-missing-equals\n", "--help")
+    assert helped.returncode == 0 and "usage: train.py" in helped.stdout, helped.stderr
 
 
 # --------------------------------------------------------------------------------- shipping files
