@@ -67,6 +67,13 @@ def idle_settings(cfg, precision: Precision, model=None) -> list[str]:
     if t.early_stop_patience and not t.eval_every:
         notes.append("train.early_stop_patience has no effect with train.eval_every=0: it counts "
                      "evaluations, and this run evaluates once, at its end")
+    elif t.early_stop_patience >= (n := -(-t.max_steps // t.eval_every) if t.eval_every else 0) > 0:
+        notes.append(f"train.early_stop_patience={t.early_stop_patience} cannot stop this run: it "
+                     f"evaluates {n} time(s) (train.eval_every={t.eval_every} of train.max_steps="
+                     f"{t.max_steps}), and stopping takes {t.early_stop_patience} after the first")
+    if (w := cfg.schedule.warmup_steps) > t.max_steps > 0:
+        notes.append(f"schedule.warmup_steps={w} is longer than train.max_steps={t.max_steps}: the "
+                     f"learning rate never reaches optim.lr (the run ends at {t.max_steps / w:.0%} of it)")
     if t.fsdp_mixed_precision and (precision.dtype is None or t.strategy != "fsdp"):
         notes.append(f"train.fsdp_mixed_precision=true has no effect with train.strategy="
                      f"{t.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")

@@ -544,7 +544,7 @@ def test_a_fault_aimed_at_a_rank_the_run_does_not_have_is_bad_input(tmp_path, ca
 def test_a_fault_at_a_step_the_run_does_not_reach_says_it_will_not_fire():
     # A note, not an error: a later run may raise train.max_steps and reach it.
     cfg = load_config(DEFAULT, ["train.max_steps=10", "faults.nan_at_step=11", "faults.oom_at_step=0",
-                                "faults.kill_in_ckpt_at_step=10"])
+                                "faults.kill_in_ckpt_at_step=10", "schedule.warmup_steps=5"])
     steps = "will not fire: this run's steps are 1 to train.max_steps=10"
     assert idle_settings(cfg, Precision("fp32", torch.device("cpu"))) == [
         f"faults.nan_at_step=11 {steps}", f"faults.oom_at_step=0 {steps}"]
@@ -558,7 +558,7 @@ def test_a_kill_in_a_checkpoint_at_a_step_that_writes_none_says_so(step, every, 
     # fire drill that passes because nothing happened. Steps 8 (a multiple) and 10 (the last) save;
     # with train.ckpt_every=0 only the last does (step 8 was taken for a multiple of every step).
     cfg = load_config(DEFAULT, ["train.max_steps=10", f"train.ckpt_every={every}", "train.eval_every=5",
-                                f"faults.kill_in_ckpt_at_step={step}"])
+                                f"faults.kill_in_ckpt_at_step={step}", "schedule.warmup_steps=5"])
     notes = idle_settings(cfg, Precision("fp32", torch.device("cpu")))
     which = (f"is neither a multiple of train.ckpt_every={every} nor the last step" if every
              else "is not the last step (train.ckpt_every=0: at the end only)")
@@ -588,3 +588,20 @@ def test_activation_checkpointing_on_a_model_of_ones_own_says_it_is_the_gpt_s():
         "model.activation_checkpointing=true is the GPT's (model/gpt.py): model.name=cnn does what its "
         "builder does with it, maybe nothing"]
     assert idle_settings(cfg, fp32, GPT(8, 4, 1, 1, 8, 0.0, False, True)) == []
+
+
+def test_an_early_stop_or_a_warmup_the_run_cannot_reach_says_so():
+    # Accepted without a word: a patience of 1 with one evaluation in the run never stopped it, and
+    # a warmup of 1000 steps in a 3-step run trained at a thousandth of optim.lr.
+    fp32 = Precision("fp32", torch.device("cpu"))
+    cfg = load_config(DEFAULT, ["train.max_steps=30", "train.eval_every=10", "train.early_stop_patience=3",
+                                "schedule.warmup_steps=40"])
+    assert idle_settings(cfg, fp32) == [
+        "train.early_stop_patience=3 cannot stop this run: it evaluates 3 time(s) (train.eval_every=10 "
+        "of train.max_steps=30), and stopping takes 3 after the first",
+        "schedule.warmup_steps=40 is longer than train.max_steps=30: the learning rate never reaches "
+        "optim.lr (the run ends at 75% of it)"]
+    # Two evaluations after the first can stop it; a warmup as long as the run reaches the peak.
+    cfg = load_config(DEFAULT, ["train.max_steps=30", "train.eval_every=10", "train.early_stop_patience=2",
+                                "schedule.warmup_steps=30"])
+    assert idle_settings(cfg, fp32) == []
