@@ -2,14 +2,15 @@
 # The checks that need a CUDA GPU, in one go, each stage's output kept in $OUT/<stage>.log:
 #
 #   bash scripts/gpu_checks.sh                  # every stage (longer than 10 minutes on one H100)
-#   bash scripts/gpu_checks.sh env tests        # some of them
+#   bash scripts/gpu_checks.sh env tests oom    # some of them
 #   OUT=/tmp/gpu PYTHON=python3 bash scripts/gpu_checks.sh bench
 #
 #   env      GPU, driver, gcc, torch and CUDA versions
-#   tests    tests/test_cuda.py: NVML reads the run's own GPU; bf16/fp16 + fused AdamW repeat and
-#            resume bit-identically, a real out-of-memory recovered by splitting, one host sync
-#            per steady-state step (set_sync_debug_mode), torchrun with one GPU over nccl ==
-#            plain python, FSDP with CPU offload and mixed precision
+#   tests    tests/test_cuda.py but its out-of-memory test: NVML reads the run's own GPU; bf16/fp16
+#            + fused AdamW repeat and resume bit-identically, one host sync per steady-state step
+#            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python, FSDP with CPU
+#            offload and mixed precision (4 pytest workers where pytest-xdist is installed)
+#   oom      a real out-of-memory recovered by splitting (alone: it fills the GPU's memory)
 #   verify   make verify's audits on the GPU, bf16 and fp16
 #   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
 #            activation checkpointing as a third arm: 3 arms x BENCH_REPS fresh processes, each
@@ -28,7 +29,8 @@ if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; 
 fi
 mkdir -p "$OUT"
 stages=("$@")
-[ ${#stages[@]} -eq 0 ] && stages=(env tests verify bench stall)
+[ ${#stages[@]} -eq 0 ] && stages=(env tests oom verify bench stall)
+xdist=$("$PYTHON" -c 'import xdist' 2>/dev/null && echo "-n 4")
 failed=()
 
 stage() {  # name, command...: run it, keep its output, remember a failure and go on
@@ -47,7 +49,9 @@ for s in "${stages[@]}"; do
         # gcc: train.compile (the bench's GPT-2 config) needs a C compiler for Triton's launchers
         stage env bash -c "nvidia-smi; { command -v gcc >/dev/null && gcc --version | head -1; } || echo 'no gcc: train.compile=true will fail'; $PYTHON -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())'" ;;
     tests)
-        stage tests "$PYTHON" -m pytest tests/test_cuda.py -v -s -rs ;;
+        stage tests "$PYTHON" -m pytest tests/test_cuda.py -v -rsP -k "not out_of_memory" $xdist ;;
+    oom)
+        stage oom "$PYTHON" -m pytest tests/test_cuda.py -v -s -rs -k out_of_memory ;;
     verify)
         # The audit runs stay out of $OUT (kept on failure: many files); the logs name them.
         stage verify_bf16 "$PYTHON" -m loop.verify --out runs/verify_bf16 train.device=cuda train.precision=bf16
@@ -60,7 +64,7 @@ for s in "${stages[@]}"; do
         stage ckpt_stall "$PYTHON" -m bench.ckpt_stall --config configs/gpt2_124m.yaml --reps "$BENCH_REPS"
         cp bench/results/*.jsonl "$OUT/" ;;
     *)
-        echo "unknown stage $s; expected env, tests, verify, bench or stall" >&2; exit 2 ;;
+        echo "unknown stage $s; expected env, tests, oom, verify, bench or stall" >&2; exit 2 ;;
     esac
 done
 [ ${#failed[@]} -eq 0 ] && echo "all stages passed" || { echo "failed: ${failed[*]}"; exit 1; }
