@@ -56,7 +56,7 @@ def finish(t) -> dict:  # t: loop.trainer.Trainer
     }
     if ema is not None:
         summary["ema_params_sha256"] = checkpoint.params_sha256(ema)
-    summary.update({k: v for k, v in t.telemetry.read().items()  # this session's energy and peak memory
+    summary.update({k: v for k, v in t.telemetry.read(now=True).items()  # this session's energy and peak memory
                     if k in ("energy_j", "cuda_max_alloc_gb")})
     t.log.text(p.step, "sample", summary["sample"] or "")
     close_sinks(t)

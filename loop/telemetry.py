@@ -45,8 +45,10 @@ class Telemetry:
         peak = peak_flops(name, precision)
         self.peak = peak * world if peak else None  # every process drives one such device
 
-    def read(self) -> dict:
-        out = self.gpu.read() if self.gpu else {}
+    def read(self, now: bool = False) -> dict:
+        """The latest readings; `now`: NVML read first (the run's end: its energy to the last step,
+        not the sampler's last tick, which a run shorter than its interval never saw)."""
+        out = (self.gpu.sample_once() if now else self.gpu.read()) if self.gpu else {}
         if self.device.type == "cuda":
             gb = 1e9
             out.update({"cuda_alloc_gb": torch.cuda.memory_allocated(self.device) / gb,

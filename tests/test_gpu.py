@@ -267,3 +267,31 @@ def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monk
     s = build_trainer(load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'cpu'}",
                                                    "train.max_steps=2"]), Dist(), torch.device("cpu")).run()
     assert "energy_j" not in s and not any(k.startswith("gpu") for r in metrics(tmp_path / "cpu") for k in r)
+
+
+def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkeypatch):
+    # On an H200 a 10-step run ended before the sampler's first tick (1 s): summary.json said
+    # energy_j 0. The energy the run used after the sampler's last reading counts too.
+    import functools
+
+    import torch
+
+    from conftest import TINY
+    from loop.build import build_trainer
+    from loop.config import DEFAULT_CONFIG, load_config
+    from loop.distributed import Dist
+
+    fake = FakeNvml(n=1)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr("loop.telemetry.node_gpus", lambda device: {0: "GPU-00000000"})
+    monkeypatch.setattr("loop.telemetry.GpuSampler", functools.partial(GpuSampler, interval_s=IDLE))
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2"])
+    trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
+    step = trainer._step
+
+    def drawing() -> bool:  # each step draws 1.25 J, after the sampler's one reading (0 J)
+        fake.energy_mj[0] += 1_250
+        return step()
+
+    trainer._step = drawing
+    assert trainer.run()["energy_j"] == 2.5
