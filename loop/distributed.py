@@ -135,7 +135,7 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
                            f"--nproc_per_node={n}).")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)  # gloo: an offloaded grad norm
         cpu_group = dist.new_group(backend="gloo")
     else:
         dist.init_process_group("gloo")

@@ -213,7 +213,7 @@ class Trainer:
                 grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
             if lab_clip_first:
                 self.scaler.unscale_(self.optimizer)
-            grad_norm = fsdp.whole(grad_norm)  # FSDP: a DTensor, already reduced over ranks
+            grad_norm = fsdp.whole(grad_norm).to(losses.device)  # FSDP: a DTensor; CPU if offloaded
             totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
             step_loss = totals[0] / n_targets  # the true loss: all targets of all ranks
             lr = self.optimizer.param_groups[0]["lr"]
