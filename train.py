@@ -21,7 +21,8 @@ from loop.build import build_trainer
 from loop.config import load_config, parse_args
 from loop.device import pick_device
 from loop.errors import (EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_GAVE_UP, EXIT_INTERRUPTED, NO_ROOM,
-                         BadInput, GaveUp, console_gone, mute_dead_console, no_room, tell)
+                         BadInput, GaveUp, HangupProof, console_gone, mute_dead_console, no_room,
+                         tell)
 from loop.guards import EXIT_PREEMPTED, configure_allocator
 
 
@@ -75,4 +76,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.stdout, sys.stderr = HangupProof(sys.stdout), HangupProof(sys.stderr)
     sys.exit(main())

@@ -64,6 +64,34 @@ def tell(message: str) -> None:
         pass
 
 
+class HangupProof:
+    """A run's sys.stdout or sys.stderr. After a terminal hangs up (an ssh session dropped) each
+    write to it fails with EIO, and the kernel's SIGHUP, which stops the run with a checkpoint
+    (loop/guards.py), is handled a moment later: a write in between mutes the console instead of
+    ending the run with a traceback nobody sees and the steps since the newest checkpoint lost."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        self._survive(self.stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._survive(self.stream.flush)
+
+    def _survive(self, fn, *args) -> None:
+        try:
+            fn(*args)
+        except OSError as e:  # BrokenPipeError (EPIPE: `| head`) is train.py's, exit 141
+            if e.errno != errno.EIO or not console_gone():
+                raise
+            mute_dead_console()
+
+    def __getattr__(self, name: str):
+        return getattr(self.stream, name)
+
+
 def mute_dead_console() -> None:
     """Point a gone stdout or stderr at /dev/null, so that nothing fails writing to it any more;
     the interpreter's last flush of stdout included, which would make the exit code 120."""

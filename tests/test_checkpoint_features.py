@@ -57,6 +57,7 @@ def test_a_closed_terminal_saves_exits_143_and_resumes_exactly(tmp_path, cache, 
     import os
     import pty
     import subprocess
+    import time
 
     from conftest import train_cmd, watchdog
 
@@ -68,7 +69,11 @@ def test_a_closed_terminal_saves_exits_143_and_resumes_exactly(tmp_path, cache, 
     timer, seen = watchdog(proc), b""
     while not re.search(rb"step +17/", seen):
         seen += os.read(master, 4096)
-    os.close(master)  # the terminal is gone
+    os.close(master)  # the terminal is gone: from now on each write to it fails (EIO)
+    # As after a real hangup, the run writes to the dead terminal before SIGHUP is handled: wait for
+    # two more steps' records (and console lines), which ended the run with exit 1 (seen in make test).
+    while proc.poll() is None and b'"step": 19,' not in (out / "metrics.jsonl").read_bytes():
+        time.sleep(0.001)
     proc.send_signal(signal.SIGHUP)
     code = proc.wait()
     timer.cancel()
