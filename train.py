@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             undo = determinism.enable()  # process-wide: put back at the end (a notebook's next run)
         if pick_device(cfg.train.device).type == "cuda":
             print(f"CUDA allocator: {configure_allocator()}")  # before CUDA initialises
-        dist, device = distributed.init(cfg.train.device)
+        dist, device = distributed.init(cfg.train.device, cfg.train.fsdp_cpu_offload)
         summary = build_trainer(cfg, dist, device).run()
         dist.barrier()  # rank 0 writes the summary and report last: the others wait, then all close
     except BadInput as e:

@@ -9,8 +9,7 @@ sharded checkpoint written by any number of processes.
 
 With CUDA each process takes GPU LOCAL_RANK (`set_device` before `init_process_group`) and talks
 nccl; otherwise gloo. Small host-side agreements (target counts, which checkpoint to load) go
-through a gloo group on the CPU, so they never wait on the GPU stream. `close()` runs on every
-exit path.
+through a gloo group on the CPU, so they never wait on the GPU stream. `close()` on every exit.
 """
 from __future__ import annotations
 
@@ -101,7 +100,8 @@ class Dist:
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets them
 
 
-def init(device_name: str) -> tuple[Dist, torch.device]:
+def init(device_name: str, cpu_offload: bool = False) -> tuple[Dist, torch.device]:
+    """`cpu_offload`: gloo beside nccl, for the offloaded gradients' norm (pytorch#148532)."""
     if "RANK" not in os.environ:  # not launched by torchrun
         return Dist(), pick_device(device_name)
     missing = [k for k in LAUNCH_VARS if not os.environ.get(k)]
@@ -135,7 +135,7 @@ def init(device_name: str) -> tuple[Dist, torch.device]:
                            f"--nproc_per_node={n}).")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)  # gloo: an offloaded grad norm
+        dist.init_process_group("cpu:gloo,cuda:nccl" if cpu_offload else "nccl", device_id=device)
         cpu_group = dist.new_group(backend="gloo")
     else:
         dist.init_process_group("gloo")
