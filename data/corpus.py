@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from loop.atomic import fsync_dir, write_synced
+from loop.config_check import writable_dir
 from loop.errors import BadInput
 
 
@@ -56,6 +57,7 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
     if (out_dir / "meta.json").exists():
         return out_dir
     n_val = held_out(len(ids), val_fraction)
+    writable_dir("config key data.cache_dir", str(out_dir.parent))  # a read-only one: prepared only
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from loop.atomic import fsync_dir
+from loop.config_check import writable_dir
 from loop.errors import NO_ROOM, BadInput
 
 TIMEOUT_S = 30.0  # per socket operation (connect, each read): a stalled server fails, a slow one not
@@ -45,11 +46,8 @@ def fetch(name: str, urls: list[str], sha256: str, dest_dir: Path, origin: str =
         if got == sha256:
             return dest
         failures.append(f"the cached {dest} (checksum mismatch: got {got}, expected {sha256})")
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise BadInput(f"config key data.cache_dir: cannot create {dest.parent} ({e.strerror}); "
-                       f"expected a writable directory for downloads.")
+    writable_dir("config key data.cache_dir", str(dest.parent))  # a read-only one: downloaded only
+    dest.parent.mkdir(parents=True, exist_ok=True)
     for url in urls:
         print(f"downloading {url} -> {dest}")
         try:

@@ -165,10 +165,11 @@ def check(obj, prefix: str = "") -> None:
                            f"got {value!r}.")
 
 
-def writable_dir(name: str, path: str) -> None:
+def writable_dir(name: str, path: str, write: bool = True) -> None:
     """`path` is a directory, or one can be made there: checked before anything is written, so a
     file in the way is a clear error (exit 2), not a traceback after half a setup. `name` says
-    what gave the path: "config key run.out_dir", "option --out"."""
+    what gave the path: "config key run.out_dir", "option --out". `write=False`: one to read from
+    may do (a prepared data cache: the places that write into it check again)."""
     if not path:
         raise BadInput(f"{name}: expected a directory path, got ''.")
     there = Path(path).absolute()
@@ -180,7 +181,7 @@ def writable_dir(name: str, path: str) -> None:
     if not there.is_dir():
         raise BadInput(f"{name}={path}: {there} is a file; expected a directory, or a path "
                        f"where one can be made.")
-    if not os.access(there, os.W_OK | os.X_OK):
+    if write and not os.access(there, os.W_OK | os.X_OK):
         raise BadInput(f"{name}={path}: cannot write in {there}; expected a directory "
                        f"this user can write to.")
 

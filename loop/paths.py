@@ -19,7 +19,7 @@ def check_paths(cfg) -> None:
         if (value := getattr(getattr(cfg, section), key)).startswith("~"):
             setattr(getattr(cfg, section), key, os.path.expanduser(value))
     writable_dir("config key run.out_dir", cfg.run.out_dir)
-    writable_dir("config key data.cache_dir", cfg.data.cache_dir)
+    writable_dir("config key data.cache_dir", cfg.data.cache_dir, write=False)  # read-only if prepared
     refuse_nested("run.out_dir", Path(cfg.run.out_dir))
     if cfg.run.mirror:
         from fsspec.core import split_protocol

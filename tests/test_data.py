@@ -659,3 +659,22 @@ def test_a_path_or_url_the_data_set_does_not_read_is_exit_2(tmp_path, capsys, co
         f"error: config key {given}={value}: data.name={name} does not read it ({given} is for "
         f"{readers}); set data.name to the data set it is for, or {given}= (empty).\n")
     assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+def test_a_prepared_cache_this_user_cannot_write_is_read(tmp_path, monkeypatch):
+    # A shared cache, prepared once and then read-only (a lab's mount), was refused at the start
+    # (exit 2) though a run only reads it. A data set not prepared there is still exit 2 naming the
+    # key, before anything is written. os.access stands in for the mount: root may write anywhere.
+    from conftest import train_here
+
+    cache = tmp_path / "cache"
+    train_here(tmp_path / "first", f"data.cache_dir={cache}", "train.max_steps=2")  # prepares it
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw:
+                        not (mode & os.W_OK and Path(p).is_relative_to(cache)) and access(p, mode, **kw))
+    before = sorted(cache.rglob("*"))
+    train_here(tmp_path / "again", f"data.cache_dir={cache}", "train.max_steps=2")
+    r = train_here(tmp_path / "markov", f"data.cache_dir={cache}", "data.name=markov", check=False)
+    assert r.returncode == 2 and r.stderr == (f"error: config key data.cache_dir={cache}: cannot write "
+                                              f"in {cache}; expected a directory this user can write to.\n")
+    assert sorted(cache.rglob("*")) == before and not (tmp_path / "markov").exists()

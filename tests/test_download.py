@@ -195,8 +195,8 @@ def test_a_cache_dir_that_cannot_be_made_is_named(tmp_path):
     (tmp_path / "f").write_text("")
     with pytest.raises(BadInput) as e:
         fetch("blob.bin", ["http://127.0.0.1:9/blob.bin"], BLOB_SHA, tmp_path / "f" / "cache")
-    assert str(e.value) == (f"config key data.cache_dir: cannot create {tmp_path / 'f' / 'cache'} (Not a "
-                            f"directory); expected a writable directory for downloads.")
+    assert str(e.value) == (f"config key data.cache_dir={tmp_path / 'f' / 'cache'}: {tmp_path / 'f'} is "
+                            f"a file; expected a directory, or a path where one can be made.")
 
 
 # ------------------------------------------------------------------------------- the data sets
