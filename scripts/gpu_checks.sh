@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one go, each stage's output kept in $OUT/<stage>.log:
 #
-#   bash scripts/gpu_checks.sh                  # every stage (longer than 10 minutes on one H100)
+#   bash scripts/gpu_checks.sh                  # every stage (on one H200 with the default
+#                                                 BENCH_REPS=3, over 10 minutes by the stage times
+#                                                 in bench/results/h200-2026-11-26/)
 #   bash scripts/gpu_checks.sh env tests oom    # some of them
 #   OUT=/tmp/gpu PYTHON=python3 bash scripts/gpu_checks.sh bench
 #
