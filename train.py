@@ -76,5 +76,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.stdout, sys.stderr = HangupProof(sys.stdout), HangupProof(sys.stderr)
+    sys.stdout, sys.stderr = (s and HangupProof(s) for s in (sys.stdout, sys.stderr))  # None: closed
     sys.exit(main())

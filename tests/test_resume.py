@@ -176,6 +176,21 @@ def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_p
     assert_identical(reference, out, f"console gone after step {stop}")
 
 
+@pytest.mark.parametrize("closed", ["stdout", "stderr"])
+def test_a_run_started_with_its_console_closed_trains(tmp_path, cache, closed):
+    # Started with fd 1 or 2 closed (`>&-`, some daemons and cron setups), Python's sys.stdout or
+    # sys.stderr is None and prints go nowhere: the run trains (0), and bad input is still 2.
+    # Wrapping None for the hung-up terminal's sake (loop/errors.py) made both exit 120.
+    fd = {"stdout": 1, "stderr": 2}[closed]
+    out = tmp_path / "run"
+    code = subprocess.run(train_cmd(out, cache, "train.max_steps=4"), cwd=ROOT,
+                          preexec_fn=lambda: os.close(fd), timeout=300).returncode
+    assert code == 0 and (out / "summary.json").is_file()
+    bad = subprocess.run(train_cmd(tmp_path / "bad", cache, "train.nope=1"), cwd=ROOT,
+                         preexec_fn=lambda: os.close(fd), timeout=300).returncode
+    assert bad == 2 and not (tmp_path / "bad").exists()
+
+
 # A wrapper around train.main: before step AT+1, the file descriptors FDS become a pipe without a
 # reader, then THEN happens (Ctrl-C's KeyboardInterrupt, or a warning printed to stderr), in that
 # order every time.
