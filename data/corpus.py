@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from loop.atomic import fsync_dir, write_synced
-from loop.config_check import writable_dir
+from loop.paths import writable_dir
 from loop.errors import BadInput
 
 

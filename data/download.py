@@ -22,7 +22,7 @@ import urllib.request
 from pathlib import Path
 
 from loop.atomic import fsync_dir
-from loop.config_check import writable_dir
+from loop.paths import writable_dir
 from loop.errors import NO_ROOM, BadInput
 
 TIMEOUT_S = 30.0  # per socket operation (connect, each read): a stalled server fails, a slow one not

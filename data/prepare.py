@@ -12,7 +12,8 @@ import argparse
 import sys
 
 from data.corpus import embedded_text, prepare_text, read_text
-from loop.config_check import non_negative, writable_dir
+from loop.config_check import non_negative
+from loop.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 

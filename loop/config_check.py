@@ -13,10 +13,8 @@ import dataclasses
 import difflib
 import keyword
 import math
-import os
 import re
 import typing
-from pathlib import Path
 
 import yaml
 
@@ -163,27 +161,6 @@ def check(obj, prefix: str = "") -> None:
             shown = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
             raise BadInput(f"config key {key}: expected one of {shown}; "
                            f"got {value!r}.")
-
-
-def writable_dir(name: str, path: str, write: bool = True) -> None:
-    """`path` is a directory, or one can be made there: checked before anything is written, so a
-    file in the way is a clear error (exit 2), not a traceback after half a setup. `name` says
-    what gave the path: "config key run.out_dir", "option --out". `write=False`: one to read from
-    may do (a prepared data cache: the places that write into it check again)."""
-    if not path:
-        raise BadInput(f"{name}: expected a directory path, got ''.")
-    there = Path(path).absolute()
-    while not there.exists():  # the nearest part of the path that exists
-        if there.is_symlink():  # mkdir would meet it: FileExistsError, a traceback mid-setup
-            raise BadInput(f"{name}={path}: {there} is a symbolic link to {os.readlink(there)}, which "
-                           f"does not exist; expected a directory, or a path where one can be made.")
-        there = there.parent
-    if not there.is_dir():
-        raise BadInput(f"{name}={path}: {there} is a file; expected a directory, or a path "
-                       f"where one can be made.")
-    if write and not os.access(there, os.W_OK | os.X_OK):
-        raise BadInput(f"{name}={path}: cannot write in {there}; expected a directory "
-                       f"this user can write to.")
 
 
 def _finite(text: str, ok, says: str) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from loop.config_check import writable_dir
+from loop.errors import BadInput
 from loop.runlock import refuse_nested
 
 # Keys that hold a path. A shell expands ~ only at the start of a word: in `make ARGS="run.out_dir=~/x"`
@@ -27,3 +27,28 @@ def check_paths(cfg) -> None:
         protocol, path = split_protocol(cfg.run.mirror)
         if protocol in (None, "file", "local"):  # a directory: it could be a run's checkpoints/
             refuse_nested("run.mirror", Path(path), also=Path(cfg.run.out_dir))
+
+
+def writable_dir(name: str, path: str, write: bool = True) -> None:
+    """`path` is a directory, or one can be made there: checked before anything is written, so a
+    file in the way is a clear error (exit 2), not a traceback after half a setup. `name` says
+    what gave the path: "config key run.out_dir", "option --out". `write=False`: one to read from
+    may do (a prepared data cache: the places that write into it check again)."""
+    if not path:
+        raise BadInput(f"{name}: expected a directory path, got ''.")
+    there = Path(path).absolute()
+    try:
+        there.exists()
+    except OSError as e:  # a part longer than the file system allows (ENAMETOOLONG): a traceback
+        raise BadInput(f"{name}={path}: {e.strerror}; expected a directory path.") from None
+    while not there.exists():  # the nearest part of the path that exists
+        if there.is_symlink():  # mkdir would meet it: FileExistsError, a traceback mid-setup
+            raise BadInput(f"{name}={path}: {there} is a symbolic link to {os.readlink(there)}, which "
+                           f"does not exist; expected a directory, or a path where one can be made.")
+        there = there.parent
+    if not there.is_dir():
+        raise BadInput(f"{name}={path}: {there} is a file; expected a directory, or a path "
+                       f"where one can be made.")
+    if write and not os.access(there, os.W_OK | os.X_OK):
+        raise BadInput(f"{name}={path}: cannot write in {there}; expected a directory "
+                       f"this user can write to.")

@@ -18,7 +18,8 @@ import yaml
 
 from loop.atomic import atomic_write
 from loop.config import ReportConfig
-from loop.config_check import non_negative, writable_dir
+from loop.config_check import non_negative
+from loop.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.jsonl import read_records
 from loop.plots import plot

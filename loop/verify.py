@@ -37,7 +37,7 @@ from loop import audit_runs, determinism
 from loop.audit_grads import TOLERANCE, Result, arithmetic, gradient_audits
 from loop.build import check_with_world
 from loop.config import DEFAULT_CONFIG, load_config
-from loop.config_check import writable_dir
+from loop.paths import writable_dir
 from loop.device import pick_device
 from loop.distributed import Dist
 from loop.errors import EXIT_BAD_INPUT, BadInput

@@ -179,6 +179,9 @@ def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
                 f"which does not exist; expected a directory, or a path where one can be made.")
     cfg = load_config(DEFAULT, [f"run.out_dir={tmp_path}/new/run", f"data.cache_dir={tmp_path}"])
     assert cfg.run.out_dir == f"{tmp_path}/new/run" and f.read_text() == "kept"
+    long = tmp_path / ("a" * 300)  # one name over the file system's 255 bytes: was an OSError traceback
+    for key in ("run.out_dir", "data.cache_dir"):
+        assert bad([f"{key}={long}"]) == f"config key {key}={long}: File name too long; expected a directory path."
 
 
 def test_list_index_out_of_range():
