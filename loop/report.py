@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -37,6 +38,16 @@ def _config(run_dir: Path) -> dict:
         return d if isinstance(d := yaml.safe_load((run_dir / "config.yaml").read_text()), dict) else {}
     except (OSError, yaml.YAMLError):
         return {}
+
+
+def _own(run_dir: Path, key: str) -> float:
+    """report.<key> from the run's config.yaml, as its end-of-run report had it: checked, as the
+    file may have been edited since (a text or a negative price was a traceback or a negative cost)."""
+    value = (_config(run_dir).get("report") or {}).get(key, getattr(ReportConfig, key))
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise BadInput(f"{run_dir / 'config.yaml'}: report.{key}={value!r}: expected a finite number "
+                       f">= 0 (or give --{key.replace('_', '-')}).")
+    return value
 
 
 def _numbers(recs: list[dict], key: str) -> list[float]:
@@ -197,9 +208,6 @@ def main(argv: list[str] | None = None) -> int:
                    "RUN_DIR's report.price_per_hour; 0: no cost)")
     p.add_argument("--co2-g-per-kwh", type=non_negative, help="grid g/kWh (default: the first RUN_DIR's report.co2_g_per_kwh)")
     a = p.parse_args(argv)
-    own = _config(a.run_dirs[0]).get("report") or {}  # as its end-of-run report had them
-    price = own.get("price_per_hour", ReportConfig.price_per_hour) if a.price_per_hour is None else a.price_per_hour
-    co2 = own.get("co2_g_per_kwh", ReportConfig.co2_g_per_kwh) if a.co2_g_per_kwh is None else a.co2_g_per_kwh
     out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else Path("reports") / "_vs_".join(d.name for d in a.run_dirs))
     try:
         for d in a.run_dirs:  # else a file named as RUN_DIR is blamed on --out, which was not given
@@ -207,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise BadInput(f"{d}: a file; expected a run directory (such as {d.parent}, if it "
                                f"holds metrics.jsonl).")
         writable_dir("option --out", str(out))
+        price = _own(a.run_dirs[0], "price_per_hour") if a.price_per_hour is None else a.price_per_hour
+        co2 = _own(a.run_dirs[0], "co2_g_per_kwh") if a.co2_g_per_kwh is None else a.co2_g_per_kwh
         path = write_report(a.run_dirs, out, price, co2)
     except (FileNotFoundError, BadInput) as e:
         print(f"error: {e}", file=sys.stderr)

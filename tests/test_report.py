@@ -214,6 +214,22 @@ def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
         assert rows(md)["priced"]["cost $"] == f"{wall / 3600 * price:,.4f}", flags
 
 
+def test_cli_refuses_a_price_edited_into_the_run_s_config(runs, tmp_path, capsys):
+    # The run's config.yaml edited by hand: a text price was a ValueError traceback, null a
+    # TypeError, a negative one a negative cost. The options still override it.
+    run = tmp_path / "edited"
+    shutil.copytree(runs["finished"], run)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    for key, value in [("price_per_hour", "abc"), ("price_per_hour", None), ("price_per_hour", -5),
+                       ("co2_g_per_kwh", float("nan")), ("co2_g_per_kwh", True)]:
+        (run / "config.yaml").write_text(yaml.safe_dump({**cfg, "report": {**cfg["report"], key: value}}))
+        assert report_main([str(run), "--out", str(tmp_path / "out")]) == 2, (key, value)
+        assert capsys.readouterr().err == (f"error: {run / 'config.yaml'}: report.{key}={value!r}: expected "
+                                           f"a finite number >= 0 (or give --{key.replace('_', '-')}).\n")
+        flag = f"--{key.replace('_', '-')}"
+        assert report_main([str(run), "--out", str(tmp_path / "out"), flag, "1"]) == 0, (key, value)
+
+
 def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
     # A JSON list there was an AttributeError traceback; the device then comes from summary.json.
     run = tmp_path / "odd"
