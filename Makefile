@@ -31,7 +31,7 @@ verify: $(ENV)
 	$(PYTHON) -m loop.verify $(ARGS)
 
 profile: $(ENV)
-	rm -rf runs/profile  # a fresh profile each time
+	rm -rf runs/profile  # a fresh profile each time (with ARGS="run.out_dir=X": a new X each time)
 	$(PYTHON) train.py run.out_dir=runs/profile train.max_steps=8 train.profile=true $(ARGS)
 
 bench: $(ENV)

@@ -42,6 +42,11 @@ def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cac
     # held the run's final evaluation and checkpoint (7 steps), as if measured.
     out = tmp_path / "run"
     proc = run_train(out, cache, "train.max_steps=7", "train.profile=true")
+    advice = "nothing to report. Raise train.max_steps, or, if it resumed near its end (make profile " \
+        "run twice with the same run.out_dir), give a new run.out_dir.\n"
     assert "note: train.profile: the run ended 7 step(s) in, before the profiled steps did (4-8 of " \
-        "this session); nothing to report. Raise train.max_steps.\n" in proc.stdout, proc.stdout
+        f"this session); {advice}" in proc.stdout, proc.stdout
     assert "step time breakdown" not in proc.stdout and not (out / "profile").exists()
+    # The same command again resumes at its end: raising max_steps alone was the only advice.
+    proc = run_train(out, cache, "train.max_steps=7", "train.profile=true")
+    assert "the run ended 0 step(s) in" in proc.stdout and advice in proc.stdout, proc.stdout
