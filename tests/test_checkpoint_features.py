@@ -65,8 +65,11 @@ def test_a_closed_terminal_saves_and_exits_143(tmp_path, cache):
 
     out = tmp_path / "run"
     master, slave = pty.openpty()
+    # SIGHUP's default action for the run even where the tests were started under nohup, whose
+    # SIG_IGN the run inherits and keeps (the next test): there it trained on to its end, exit 0.
     proc = subprocess.Popen(train_cmd(out, cache, *STEPS, "train.max_steps=1000"), cwd=ROOT,
-                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True)
+                            stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     os.close(slave)
     timer, seen = watchdog(proc), b""
     while not re.search(rb"step +17/", seen):
