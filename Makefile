@@ -2,7 +2,7 @@
 # To use an interpreter you already have (e.g. a GPU image with CUDA torch and no network):
 #   make test PYTHON=python3
 # make test runs two pytest workers (pytest-xdist, in the venv; each takes whole test files): about
-# 11 minutes on 2 cores, where one took 15 or more. JOBS=1 for one; with PYTHON=, whose
+# 13 minutes on 2 cores, where one took 15 or more. JOBS=1 for one; with PYTHON=, whose
 # interpreter may lack xdist, one unless JOBS says otherwise.
 VENV := .venv
 ifeq ($(origin PYTHON), undefined)
