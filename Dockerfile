@@ -11,7 +11,7 @@
 # SIGTERM (the loop checkpoints and exits 143; give it time: docker stop -t 120) and reaps exited
 # children. The container runs as uid 10001: a mounted runs dir must be writable by it and a mounted
 # .env (mode 600, as it should be) readable, else add --user "$(id -u):$(id -g)". Secrets: mount .env
-# as above (train.py loads ./.env; see loop/dotenv.py); the image itself holds none (.dockerignore).
+# as above (train.py loads ./.env; see loop/config/dotenv.py); the image itself holds none (.dockerignore).
 # A rerun with the same out_dir resumes from its newest checkpoint.
 
 # Versions pinned here, checked below. The tag is not verified from this machine (no registry access):
@@ -55,7 +55,7 @@ COPY . .
 RUN useradd --create-home --uid 10001 trainer \
     && install -d -o trainer -m 1777 runs data/cache
 
-# The image has no .git: loop/metadata.py records this commit instead (built without it: "unknown").
+# The image has no .git: loop/observe/metadata.py records this commit instead (built without it: "unknown").
 # Declared after the install: a new value of a build argument reruns every RUN that follows it.
 ARG GIT_COMMIT=unknown
 # Unbuffered: `docker logs` shows each step as it happens. No .pyc: /app is not the user's to write.

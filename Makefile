@@ -26,9 +26,9 @@ train: $(ENV)
 	$(PYTHON) train.py $(ARGS)
 
 # make verify: audits on a config (resume, determinism, accumulation, clipping, data, eval; ddp
-# with --nproc 2): ARGS="--config configs/mnist.yaml" or any overrides (loop/verify.py)
+# with --nproc 2): ARGS="--config configs/mnist.yaml" or any overrides (tools/verify.py)
 verify: $(ENV)
-	$(PYTHON) -m loop.verify $(ARGS)
+	$(PYTHON) -m tools.verify $(ARGS)
 
 profile: $(ENV)
 	rm -rf runs/profile  # a fresh profile each time (with ARGS="run.out_dir=X": a new X each time)

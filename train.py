@@ -16,19 +16,31 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from loop import checkpoint, determinism, distributed, dotenv, runlock
+from loop import determinism
 from loop.build import build_trainer
-from loop.config import load_config, parse_args
+from loop.checkpoint import runlock, store
+from loop.config import dotenv
+from loop.config.load import load_config, parse_args
 from loop.device import pick_device
-from loop.errors import (EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_GAVE_UP, EXIT_INTERRUPTED, NO_ROOM,
-                         BadInput, GaveUp, HangupProof, console_gone, mute_dead_console, no_room,
-                         tell)
-from loop.guards import EXIT_PREEMPTED, configure_allocator
+from loop.distributed import group
+from loop.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_CONSOLE_GONE,
+    EXIT_GAVE_UP,
+    EXIT_INTERRUPTED,
+    NO_ROOM,
+    BadInput,
+    GaveUp,
+    no_room,
+)
+from loop.guards.console import HangupProof, console_gone, mute_dead_console, tell
+from loop.guards.oom import configure_allocator
+from loop.guards.preemption import EXIT_PREEMPTED
 
 
 def lost(cfg) -> str:
     """What a run stopped mid-way leaves (said after Ctrl-C or a console gone)."""
-    if cfg and not checkpoint.step_dirs(Path(cfg.run.out_dir) / "checkpoints"):
+    if cfg and not store.step_dirs(Path(cfg.run.out_dir) / "checkpoints"):
         return "no checkpoint was written yet, so rerunning the same command starts over"
     return ("the steps since the newest checkpoint are lost, the checkpoints are whole; rerun the "
             "same command to continue from the newest")
@@ -38,13 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     cfg, undo = None, None
     try:
         args = parse_args(argv)  # --help answers whatever ./.env holds
-        dotenv.load()  # ./.env next (loop/dotenv.py): the config and the loop see its variables
+        dotenv.load()  # ./.env next (loop/config/dotenv.py): the config and the loop see its variables
         cfg = load_config(*args)
         if cfg.run.deterministic:
             undo = determinism.enable()  # process-wide: put back at the end (a notebook's next run)
         if pick_device(cfg.train.device).type == "cuda":
             print(f"CUDA allocator: {configure_allocator()}")  # before CUDA initialises
-        dist, device = distributed.init(cfg.train.device, cfg.train.fsdp_cpu_offload)
+        dist, device = group.init(cfg.train.device, cfg.train.fsdp_cpu_offload)
         summary = build_trainer(cfg, dist, device).run()
         dist.barrier()  # rank 0 writes the summary and report last: the others wait, then all close
     except BadInput as e:
@@ -68,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     finally:
         runlock.release()  # the run is over: a notebook's next run, or another process's, may lock it
-        distributed.close()
+        group.close()
         mute_dead_console()
         if undo:
             undo()

@@ -1,4 +1,4 @@
-"""How long does a checkpoint stop training? Synchronous `checkpoint.save` vs `AsyncSaver.save`.
+"""How long does a checkpoint stop training? Synchronous `store.save` vs `AsyncSaver.save`.
 
     python -m bench.ckpt_stall [--reps N] [--config configs/default.yaml] [section.key=value ...]
     python -m bench.ckpt_stall model.n_embd=512 model.n_layer=8     # a bigger model
@@ -26,14 +26,15 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, append_result, command, device_label, sync_device
-from loop import build, checkpoint, determinism
-from loop.async_save import AsyncSaver
-from loop.config import DEFAULT_CONFIG, config_hash, load_config
-from loop.config_check import at_least
+from loop import build, determinism
+from loop.checkpoint import store
+from loop.checkpoint.async_save import AsyncSaver
+from loop.checkpoint.state import capture
+from loop.config.fields import at_least
+from loop.config.load import DEFAULT_CONFIG, config_hash, load_config
 from loop.device import pick_device
-from loop.distributed import Dist
-from loop.metrics import NullLog
-from loop.state import capture
+from loop.distributed.group import Dist
+from loop.observe.metrics import NullLog
 from loop.trainer import Trainer
 
 
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 sync_device(t.device)
                 t0 = time.perf_counter()
                 if kind == "sync":
-                    checkpoint.save(out / "sync", step, capture(t), 1, meta)
+                    store.save(out / "sync", step, capture(t), 1, meta)
                     stall = time.perf_counter() - t0
                 else:
                     saver.save(out / "async", step, capture(t), 1, meta)
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"checkpoint {size / 1e6:.1f} MB | {n_params:,} parameters | {device} | torch {torch.__version__} "
           f"| {os.cpu_count()} CPUs | medians of {args.reps} saves each, interleaved")
     print(f"{'training thread blocked by':<38}{'median ms':>10}{'min':>9}{'max':>9}")
-    rows = [("sync   checkpoint.save", "sync"), ("async  AsyncSaver.save (snapshot)", "async"),
+    rows = [("sync   store.save", "sync"), ("async  AsyncSaver.save (snapshot)", "async"),
             ("async  save -> write done (not a stall)", "async_done")]
     for label, k in rows:
         print(f"{label:<38}{med[k]:>10.1f}{min(times[k]) * 1e3:>9.1f}{max(times[k]) * 1e3:>9.1f}")

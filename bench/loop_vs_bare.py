@@ -37,9 +37,9 @@ import torch
 
 from bench.common import RESULTS, append_result, command, device_label, sync_device
 from data import build_data
-from data.sampler import collate
-from loop.config import DEFAULT_CONFIG, load_config
-from loop.config_check import at_least
+from loop.config.fields import at_least
+from loop.config.load import DEFAULT_CONFIG, load_config
+from loop.data.sampler import collate
 from loop.device import pick_device, use_tf32
 from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer

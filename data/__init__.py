@@ -1,4 +1,4 @@
-"""Datasets, one builder per `data.name`, each returning a `Data` bundle (data/bundle.py) that the
+"""Datasets, one builder per `data.name`, each returning a `Data` bundle (loop/data/bundle.py) that the
 loop consumes.
 
 To add a task: write a builder `build_mine(cfg) -> Data` in a module of its own, import it and add
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import numpy as np
 
-from data.bundle import Data, check_samples
+from data.corpus import embedded_text, prepare_text, read_text, write_tokens
 from data.markov import prepare_markov
 from data.mnist import CLASSES, mnist_splits
-from data.corpus import embedded_text, prepare_text, read_text, write_tokens
 from data.shakespeare import prepare_shakespeare
 from data.tokens import TokenWindows
+from loop.data.bundle import Data, check_samples
 from loop.errors import BadInput
 
 

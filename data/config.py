@@ -1,13 +1,13 @@
 """The `data` section of the config: options of every builder in data/BUILDERS.
 
 A new dataset adds its options here (a field, or a sub-section like `markov`), next to its builder;
-nothing in loop/ changes. Bounds and choices are checked at load time (loop/config_check.py).
+nothing in loop/ changes. Bounds and choices are checked at load time (loop/config/fields.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loop.config_check import opt
+from loop.config.fields import opt
 
 
 @dataclass

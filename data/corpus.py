@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loop.atomic import fsync_dir, write_synced
-from loop.paths import writable_dir
+from loop.checkpoint.atomic import fsync_dir, write_synced
+from loop.config.paths import writable_dir
 from loop.errors import BadInput
 
 

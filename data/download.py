@@ -21,8 +21,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from loop.atomic import fsync_dir
-from loop.paths import writable_dir
+from loop.checkpoint.atomic import fsync_dir
+from loop.config.paths import writable_dir
 from loop.errors import NO_ROOM, BadInput
 
 TIMEOUT_S = 30.0  # per socket operation (connect, each read): a stalled server fails, a slow one not

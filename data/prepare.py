@@ -12,8 +12,8 @@ import argparse
 import sys
 
 from data.corpus import embedded_text, prepare_text, read_text
-from loop.config_check import non_negative
-from loop.paths import writable_dir
+from loop.config.fields import non_negative
+from loop.config.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from data.download import fetch
 from data.corpus import prepare_text, read_text
+from data.download import fetch
 
 URLS = ["https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",
         "https://cdn.jsdelivr.net/gh/karpathy/char-rnn@master/data/tinyshakespeare/input.txt"]

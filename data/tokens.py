@@ -12,8 +12,6 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-IGNORE_INDEX = -100  # targets equal to this are not counted (PyTorch's cross-entropy default)
-
 
 class TokenWindows(Dataset):
     def __init__(self, path: Path, seq_len: int):

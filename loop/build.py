@@ -1,6 +1,6 @@
 """The parts of a run, wired in the order train.py needs them: seed, data, model, EMA copy,
 wrapping, optimizer, schedule, precision -> a `Trainer`. Shared by train.py, make verify's
-in-process audits (loop/audit_grads.py) and the benchmarks, so each builds exactly what a real
+in-process audits (tools/audit_grads.py) and the benchmarks, so each builds exactly what a real
 run trains.
 """
 from __future__ import annotations
@@ -10,10 +10,11 @@ from contextlib import nullcontext
 import torch
 
 from data import build_data
-from loop import distributed, fsdp
-from loop.config import flat, to_dict
+from loop.config.load import flat, to_dict
 from loop.device import use_tf32
-from loop.distributed import Dist
+from loop.distributed import fsdp
+from loop.distributed.group import Dist
+from loop.distributed.wrap import wrap
 from loop.ema import build_ema
 from loop.errors import BadInput
 from loop.optim import build_optimizer
@@ -48,7 +49,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     ema = build_ema(model, cfg.ema, shapes_only=deferred)
     for note in idle_settings(cfg, precision, model):
         dist.say(f"note: {note}")
-    model = distributed.wrap(model, device, cfg, precision.dtype, ema)
+    model = wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)
     # Each rank's own streams (dropout, augmentation) start here, whatever the builders drew: FSDP's

@@ -5,7 +5,7 @@ deterministic matmuls), `torch.use_deterministic_algorithms(True)` (an op with n
 kernel raises instead of silently varying), `cudnn.benchmark=False` and `cudnn.deterministic=True`,
 and scaled-dot-product attention pinned to the math kernel (the fused kernels' backward passes may
 accumulate in a varying order). A Dataset's random draws need nothing from it: each training sample
-is fetched with the streams seeded from its position (data/seeded.py), in workers or not.
+is fetched with the streams seeded from its position (loop/data/seeded.py), in workers or not.
 
 What that guarantees: identical results on the same machine, with the same versions of everything
 and the same world size. Not across GPU models, driver/CUDA/torch versions, or process counts.

@@ -3,10 +3,10 @@
 The decay warms up as min(decay, (1+n)/(warmup+n)) after n updates, so early averages are not
 dominated by the random initial weights. It is updated only after optimizer steps actually taken.
 Its state goes into the checkpoint as plain weights (no `module.` prefix) plus the update count;
-with FSDP the weights are sharded like the model's and saved with its shards (loop/fsdp.py).
+with FSDP the weights are sharded like the model's and saved with its shards (loop/distributed/fsdp.py).
 
 `build_ema` copies the model before it is wrapped (an FSDP module cannot be deep-copied);
-`loop.distributed.wrap` then gives the copy rank 0's weights and, with FSDP, the model's sharding.
+`loop.distributed.wrap.wrap` then gives the copy rank 0's weights and, with FSDP, the model's sharding.
 
 Weights the model keeps in 16 bits are averaged in float32: in bfloat16, the default decay 0.999
 rounds to 1.0 and the average never moved from its first value (its validation loss stayed the
@@ -23,13 +23,13 @@ import torch
 import torch.nn as nn
 from torch.optim.swa_utils import AveragedModel
 
-from loop import fsdp
+from loop.distributed import fsdp
 
 
 def build_ema(model: nn.Module, cfg, shapes_only: bool = False) -> AveragedModel | None:
     """The average, a copy of `model` (weights of under 32 bits in float32); with `shapes_only` a
     copy on the meta device (no memory), which FSDP sharding fills with rank 0's weights
-    (loop/fsdp.py::shard). Updated by `update`; AveragedModel is its container (the copy and the
+    (loop/distributed/fsdp.py::shard). Updated by `update`; AveragedModel is its container (the copy and the
     update counter, kept in host memory, so reading it is no device sync)."""
     if not cfg.enabled:
         return None

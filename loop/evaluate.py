@@ -5,7 +5,7 @@ that sum as "loss" and more sums over the same targets (a classifier: "accuracy"
 right). Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their
 own generator) and reports each sum divided by the number of real targets, as `val_loss`,
 `val_accuracy`, ..., with one host read. The sample uses its own `torch.Generator`. The functions
-at the end are the trainer's evaluation step (they take the Trainer, like loop/state.py's).
+at the end are the trainer's evaluation step (they take the Trainer, like loop/checkpoint/state.py's).
 """
 from __future__ import annotations
 
@@ -15,12 +15,11 @@ import sys
 import torch
 import torch.nn as nn
 
-from data.sampler import split_batch, val_batches
-from data.seeded import SeededSamples
-from loop import fsdp
+from loop.data.sampler import split_batch, val_batches
+from loop.data.seeded import SeededSamples
+from loop.distributed import fsdp
 from loop.errors import BadInput, GaveUp
-from loop.guards import oom_in_collectives
-
+from loop.guards.oom import oom_in_collectives
 
 CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
             "(shape (), e.g. reduction=\"sum\"), or a dict with it under \"loss\" and more such sums "
@@ -150,7 +149,7 @@ def _probe(t, batch: dict) -> dict[str, float]:
     """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch too
     big for the card must reach training, whose recovery (train.oom_policy) splits it. Ranks need
     not agree first: the one collective comes after every forward. Under FSDP, whose forward
-    gathers weights from every rank, an out-of-memory cannot be retried (loop.guards)."""
+    gathers weights from every rank, an out-of-memory cannot be retried (loop.guards.preemption)."""
     split, n = 1, len(batch["idx"])
     while True:
         try:
@@ -182,7 +181,7 @@ def sample(t) -> str | None:
         t.dist.say(f"warning: step {step}: val_loss is {metrics['val_loss']}; no text sample drawn",
                    file=sys.stderr)
         return None
-    # Fetched as training fetches (data/seeded.py): a validation set that augments drew from the
+    # Fetched as training fetches (loop/data/seeded.py): a validation set that augments drew from the
     # training streams here, and evaluating changed the dropout masks of the steps after it.
     prompt = SeededSamples(t.data.val, t.cfg.run.seed)[(0, 0)]["x"][None, :8].to(t.device)  # (1, 8)
     return text_sample(model, prompt, t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode)

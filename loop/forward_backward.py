@@ -1,18 +1,18 @@
 """The forward and backward passes of one optimizer step, over its micro-batches, and what happens
 when one runs out of memory. Functions of the trainer (`t`: loop.trainer.Trainer), like
-loop/state.py's.
+loop/checkpoint/state.py's.
 """
 from __future__ import annotations
 
 import torch
 from torch.profiler import record_function
 
-from data.sampler import split_batch
-from loop import fsdp
-from loop.distributed import grad_sync
+from loop.data.sampler import split_batch
+from loop.distributed import fsdp
+from loop.distributed.wrap import grad_sync
 from loop.evaluate import loss_and_sums
-from loop.guards import fire_once, forward_oom, injected_oom, oom_in_collectives
-
+from loop.guards.faults import fire_once, forward_oom, injected_oom
+from loop.guards.oom import oom_in_collectives
 
 UNDER_FSDP = "in forward or backward under FSDP, which gathers each block's weights from all ranks"
 

@@ -19,24 +19,29 @@ from pathlib import Path
 import torch
 from torch.profiler import record_function
 
-from data.sampler import close_loader, train_loader, val_batches
-from loop import checkpoint, evaluate, fsdp, resume, runlock
-from loop.async_save import AsyncSaver
-from loop.atomic import atomic_write
-from loop.config import Config, save as save_config
-from loop.distributed import Dist, check_all_used
+from loop import evaluate
+from loop.checkpoint import resume, runlock, store
+from loop.checkpoint.async_save import AsyncSaver
+from loop.checkpoint.atomic import atomic_write
+from loop.checkpoint.state import Progress, restore, save, warm_start
+from loop.config.load import save as save_config
+from loop.config.schema import Config
+from loop.data.sampler import close_loader, train_loader, val_batches
+from loop.distributed import fsdp
+from loop.distributed.group import Dist
+from loop.distributed.wrap import check_all_used
 from loop.ema import update as update_ema
 from loop.forward_backward import forward_backward
+from loop.guards.nonfinite import describe_non_finite, on_non_finite, skip_empty_step
+from loop.guards.oom import recover_from_oom
+from loop.guards.preemption import Preemption, worker_ignores_stop_signals
 from loop.lab import banner
-from loop.guards import (Preemption, describe_non_finite, on_non_finite, recover_from_oom,
-                         skip_empty_step, worker_ignores_stop_signals)
-from loop.metadata import collect as collect_metadata
-from loop.metrics import MetricsLog, NullLog
 from loop.monitor import Monitor
-from loop.profile import StepProfiler
-from loop.state import Progress, restore, save, warm_start
-from loop.summary import close_sinks, finish
-from loop.telemetry import Telemetry
+from loop.observe.metadata import collect as collect_metadata
+from loop.observe.metrics import MetricsLog, NullLog
+from loop.observe.profile import StepProfiler
+from loop.observe.summary import close_sinks, finish
+from loop.observe.telemetry import Telemetry
 
 
 class Trainer:
@@ -101,7 +106,7 @@ class Trainer:
             self.dist.say(f"{params} | {self.device} | {self.precision.name} | {self.dist.world} "
                           f"process(es), {layout} | global batch {global_batch} samples of "
                           f"{self.data.seq_len} target(s)")
-            if cfg.train.nan_policy == "rollback" and not checkpoint.step_dirs(self.ckpt_root):
+            if cfg.train.nan_policy == "rollback" and not store.step_dirs(self.ckpt_root):
                 save(self, 0)  # something to roll back to before the first periodic checkpoint
             self.batches = self._batches()
             profiler = StepProfiler(self.out / "profile") if tc.profile and self.dist.main else None
@@ -146,7 +151,7 @@ class Trainer:
         return finish(self)
 
     def _lock_then_choose(self) -> Path | None:
-        """The checkpoint to resume from, the out_dir locked first (loop/runlock.py): a second run
+        """The checkpoint to resume from, the out_dir locked first (loop/checkpoint/runlock.py): a second run
         stops before reading one the first may write. A fetch from the mirror makes a new one."""
         runlock.hold(self.out)
         return resume.choose(self.cfg.run.resume, self.ckpt_root, self.cfg.run.mirror, self._make_out_dir)
@@ -156,7 +161,7 @@ class Trainer:
         runlock.hold(self.out, sign=True)  # a fresh out_dir is locked as soon as it exists
 
     def _open_mirror(self) -> None:
-        from loop.mirror import Mirror
+        from loop.checkpoint.mirror import Mirror
 
         self.mirror = Mirror(self.cfg.run.mirror)  # rank 0 only: it alone writes checkpoints
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from data.tokens import IGNORE_INDEX
+from loop.data.bundle import IGNORE_INDEX
 
 
 class CNN(nn.Module):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loop.config_check import opt
+from loop.config.fields import opt
 
 
 @dataclass

@@ -56,8 +56,8 @@ for s in "${stages[@]}"; do
         stage oom "$PYTHON" -m pytest tests/test_cuda.py -v -s -rs -k out_of_memory ;;
     verify)
         # The audit runs stay out of $OUT (kept on failure: many files); the logs name them.
-        stage verify_bf16 "$PYTHON" -m loop.verify --out runs/verify_bf16 train.device=cuda train.precision=bf16
-        stage verify_fp16 "$PYTHON" -m loop.verify --out runs/verify_fp16 train.device=cuda train.precision=fp16 ;;
+        stage verify_bf16 "$PYTHON" -m tools.verify --out runs/verify_bf16 train.device=cuda train.precision=bf16
+        stage verify_fp16 "$PYTHON" -m tools.verify --out runs/verify_fp16 train.device=cuda train.precision=fp16 ;;
     bench)
         stage bench "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
             --reps "$BENCH_REPS" --variant model.activation_checkpointing=true

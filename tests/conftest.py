@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from loop import jobs
+from tools import jobs
 
 # One intra-op thread for every torch in the session: this process's (conftest is imported before
 # any test module imports torch) and every train.py, torchrun and make verify it starts. On a

@@ -1,6 +1,6 @@
 """Run under torchrun in place of train.py: train.py's main() with the same arguments, then one JSON
 line per rank naming the threads this process still has, for tests/test_fsdp.py: no process group's
-gloo thread may outlive main() into interpreter shutdown (loop/distributed.py::close says why).
+gloo thread may outlive main() into interpreter shutdown (loop/distributed/group.py::close says why).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/exit_threads.py k=v ...
 """

@@ -19,9 +19,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import model  # noqa: E402
-from loop import build, distributed, fsdp  # noqa: E402
+from loop import build  # noqa: E402
 from loop.build import build_trainer  # noqa: E402
-from loop.config import DEFAULT_CONFIG, load_config  # noqa: E402
+from loop.config.load import DEFAULT_CONFIG, load_config  # noqa: E402
+from loop.distributed import fsdp, group
 from loop.evaluate import loss_and_sums  # noqa: E402
 
 gpt = model.BUILDERS["gpt"]
@@ -45,7 +46,7 @@ def build_ema_seen(*args, **kwargs):
 
 build.build_ema = build_ema_seen
 cfg = load_config(DEFAULT_CONFIG, sys.argv[1:])
-dist, device = distributed.init(cfg.train.device)
+dist, device = group.init(cfg.train.device)
 
 
 def report() -> None:
@@ -68,4 +69,4 @@ def report() -> None:
 try:
     report()
 finally:
-    distributed.close()
+    group.close()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from loop import checkpoint  # noqa: E402
 import train  # noqa: E402
+from loop.checkpoint import store  # noqa: E402
 
-_save = checkpoint.save
+_save = store.save
 
 
 def slow_save(*args, **kwargs):
@@ -23,5 +23,5 @@ def slow_save(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    checkpoint.save = slow_save  # looked up at call time by loop/async_save.py's writer
+    store.save = slow_save  # looked up at call time by loop/checkpoint/async_save.py's writer
     sys.exit(train.main())

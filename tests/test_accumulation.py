@@ -11,14 +11,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-from conftest import Mapped
 import data
+from conftest import Mapped
 from data import build_data
-from data.sampler import collate, train_loader
-from data.tokens import IGNORE_INDEX
-from loop.config import load_config
-from loop.distributed import ddp
+from loop.config.load import load_config
+from loop.data.bundle import IGNORE_INDEX
+from loop.data.sampler import collate, train_loader
 from loop.device import pick_device
+from loop.distributed.wrap import ddp
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
@@ -256,7 +256,7 @@ def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_
     # differ. It kept the first *position*: with masked prompts that is -100 already, so those
     # micro-batches held no target at all ([64, 0]), and the naive per-micro-batch mean the audit
     # is there to catch divided 0 by 0: "no optimizer step was taken", pointing at the learning rate.
-    from loop.audit_grads import gradient_audits
+    from tools.audit_grads import gradient_audits
 
     monkeypatch.setitem(data.BUILDERS, "markov_prompted", markov_prompted)
     overrides = ["data.name=markov_prompted", f"data.cache_dir={tmp_path}", "data.markov.tokens=4000",

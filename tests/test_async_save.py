@@ -1,4 +1,4 @@
-"""AsyncSaver writes the same bytes as checkpoint.save, from a real copy taken when save() returns (later
+"""AsyncSaver writes the same bytes as store.save, from a real copy taken when save() returns (later
 changes to the live tensors do not leak in), re-raises a failed background write in the training
 thread, and lands consecutive checkpoints in order, each verifying, with retention applied."""
 from __future__ import annotations
@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from loop import checkpoint, rng
-from loop.async_save import AsyncSaver, snapshot
+from loop import rng
+from loop.checkpoint import store
+from loop.checkpoint.async_save import AsyncSaver, snapshot
 from loop.ema import ema_state
 from loop.errors import GaveUp
 from model.gpt import GPT
@@ -20,7 +21,7 @@ META = {"config_sha256": "abc", "world_size": 1}
 
 
 def trained_state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, object]]:
-    """A small GPT after two AdamW steps, and checkpoint files shaped like loop.state.capture's."""
+    """A small GPT after two AdamW steps, and checkpoint files shaped like loop.checkpoint.state.capture's."""
     torch.manual_seed(seed)
     model = GPT(vocab_size=17, seq_len=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -45,19 +46,19 @@ def trained_state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer
 
 
 def hashes(path: Path) -> dict[str, str]:
-    return {k: v["sha256"] for k, v in json.loads((path / checkpoint.MANIFEST).read_text())["files"].items()}
+    return {k: v["sha256"] for k, v in json.loads((path / store.MANIFEST).read_text())["files"].items()}
 
 
 def test_same_bytes_as_synchronous_save(tmp_path):
     _, _, files = trained_state()
-    sync = checkpoint.save(tmp_path / "sync", 2, files, 3, META)
+    sync = store.save(tmp_path / "sync", 2, files, 3, META)
     saver, done = AsyncSaver(), []
     saver.save(tmp_path / "async", 2, files, 3, META, then=done.append)
     saver.close()
     path = tmp_path / "async" / "step_00000002"
-    assert done == [path] and checkpoint.verify(path) is None
+    assert done == [path] and store.verify(path) is None
     assert hashes(path) == hashes(sync)
-    assert (path / checkpoint.MANIFEST).read_bytes() == (sync / checkpoint.MANIFEST).read_bytes()
+    assert (path / store.MANIFEST).read_bytes() == (sync / store.MANIFEST).read_bytes()
 
 
 def test_snapshot_keeps_shared_storage_and_is_a_copy():
@@ -72,14 +73,14 @@ def test_snapshot_keeps_shared_storage_and_is_a_copy():
 
 def test_changes_after_save_returns_are_not_written(tmp_path, monkeypatch):
     model, opt, files = trained_state()
-    expected = checkpoint.save(tmp_path / "expected", 2, files, 3, META)  # before any change
-    gate, real_save = threading.Event(), checkpoint.save
+    expected = store.save(tmp_path / "expected", 2, files, 3, META)  # before any change
+    gate, real_save = threading.Event(), store.save
 
     def gated_save(*args, **kwargs):
         assert gate.wait(60), "the test never released the write"
         return real_save(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save", gated_save)
+    monkeypatch.setattr(store, "save", gated_save)
     saver = AsyncSaver()
     saver.save(tmp_path / "async", 2, files, 3, META)
     # The write is blocked: change everything the training thread could change, in place.
@@ -96,9 +97,9 @@ def test_changes_after_save_returns_are_not_written(tmp_path, monkeypatch):
     gate.set()
     saver.close()
     path = tmp_path / "async" / "step_00000002"
-    assert checkpoint.verify(path) is None
+    assert store.verify(path) is None
     assert hashes(path) == hashes(expected)
-    written = checkpoint.load(path, "state.pt")
+    written = store.load(path, "state.pt")
     assert written["progress"] == {"step": 2, "skip_windows": [5, 9]}
     assert not torch.equal(written["model"]["wte.weight"], model.wte.weight.detach())
 
@@ -132,11 +133,11 @@ def test_saves_land_in_order_and_retention_applies(tmp_path):
     saver.close()
     names = [f"step_{s:08d}" for s in (1, 2, 3, 4)]
     assert done == [root / n for n in names]  # `then` ran once per save, in order
-    assert [p.name for p in checkpoint.step_dirs(root)] == [names[0], names[2], names[3]]
+    assert [p.name for p in store.step_dirs(root)] == [names[0], names[2], names[3]]
     assert (root / "latest").read_text() == names[3]
-    for path in checkpoint.step_dirs(root):
-        assert checkpoint.verify(path) is None
-        state, step = checkpoint.load(path, "state.pt"), int(path.name[5:])
+    for path in store.step_dirs(root):
+        assert store.verify(path) is None
+        state, step = store.load(path, "state.pt"), int(path.name[5:])
         assert state["progress"]["step"] == step
         assert torch.all(state["model"]["wte.weight"] == step)
         assert torch.all(state["model"]["lm_head.weight"] == step)  # still tied in the file

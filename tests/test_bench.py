@@ -10,15 +10,16 @@ import time
 
 import pytest
 import torch
+from fake_mnist import write_fake_mnist
 
 from bench import ckpt_stall, loop_vs_bare
 from bench.common import command
 from conftest import ROOT, TINY
-from fake_mnist import write_fake_mnist
-from loop import build, checkpoint
-from loop.config import DEFAULT_CONFIG, load_config
-from loop.distributed import Dist
-from loop.metrics import NullLog
+from loop import build
+from loop.checkpoint import store
+from loop.config.load import DEFAULT_CONFIG, load_config
+from loop.distributed.group import Dist
+from loop.observe.metrics import NullLog
 
 
 def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
@@ -66,13 +67,13 @@ def test_scaffold_figures_use_only_the_timed_window():
 
 def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
     monkeypatch.chdir(tmp_path)  # its saves go under ./runs
-    save = checkpoint.save
+    save = store.save
 
     def slow_save(*args, **kwargs):  # a slow disk: steps go on beside the async write, several
         time.sleep(0.5)
         return save(*args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "save", slow_save)
+    monkeypatch.setattr(store, "save", slow_save)
     results = tmp_path / "r.jsonl"
     config = str(ROOT / DEFAULT_CONFIG)
     assert ckpt_stall.main(["--reps", "2", "--config", config, "--results", str(results), *TINY, cache]) == 0

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, metrics, run_and_kill, run_and_signal, run_train, summary, train_here
-from loop import checkpoint
-from loop.guards import EXIT_PREEMPTED
+from loop.checkpoint import store
+from loop.guards.preemption import EXIT_PREEMPTED
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 
@@ -43,7 +43,7 @@ def test_preemption_saves_exits_143_and_resumes_exactly(tmp_path, cache, referen
     step = int(re.search(r"preempted at step (\d+)", printed).group(1))
     assert 17 <= step < 40, printed
     ckpt = out / "checkpoints" / f"step_{step:08d}"
-    assert checkpoint.verify(ckpt) is None  # a checkpoint at the step it stopped on
+    assert store.verify(ckpt) is None  # a checkpoint at the step it stopped on
     assert not (out / "summary.json").exists()
     rerun = run_train(out, cache, *STEPS, "data.num_workers=2")
     assert f"resumed from {ckpt} at step {step}" in rerun.stdout
@@ -83,12 +83,12 @@ def test_a_closed_terminal_saves_and_exits_143(tmp_path, cache):
     code = proc.wait()
     timer.cancel()
     assert code == EXIT_PREEMPTED, seen.decode(errors="replace")
-    step = checkpoint.step_dirs(out / "checkpoints")[-1]
-    assert 19 <= int(step.name[5:]) < 1000 and checkpoint.verify(step) is None
+    step = store.step_dirs(out / "checkpoints")[-1]
+    assert 19 <= int(step.name[5:]) < 1000 and store.verify(step) is None
 
 
 def test_a_stop_signal_the_launcher_ignores_stays_ignored():
-    from loop.guards import Preemption
+    from loop.guards.preemption import Preemption
 
     before = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as nohup starts a process
     try:
@@ -131,7 +131,7 @@ def test_an_ema_turned_on_at_a_resume_starts_from_the_resumed_weights(tmp_path, 
 def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
     # Kept in bf16, the default decay 0.999 rounded to 1.0: the average stayed the first weights,
     # validation through it never improved, and early stopping stopped a run that was learning.
-    from loop.config import EmaConfig
+    from loop.config.schema import EmaConfig
     from loop.ema import build_ema, update
 
     m, cfg = torch.nn.Linear(8, 8).to(dtype), EmaConfig(enabled=True, decay=0.999, warmup=1)
@@ -154,8 +154,8 @@ def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(
     # (float64 here, float32 there: 1e-6). One updated before the optimizer step, a step behind,
     # passed every other test; so would an average of the wrong weights or a wrong warmup.
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
     from loop.evaluate import val_metrics
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={tmp_path / 'run'}", cache, "train.max_steps=12",
@@ -328,7 +328,7 @@ def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
     assert s["best"] == {"metric": "val_loss", "value": vals[best_step], "step": best_step}
     root = out / "checkpoints"
     assert (root / "best").read_text() == f"step_{best_step:08d}"
-    assert {p.name for p in checkpoint.step_dirs(root)} == {f"step_{best_step:08d}", "step_00000030"}
+    assert {p.name for p in store.step_dirs(root)} == {f"step_{best_step:08d}", "step_00000030"}
     if mode == "max":
         assert best_step < 30  # the highest val loss is early: kept although it is old
 
@@ -339,7 +339,7 @@ def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
     # directory, or the run before's best, and run.init_from=checkpoints/best failed or took it.
     from types import SimpleNamespace
 
-    from loop.state import _saved
+    from loop.checkpoint.state import _saved
 
     t = SimpleNamespace(ckpt_root=tmp_path, mirror=None)
     for name in ("step_00000020", "step_00000040"):
@@ -519,11 +519,11 @@ def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
     from data import build_data
-    from loop.config import load_config
+    from loop.checkpoint.state import save
+    from loop.config.load import load_config
     from loop.optim import build_optimizer
     from loop.precision import Precision
     from loop.schedule import build_scheduler
-    from loop.state import save
     from loop.trainer import Trainer
     from model import build_model
 
@@ -538,7 +538,7 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
                       Precision("fp32", torch.device("cpu")), torch.device("cpu"))
     trainer.log = SimpleNamespace(flush=lambda: None)
     save(trainer, 1)
-    assert checkpoint.verify(trainer.ckpt_root / "step_00000001") is None  # finite: saved
+    assert store.verify(trainer.ckpt_root / "step_00000001") is None  # finite: saved
     with torch.no_grad():
         model.blocks[0].mlp[0].weight[0, 0] = float("inf")
     save(trainer, 2)

@@ -134,24 +134,24 @@ def test_corrupt_newest_checkpoint_is_skipped_and_run_ends_identical(tmp_path, c
             f"{kind}: step {x['step']} differs"
     assert summary(out)["params_sha256"] == summary(reference)["params_sha256"], kind
     # The bad step-30 checkpoint was replaced by a good one on the way.
-    from loop import checkpoint
-    assert checkpoint.verify(out / "checkpoints" / "step_00000030") is None
+    from loop.checkpoint import store
+    assert store.verify(out / "checkpoints" / "step_00000030") is None
 
 
 # ---------------------------------------------------------------------------- 2. all invalid
 def test_a_manifest_of_another_shape_is_a_reason_to_skip_not_a_traceback(tmp_path):
     # "files": null or a list was an AttributeError out of run.resume=auto, which skips a
     # checkpoint whose manifest is damaged in any other way.
-    from loop import checkpoint
+    from loop.checkpoint import store
 
     for files in (None, [1], "state.pt"):
-        (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"files": files}))
-        assert checkpoint.verify(tmp_path).startswith(f"{checkpoint.MANIFEST} is missing, unreadable "
+        (tmp_path / store.MANIFEST).write_text(json.dumps({"files": files}))
+        assert store.verify(tmp_path).startswith(f"{store.MANIFEST} is missing, unreadable "
                                                       f"or malformed ("), files
     # Emptied by hand with state.pt deleted, it verified, and the resume exited 2 instead of
     # going on to the next checkpoint.
-    (tmp_path / checkpoint.MANIFEST).write_text(json.dumps({"files": {}}))
-    assert checkpoint.verify(tmp_path) == f"{checkpoint.MANIFEST} lists no state.pt"
+    (tmp_path / store.MANIFEST).write_text(json.dumps({"files": {}}))
+    assert store.verify(tmp_path) == f"{store.MANIFEST} lists no state.pt"
 
 
 def test_all_checkpoints_invalid_exits_2_and_changes_nothing(tmp_path, cache, base10):
@@ -194,21 +194,21 @@ def write_payload(f: Path, marker: Path, fmt: str) -> None:
 
 def evil_checkpoint(src: Path, dst: Path, marker: Path, fmt: str) -> Path:
     """A copy of a real checkpoint whose state.pt is a code-running pickle, with a manifest that
-    verifies (size and sha256 of the new bytes, as loop/checkpoint.py computes them)."""
+    verifies (size and sha256 of the new bytes, as loop/store.py computes them)."""
     shutil.copytree(src, dst)
     write_payload(dst / "state.pt", marker, fmt)
     data = (dst / "state.pt").read_bytes()
     manifest = json.loads((dst / "manifest.json").read_text())
     manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (dst / "manifest.json").write_text(json.dumps(manifest, indent=1))
-    from loop import checkpoint
-    assert checkpoint.verify(dst) is None, "the crafted manifest must verify"
+    from loop.checkpoint import store
+    assert store.verify(dst) is None, "the crafted manifest must verify"
     return dst
 
 
 @pytest.mark.parametrize("fmt", ["torch.save", "pickle"])
 def test_code_running_pickle_is_refused_in_process(tmp_path, base10, fmt):
-    from loop import checkpoint
+    from loop.checkpoint import store
     from loop.errors import BadInput
 
     # The payload is live: an unrestricted load does create its marker.
@@ -224,7 +224,7 @@ def test_code_running_pickle_is_refused_in_process(tmp_path, base10, fmt):
     d = evil_checkpoint(base10 / "checkpoints" / "step_00000010", tmp_path / "step_00000010",
                         marker, fmt)
     with pytest.raises(BadInput, match="refused to load"):
-        checkpoint.load(d, "state.pt")
+        store.load(d, "state.pt")
     assert not marker.exists()
 
 
@@ -317,7 +317,7 @@ def run_with_file_limit(nbytes: int, out: Path, *overrides: str, cmd: list[str] 
 
 WRITE = {  # what train.py writes outside checkpoints, by hand: a 5000-byte file, a 5000-token corpus;
     # and the file the error names
-    "model.pt": ("from loop.atomic import atomic_write; atomic_write(d / 'model.pt', bytes(5000))",
+    "model.pt": ("from loop.checkpoint.atomic import atomic_write; atomic_write(d / 'model.pt', bytes(5000))",
                  "model.pt'"),
     "corpus": ("from data.corpus import write_tokens; "
                "write_tokens(d / 'corpus', np.zeros(5000, np.uint16), 0.1, {})", ".corpus.tmp-"),
@@ -325,16 +325,16 @@ WRITE = {  # what train.py writes outside checkpoints, by hand: a 5000-byte file
 
 
 def test_every_write_is_synced_before_it_takes_its_name_and_its_directory_after(tmp_path, monkeypatch):
-    # What makes a power cut harmless (loop/atomic.py): after a rename, the whole file or checkpoint
+    # What makes a power cut harmless (loop/checkpoint/atomic.py): after a rename, the whole file or checkpoint
     # is on disk under its name, and so is the name. Inodes survive renames, so they tell the order.
-    from loop import checkpoint
-    from loop.atomic import atomic_write
+    from loop.checkpoint import store
+    from loop.checkpoint.atomic import atomic_write
 
     events, fsync, replace = [], os.fsync, os.replace
     monkeypatch.setattr(os, "fsync", lambda fd: events.append(("fsync", os.fstat(fd).st_ino)) or fsync(fd))
     monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", os.stat(a).st_ino)) or replace(a, b))
     atomic_write(tmp_path / "model.pt", b"weights")
-    final = checkpoint.save(tmp_path / "ckpts", 7, {"state.pt": {"w": torch.zeros(2)}}, 2, {})
+    final = store.save(tmp_path / "ckpts", 7, {"state.pt": {"w": torch.zeros(2)}}, 2, {})
     monkeypatch.undo()
     ino = lambda p: p.stat().st_ino  # noqa: E731
     root, latest = tmp_path / "ckpts", tmp_path / "ckpts" / "latest"
@@ -348,7 +348,7 @@ def test_every_write_is_synced_before_it_takes_its_name_and_its_directory_after(
 def test_ctrl_c_in_a_file_write_keeps_the_old_file_and_leaves_no_part(tmp_path, monkeypatch):
     # summary.json, model.pt: a Ctrl-C mid-write left `.model.pt.tmp-<pid>` behind for good (the
     # next write, another process, uses another name).
-    from loop import atomic
+    from loop.checkpoint import atomic
 
     (tmp_path / "model.pt").write_bytes(b"old")
 
@@ -445,38 +445,38 @@ def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
     assert (ckpts / "latest").read_text().strip() == "step_00000050"
     leftovers = [p.relative_to(out).as_posix() for p in out.rglob("*") if ".tmp-" in p.name]
     assert not leftovers, leftovers
-    from loop import checkpoint
-    assert all(checkpoint.verify(ckpts / n) is None for n in ckpt_names(out))
+    from loop.checkpoint import store
+    assert all(store.verify(ckpts / n) is None for n in ckpt_names(out))
 
 
 def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
     # A resume back in time (run.resume=PATH in the same run.out_dir) saves steps older than the
     # run before left there. Retention counted by step and deleted the new checkpoint at once: the
     # resumed run had none of its own, and `latest` named a directory that was gone.
-    from loop import checkpoint
+    from loop.checkpoint import store
 
     def save(step, keep_last):
-        return checkpoint.save(tmp_path, step, {"state.pt": {"step": step}}, keep_last, {"world_size": 1})
+        return store.save(tmp_path, step, {"state.pt": {"step": step}}, keep_last, {"world_size": 1})
 
     for step in (30, 40, 50):
         save(step, keep_last=3)
     new = save(35, keep_last=2)  # resumed from step 30 with train.keep_last=2
-    assert [d.name for d in checkpoint.step_dirs(tmp_path)] == ["step_00000035", "step_00000040",
+    assert [d.name for d in store.step_dirs(tmp_path)] == ["step_00000035", "step_00000040",
                                                                "step_00000050"]
-    assert checkpoint.verify(new) is None and (tmp_path / "latest").read_text() == new.name
+    assert store.verify(new) is None and (tmp_path / "latest").read_text() == new.name
 
 
 def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
     # Unpickled as opcodes, text was an IndexError traceback or "a pickle that would run code".
-    from loop import checkpoint
+    from loop.checkpoint import store
     from loop.errors import BadInput
 
     (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "notes.pt").write_text("step_00000010")
     with pytest.raises(BadInput, match=r"empty.pt: not a file torch.save wrote \(it is empty\)"):
-        checkpoint.load(tmp_path, "empty.pt")
+        store.load(tmp_path, "empty.pt")
     with pytest.raises(BadInput, match=r"notes.pt: not a file torch.save wrote \(it starts with b'step'\)"):
-        checkpoint.load(tmp_path, "notes.pt")
+        store.load(tmp_path, "notes.pt")
 
 
 def test_a_run_whose_checkpoints_were_deleted_is_not_started_over(tmp_path, cache):

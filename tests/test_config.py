@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from loop.config import Config, changed_keys, config_hash, flat, load_config, parse_args, save
-from loop.config_check import to_dict
+from loop.config.fields import to_dict
+from loop.config.load import changed_keys, config_hash, flat, load_config, parse_args, save
+from loop.config.schema import Config
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -259,7 +260,7 @@ def test_a_key_with_nothing_after_the_equals_sign_says_so():
 
 
 def test_help_lists_every_key_with_its_default(capsys):
-    # The keys were in loop/config.py only; --help showed --config and "overrides".
+    # The keys were in loop/config/schema.py only; --help showed --config and "overrides".
     with pytest.raises(SystemExit) as e:
         parse_args(["--help"])
     out = capsys.readouterr().out

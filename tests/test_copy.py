@@ -41,7 +41,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from data.bundle import Data
+from loop.data.bundle import Data
 
 
 class Blobs(Dataset):
@@ -110,7 +110,7 @@ def test_a_copied_project_with_its_own_model_and_data_passes_make_verify(tmp_pat
     # Two processes with batch norm cannot equal one with twice the batch: each rank normalises by
     # its own micro-batch. The check fails, as it should, but its usual cause blamed the loop
     # ("losses averaged per rank"); it now names the model's batch norm.
-    ddp = subprocess.run([sys.executable, "-m", "loop.verify", "--config", "configs/blobs.yaml", "--steps", "8",
+    ddp = subprocess.run([sys.executable, "-m", "tools.verify", "--config", "configs/blobs.yaml", "--steps", "8",
                           "--nproc", "2", "--checks", "ddp"], cwd=project, capture_output=True, text=True,
                          timeout=600)
     assert ddp.returncode == 1 and "ddp           FAIL" in ddp.stdout, ddp.stdout + ddp.stderr

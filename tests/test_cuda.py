@@ -23,14 +23,14 @@ import pytest
 import torch
 
 from conftest import DIST, ROOT, TINY, metrics, run_and_signal, run_train, summary
-from loop import jobs
+from tools import jobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = ["train.device=cuda", "run.deterministic=true"]  # after TINY's train.device=cpu: wins
 
 
 def test_nvml_reads_the_gpu_the_run_trains_on(tmp_path, cache):
-    # loop/telemetry.py names the run's GPU to NVML by its UUID (NVML's numbering ignores
+    # loop/observe/telemetry.py names the run's GPU to NVML by its UUID (NVML's numbering ignores
     # CUDA_VISIBLE_DEVICES): the readings come under gpu0, and the energy is that GPU's alone.
     pynvml = pytest.importorskip("pynvml")
     out = tmp_path / "run"
@@ -92,8 +92,8 @@ def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
 @pytest.mark.parametrize("compile", [False, True])
 def test_steady_state_steps_sync_with_the_host_once(tmp_path, compile):
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={tmp_path / 'run'}",
                                        f"data.cache_dir={tmp_path / 'cache'}", "train.device=cuda",

@@ -18,15 +18,15 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
-from data import build_data
-from data.bundle import Data, check_samples
-from data import corpus
+from data import build_data, corpus
+from data.config import DataConfig, MarkovConfig
 from data.corpus import held_out, prepare_text
 from data.markov import entropy_rate, prepare_markov, transition_matrix
-from data.sampler import StreamSampler, collate, epoch_order, split_batch, train_loader, val_batches
-from data.seeded import SeededSamples
 from data.tokens import TokenWindows
-from loop.config import DEFAULT_CONFIG, DataConfig, MarkovConfig, load_config
+from loop.config.load import DEFAULT_CONFIG, load_config
+from loop.data.bundle import Data, check_samples
+from loop.data.sampler import StreamSampler, collate, epoch_order, split_batch, train_loader, val_batches
+from loop.data.seeded import SeededSamples
 from loop.errors import BadInput
 
 SEQ, BS = 16, 8
@@ -103,7 +103,7 @@ def test_loader_workers_and_start_position(markov):
 
 
 def test_augmentation_is_a_function_of_the_sample_position(markov):
-    # A Dataset that augments from the global streams: before data/seeded.py, DataLoader workers drew
+    # A Dataset that augments from the global streams: before loop/data/seeded.py, DataLoader workers drew
     # from streams reseeded at every iterator start and dealt round-robin, so workers=2 and a start
     # mid-stream each gave other masks than workers=0 from the top (and a resumed run other ones).
     from conftest import Mapped, augment

@@ -19,8 +19,8 @@ import torch
 
 from conftest import DIST as STEPS
 from conftest import ROOT, TINY, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
-from loop import jobs
 from loop.rng import rank_seed
+from tools import jobs
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +328,7 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
 
 def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
     # A rank the checkpoint has no RNG file for (more processes than saved it) is seeded from the
-    # run's seed, its rank and the step (loop/state.py): with the step left out, rank 1 resumed at
+    # run's seed, its rank and the step (loop/checkpoint/state.py): with the step left out, rank 1 resumed at
     # step 20 replayed the dropout masks every rank 1 draws from step 1, and every test passed.
     seeds = {rank_seed(1337, r, s) for r in range(4) for s in (0, 20, 40)}
     assert len(seeds) == 12 and 1337 not in seeds

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from fake_mnist import write_fake_mnist
 
 from conftest import run_train
 from data import build_data, mnist, shakespeare
 from data.config import DataConfig
 from data.download import fetch
-from fake_mnist import write_fake_mnist
 from loop.errors import BadInput
 
 BLOB = np.random.default_rng(0).bytes(2_500_000)  # three read chunks: the streaming path

@@ -22,16 +22,17 @@ import torch
 
 from conftest import DIST, ROOT, TINY, metrics, run_and_signal, run_train, summary
 from data import build_data
-from data.sampler import val_batches
-from loop import jobs, sample
 from loop.build import build_trainer
-from loop.config import DEFAULT_CONFIG, load_config
-from loop.distributed import Dist, check_supported
+from loop.checkpoint.store import params_sha256
+from loop.config.load import DEFAULT_CONFIG, load_config
+from loop.data.sampler import val_batches
+from loop.distributed.group import Dist
+from loop.distributed.wrap import check_supported
 from loop.errors import BadInput
-from loop.checkpoint import params_sha256
 from loop.evaluate import val_metrics
 from loop.precision import Precision
 from model import build_model
+from tools import jobs, sample
 
 FSDP = [*DIST, "train.strategy=fsdp"]
 EMA = ["ema.enabled=true", "ema.decay=0.9"]
@@ -196,7 +197,7 @@ def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache):
 
 
 def test_the_sample_command_reads_the_sharded_checkpoint_and_the_export(fsdp_run, capsys):
-    # python -m loop.sample in one plain process: the final sharded checkpoint and the consolidated
+    # python -m tools.sample in one plain process: the final sharded checkpoint and the consolidated
     # model.pt both draw the text the 2-process run drew at its end (same prompt, seed, length).
     text = summary(fsdp_run)["sample"]
     for source in (fsdp_run / "checkpoints" / "latest", fsdp_run):

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from loop.gpu import GpuSampler
+from loop.observe.gpu import GpuSampler
 
 IDLE = 1e9  # an interval the thread never reaches: the test drives sampling with sample_once()
 
@@ -129,10 +129,11 @@ def test_devices_picks_gpus_by_uuid_under_their_labels():
 def test_a_run_samples_the_gpus_its_processes_train_on(monkeypatch, env, device, want):
     # The sampler summed every GPU NVML saw: on a shared machine (CUDA_VISIBLE_DEVICES=3), the other
     # jobs' energy too. CUDA faked: its device i has the UUID "a" + "abcd"[i].
-    import torch
     from types import SimpleNamespace
 
-    from loop.telemetry import node_gpus
+    import torch
+
+    from loop.observe.telemetry import node_gpus
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     for k, v in env.items():
@@ -239,8 +240,8 @@ def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monk
 
     from conftest import TINY, metrics, summary
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     class Counting(FakeNvml):
         def nvmlDeviceGetTotalEnergyConsumption(self, h):
@@ -249,7 +250,7 @@ def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monk
 
     fake = Counting(n=1)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr("loop.telemetry.node_gpus", lambda device: {0: "GPU-00000000"})  # as on CUDA
+    monkeypatch.setattr("loop.observe.telemetry.node_gpus", lambda device: {0: "GPU-00000000"})  # as on CUDA
     out = tmp_path / "run"
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=6",
                                        "train.log_every=2"])
@@ -278,13 +279,13 @@ def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkey
 
     from conftest import TINY
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     fake = FakeNvml(n=1)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    monkeypatch.setattr("loop.telemetry.node_gpus", lambda device: {0: "GPU-00000000"})
-    monkeypatch.setattr("loop.telemetry.GpuSampler", functools.partial(GpuSampler, interval_s=IDLE))
+    monkeypatch.setattr("loop.observe.telemetry.node_gpus", lambda device: {0: "GPU-00000000"})
+    monkeypatch.setattr("loop.observe.telemetry.GpuSampler", functools.partial(GpuSampler, interval_s=IDLE))
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2"])
     trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
     step = trainer._step

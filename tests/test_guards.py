@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from conftest import ROOT, Mapped, metrics, run_and_kill, run_train, summary, train_here
-from data.tokens import IGNORE_INDEX
-from loop import checkpoint, guards
 from loop.build import check_with_world, idle_settings
-from loop.config import DEFAULT_CONFIG as DEFAULT, load_config
-from loop.distributed import Dist
+from loop.checkpoint import store
+from loop.config.load import DEFAULT_CONFIG as DEFAULT
+from loop.config.load import load_config
+from loop.data.bundle import IGNORE_INDEX
+from loop.distributed.group import Dist
 from loop.errors import BadInput, GaveUp
+from loop.guards import oom, preemption
 from loop.precision import Precision
 
 STEPS = ["train.max_steps=20", "train.ckpt_every=5"]
@@ -151,8 +153,8 @@ def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache
     from conftest import TINY
     from loop.build import build_trainer
 
-    save = checkpoint.save
-    monkeypatch.setattr(checkpoint, "save", lambda *a, **k: (time.sleep(1), save(*a, **k))[1])
+    save = store.save
+    monkeypatch.setattr(store, "save", lambda *a, **k: (time.sleep(1), save(*a, **k))[1])
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", *STEPS,
                                 "train.max_steps=14", "train.async_save=true",
                                 "train.nan_policy=rollback", "faults.nan_at_step=12"])
@@ -169,7 +171,7 @@ def test_the_stop_signals_are_the_callers_again_after_a_run(tmp_path, cache):
     from conftest import TINY
     from loop.build import build_trainer
 
-    mine = {s: signal.signal(s, signal.default_int_handler) for s in guards.STOP_SIGNALS}
+    mine = {s: signal.signal(s, signal.default_int_handler) for s in preemption.STOP_SIGNALS}
     try:
         for extra in ([], ["train.nan_policy=abort", "faults.nan_at_step=2"]):
             cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / str(len(extra))}",
@@ -217,7 +219,7 @@ def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache
     run_train(out, *args)
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
     # The rerun had checkpoints to roll back to: it wrote no step 0 of its own (it held step 15).
-    for d in checkpoint.step_dirs(out / "checkpoints"):
+    for d in store.step_dirs(out / "checkpoints"):
         assert torch.load(d / "state.pt", weights_only=True)["progress"]["step"] == int(d.name[5:])
 
 
@@ -241,7 +243,7 @@ def test_abort_names_step_and_micro_batch_and_saves_nothing_after(tmp_path, cach
     assert proc.returncode == 3, proc.stderr
     assert "step 8: non-finite loss of micro-batch 0" in proc.stderr
     assert "train.nan_policy=abort" in proc.stderr
-    assert [p.name for p in checkpoint.step_dirs(out / "checkpoints")] == ["step_00000005"]
+    assert [p.name for p in store.step_dirs(out / "checkpoints")] == ["step_00000005"]
     assert not (out / "summary.json").exists()
     assert [r["step"] for r in metrics(out)] == list(range(1, 8))  # finished steps are logged
 
@@ -334,7 +336,7 @@ def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
 def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
     # A card that ran out of memory in training at micro-batch 8 may run out in validation too:
     # validation cuts its batches the same way, and its means do not change.
-    from loop.distributed import Dist
+    from loop.distributed.group import Dist
     from loop.evaluate import val_metrics
 
     class Sizes(torch.nn.Module):
@@ -441,8 +443,8 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     from types import SimpleNamespace
 
     from data import build_data
-    from data.sampler import train_loader
-    from loop.config import load_config
+    from loop.config.load import load_config
+    from loop.data.sampler import train_loader
     from loop.ema import build_ema
     from loop.optim import build_optimizer
     from loop.schedule import build_scheduler
@@ -570,10 +572,10 @@ def test_a_kill_in_a_checkpoint_at_a_step_that_writes_none_says_so(step, every, 
 def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
-    assert guards.configure_allocator() == "expandable_segments:True"
+    assert oom.configure_allocator() == "expandable_segments:True"
     assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128,expandable_segments:True"
     monkeypatch.setenv("PYTORCH_ALLOC_CONF", "expandable_segments:False")  # the user's choice stays
-    assert guards.configure_allocator() == "expandable_segments:False"
+    assert oom.configure_allocator() == "expandable_segments:False"
 
 
 def test_activation_checkpointing_on_a_model_of_ones_own_says_it_is_the_gpt_s():

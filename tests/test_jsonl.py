@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from loop import jsonl
+from loop.observe import jsonl
 
 
 def write(path, steps, tail: bytes = b"") -> bytes:

@@ -6,10 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from test_verify import rows, verify
 
 from conftest import TINY, metrics, run_train
 from loop.lab import SWITCHES, banner
-from test_verify import rows, verify
 
 
 @pytest.mark.parametrize("name", list(SWITCHES))

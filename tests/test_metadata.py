@@ -9,7 +9,7 @@ import subprocess
 import torch
 
 from conftest import ROOT, run_train, train_here
-from loop import metadata
+from loop.observe import metadata
 
 
 def git(root, *args):
@@ -34,7 +34,7 @@ def test_commit_and_dirty_flag_in_a_temp_repo(tmp_path):
 
 def test_what_the_project_writes_leaves_the_tree_clean(tmp_path):
     # The dirty flag counts untracked files, so everything the project writes by default must be
-    # git-ignored: a comparison report (python -m loop.report A B -> reports/A_vs_B/) once made
+    # git-ignored: a comparison report (python -m tools.report A B -> reports/A_vs_B/) once made
     # every later run's metadata say its code was dirty.
     shutil.copy(ROOT / ".gitignore", tmp_path)
     git(tmp_path, "init", "-q")

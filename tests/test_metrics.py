@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from loop import metrics
+from loop.observe import metrics
 
 
 def test_a_step_s_end_is_marked_on_the_stream_of_its_own_gpu(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from loop.mfu import gpt_flops_per_token, mfu, peak_flops
+from loop.observe.mfu import gpt_flops_per_token, mfu, peak_flops
 from model.gpt import GPT
 
 
@@ -74,7 +74,7 @@ def test_a_runs_mfu_divides_global_tokens_per_s_by_every_process_device(monkeypa
 
     import torch
 
-    from loop import telemetry
+    from loop.observe import telemetry
 
     monkeypatch.setattr(telemetry, "peak_flops", lambda name, precision: 1e12)  # a device in the table
     m = GPT(vocab_size=65, seq_len=64, n_layer=2, n_head=4, n_embd=32, dropout=0, bias=False)

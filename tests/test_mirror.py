@@ -17,9 +17,9 @@ import torch
 
 import train
 from conftest import TINY
-from loop import checkpoint
+from loop.checkpoint import store
+from loop.checkpoint.mirror import Mirror, fetch_latest
 from loop.errors import BadInput
-from loop.mirror import Mirror, fetch_latest
 
 NAMES = ["state.pt", "rng_rank0.pt", "manifest.json"]
 
@@ -27,14 +27,14 @@ NAMES = ["state.pt", "rng_rank0.pt", "manifest.json"]
 def save(root: Path, step: int, keep_last: int = 10) -> Path:
     files = {"state.pt": {"w": torch.full((4, 4), float(step)), "step": step},
              "rng_rank0.pt": {"cpu": torch.arange(step, step + 8, dtype=torch.uint8)}}
-    return checkpoint.save(root, step, files, keep_last=keep_last, meta={"world_size": 1})
+    return store.save(root, step, files, keep_last=keep_last, meta={"world_size": 1})
 
 
 def run_with_mirror(mirror: Mirror, root: Path, steps, keep_last: int = 10) -> None:
     """What the trainer does: save, then hand the mirror the new dir and the local retention set."""
     for step in steps:
         path = save(root, step, keep_last)
-        mirror.submit(path, {p.name for p in checkpoint.step_dirs(root)})
+        mirror.submit(path, {p.name for p in store.step_dirs(root)})
     mirror.close()
 
 
@@ -63,7 +63,7 @@ def test_mirror_copies_bytes_and_follows_retention(tmp_path, scheme, capsys):
     target = mem_target() if scheme == "memory" else f"{scheme}{tmp_path / 'bucket' / 'run'}"
     root = tmp_path / "out" / "checkpoints"
     run_with_mirror(Mirror(target), root, [10, 20, 30, 40], keep_last=2)
-    local = checkpoint.step_dirs(root)
+    local = store.step_dirs(root)
     assert [p.name for p in local] == ["step_00000030", "step_00000040"]
     assert mirrored_names(target) == {"step_00000030", "step_00000040", "latest"}
     for path in local:
@@ -78,7 +78,7 @@ def test_fetch_latest_from_memory_restores_newest(tmp_path):
     run_with_mirror(Mirror(target), root, [1, 2, 3])
     fresh = tmp_path / "fresh" / "checkpoints"
     got = fetch_latest(target, fresh)
-    assert got == fresh / "step_00000003" and checkpoint.verify(got) is None
+    assert got == fresh / "step_00000003" and store.verify(got) is None
     for name in NAMES:
         assert (got / name).read_bytes() == (root / got.name / name).read_bytes()
     assert (fresh / "latest").read_text() == "step_00000003"
@@ -96,7 +96,7 @@ def test_fetch_latest_skips_incomplete_and_corrupt(tmp_path, capsys):
     fs.pipe_file(remote(target, "step_00000002", "state.pt"), bytes(data))
     fresh = tmp_path / "fresh"
     got = fetch_latest(target, fresh)
-    assert got == fresh / "step_00000001" and checkpoint.verify(got) is None
+    assert got == fresh / "step_00000001" and store.verify(got) is None
     err = capsys.readouterr().err
     assert "step_00000003" in err and "incomplete" in err
     assert "step_00000002" in err and "state.pt does not match its sha256" in err
@@ -124,13 +124,13 @@ def test_a_sharded_checkpoints_dcp_metadata_is_fetched(tmp_path):
     # name starting with a dot as "outside its dir", so an FSDP run never resumed from its mirror;
     # it started over from step 0 without an error, and its mirroring then pruned the copies.
     target, root = mem_target(), tmp_path / "ckpt"
-    path = checkpoint.save(root, 1, {"state.pt": {"step": 1}, ".metadata": {"plan": 1}}, keep_last=3,
+    path = store.save(root, 1, {"state.pt": {"step": 1}, ".metadata": {"plan": 1}}, keep_last=3,
                            meta={"world_size": 2})
     run = Mirror(target)
     run.submit(path, {path.name})
     run.close()
     got = fetch_latest(target, tmp_path / "fresh")
-    assert got == tmp_path / "fresh" / "step_00000001" and checkpoint.verify(got) is None
+    assert got == tmp_path / "fresh" / "step_00000001" and store.verify(got) is None
     assert (got / ".metadata").read_bytes() == (path / ".metadata").read_bytes()
 
 
@@ -138,7 +138,7 @@ def test_a_run_with_local_checkpoints_resumes_from_them_not_the_mirror(tmp_path)
     # The mirror is for a machine that lost its disk. Its copies lag (they run in the background):
     # one with checkpoints of its own resumes from its newest, and the mirror's copy of step 2 does
     # not replace the local one.
-    from loop.resume import choose
+    from loop.checkpoint.resume import choose
 
     target, root = mem_target(), tmp_path / "out" / "checkpoints"
     run_with_mirror(Mirror(target), root, [1, 2])
@@ -295,10 +295,10 @@ def test_a_recopy_cut_short_does_not_pass_for_whole(tmp_path, monkeypatch, first
         return real_rm_file(path, **kwargs)
     monkeypatch.setattr(mirror.fs, "put_file", cut)
     monkeypatch.setattr(mirror.fs, "rm_file", rm_file)
-    again = checkpoint.save(root, 2, {"state.pt": {"w": torch.zeros(4, 4), "step": 2},
+    again = store.save(root, 2, {"state.pt": {"w": torch.zeros(4, 4), "step": 2},
                                       "rng_rank0.pt": {"cpu": torch.zeros(8, dtype=torch.uint8)}},
                             keep_last=1, meta={"world_size": 1})  # other bytes; step 1 gone locally
-    mirror.submit(again, {p.name for p in checkpoint.step_dirs(root)})
+    mirror.submit(again, {p.name for p in store.step_dirs(root)})
     mirror.close()
     assert mirrored_names(target) == {"step_00000001", "latest"}  # the part copy deleted
     assert fetch_latest(target, tmp_path / "fresh").name == "step_00000001"
@@ -331,7 +331,7 @@ def test_a_full_mirror_makes_room_and_keeps_its_newest_whole_checkpoint(tmp_path
     # skipped them as it skips any checkpoint that does not verify (test_invalid_checkpoint_...).
     for step in range(1, 7):
         path = save(root, step, keep_last=2)
-        mirror.submit(path, {p.name for p in checkpoint.step_dirs(root)})
+        mirror.submit(path, {p.name for p in store.step_dirs(root)})
         assert copied.acquire(timeout=60)
     mirror.close()
     if room == 2.5:
@@ -357,7 +357,7 @@ def test_a_run_that_gives_up_mirrors_its_newest_checkpoint_and_leaves_no_thread(
                        cache, "train.max_steps=20", "train.ckpt_every=5", "train.nan_policy=abort",
                        "faults.nan_at_step=6"])
     assert code == 3
-    assert checkpoint.verify(tmp_path / "mirror" / "step_00000005") is None
+    assert store.verify(tmp_path / "mirror" / "step_00000005") is None
     assert (tmp_path / "mirror" / "latest").read_text() == "step_00000005"
     assert set(threading.enumerate()) == before
 
@@ -371,12 +371,12 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_thread(tmp_path, cache
     def full_disk(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpoint, "_write", full_disk)
+    monkeypatch.setattr(store, "_write", full_disk)
     before = set(threading.enumerate())
     code = train.main([f"run.out_dir={tmp_path / 'run'}", f"run.mirror={tmp_path / 'mirror'}", *TINY,
                        cache, "train.max_steps=5", "train.nan_policy=rollback"])
     assert code == 3
-    assert not checkpoint.step_dirs(tmp_path / "run" / "checkpoints")
+    assert not store.step_dirs(tmp_path / "run" / "checkpoints")
     assert set(threading.enumerate()) == before
 
 

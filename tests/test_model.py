@@ -8,17 +8,17 @@ import torch
 import torch.nn.functional as F
 
 from data import build_data
-from data.sampler import collate
-from data.tokens import IGNORE_INDEX
-from loop.config import DataConfig, MarkovConfig, ModelConfig, OptimConfig
+from data.config import DataConfig, MarkovConfig
+from loop.config.schema import OptimConfig
+from loop.data.bundle import IGNORE_INDEX
+from loop.data.sampler import collate
 from loop.device import pick_device
 from loop.errors import BadInput
 from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
 from model import BUILDERS, build_model
+from model.config import ModelConfig
 from model.gpt import GPT
-
-
 
 
 def gpt(V=16, T=8, L=2, H=2, C=32, dropout=0.0, bias=False, seed=0) -> GPT:
@@ -80,7 +80,7 @@ def test_causal_prefix_logits_do_not_see_the_future():
 def test_generate_continues_from_the_last_position_within_the_context():
     # Near temperature 0 a draw is the most likely next token: the argmax of the logits at the
     # prompt's last position, seeing only the last seq_len (8) tokens. Drawing from position 0's
-    # distribution passed every other test (the run's sample and loop.sample used the same code).
+    # distribution passed every other test (the run's sample and tools.sample used the same code).
     model = gpt(V=16, T=8).eval()
     g = torch.Generator().manual_seed(0)
     for length in (3, 8, 13):  # shorter than, as long as, and longer than the context
@@ -211,7 +211,7 @@ def test_pick_cuda_without_cuda(name):
 def test_a_cuda_index_past_the_machine_s_devices_is_named(monkeypatch):
     # Was "CUDA error: invalid device ordinal" from the first tensor moved there (torchrun: from
     # set_device, a LOCAL_RANK past the GPUs of the node). A machine with 2 GPUs, as CUDA says.
-    from loop import distributed
+    from loop.distributed import group
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
@@ -224,7 +224,7 @@ def test_a_cuda_index_past_the_machine_s_devices_is_named(monkeypatch):
                  "MASTER_PORT": "29500"}.items():
         monkeypatch.setenv(k, v)
     with pytest.raises(BadInput) as e:
-        distributed.init("cuda")
+        group.init("cuda")
     assert str(e.value) == ("LOCAL_RANK=2, but this machine has 2 visible CUDA devices (cuda:0 to cuda:1): "
                             "one process per GPU, so expected at most 2 processes per node (torchrun "
                             "--nproc_per_node=2).")
@@ -332,8 +332,8 @@ def test_the_contract_allows_count_sums_and_a_loss_without_graph_under_no_grad()
 def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache):
     from conftest import TINY
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
@@ -350,8 +350,8 @@ def test_validation_without_any_target_stops_the_run_before_anything_is_written(
     # one that has some.
     from conftest import TINY
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     def trainer(out: str, masked: int | None):  # the first `masked` validation batches; None: all
         cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / out}", "train.max_steps=2"])
@@ -371,8 +371,8 @@ def test_validation_without_any_target_stops_the_run_before_anything_is_written(
 def test_frozen_parameters_are_counted_apart_and_stay_unchanged(tmp_path, cache, capsys):
     from conftest import TINY
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path}", "train.max_steps=3"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))

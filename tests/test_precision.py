@@ -94,8 +94,8 @@ def test_16_bit_weights_autocast_cannot_train_are_refused(tmp_path, cache, monke
     import model
     from conftest import TINY
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
     from loop.errors import BadInput
 
     monkeypatch.setitem(model.BUILDERS, "gpt16", lambda cfg, data: model.build_gpt(cfg, data).to(weights))
@@ -113,8 +113,8 @@ def test_weights_kept_in_bf16_train_under_fp32_and_bf16(tmp_path, cache, monkeyp
     import model
     from conftest import TINY
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     monkeypatch.setitem(model.BUILDERS, "gpt16", lambda cfg, data: model.build_gpt(cfg, data).bfloat16())
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt16", f"train.precision={precision}",
@@ -132,8 +132,8 @@ def test_micro_batch_losses_a_model_gives_in_bf16_are_added_in_float32(tmp_path,
     import model
     from conftest import TINY, metrics
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     seen = []  # every training micro-batch's bf16 loss, in order (not the no-grad evaluations)
 

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from conftest import run_train
-from loop.profile import REGIONS, breakdown
+from loop.observe.profile import REGIONS, breakdown
 
 
 def test_profile_breakdown_names_every_region_and_sums_to_one(tmp_path, cache):

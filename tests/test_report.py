@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from conftest import ROOT, metrics, run_and_kill, run_train, summary, train_here
-from loop.report import main as report_main
-from loop.report import write_report
+from loop.observe.report import write_report
+from tools.report import main as report_main
 
 PRICE = 36_000.0  # $ per device-hour: $10/s, so a test run of a second has a cost to 4 decimals
 
@@ -186,20 +186,20 @@ def test_the_best_the_peak_and_the_newest_are_reported(runs, tmp_path):
 
 
 def test_cli(runs, tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "loop.report", str(runs["finished"]), "--out", str(tmp_path / "r"),
+    ok = subprocess.run([sys.executable, "-m", "tools.report", str(runs["finished"]), "--out", str(tmp_path / "r"),
                          "--price-per-hour", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert rows((tmp_path / "r" / "report.md").read_text())["finished"]["steps"] == "20"
     empty = tmp_path / "not_a_run"
     empty.mkdir()
-    bad = subprocess.run([sys.executable, "-m", "loop.report", str(runs["finished"]), str(empty)], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-m", "tools.report", str(runs["finished"]), str(empty)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2
     assert str(empty) in bad.stderr and "metrics.jsonl" in bad.stderr
 
 
 def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
-    # `python -m loop.report RUN` redraws a run's report: it used the CLI's defaults ($0, 400 g/kWh)
+    # `python -m tools.report RUN` redraws a run's report: it used the CLI's defaults ($0, 400 g/kWh)
     # over the run's report.price_per_hour and co2_g_per_kwh, and the cost column went n/a.
     run = tmp_path / "priced"
     shutil.copytree(runs["finished"], run)
@@ -270,7 +270,7 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, cache, 
     def broken(*args, **kwargs):
         raise ValueError("cannot draw this")
 
-    monkeypatch.setattr("loop.summary.write_report", broken)
+    monkeypatch.setattr("loop.observe.summary.write_report", broken)
     r = train_here(tmp_path / "run", cache, "train.max_steps=5")
     assert r.returncode == 0 and "warning: report not written (ValueError: cannot draw this)" in r.stderr
     assert summary(tmp_path / "run")["steps"] == 5 and (tmp_path / "run" / "model.pt").exists()

@@ -13,10 +13,19 @@ import sys
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import (ROOT, assert_wall_time_sums_the_steps, metrics, run_and_kill, run_and_signal,
-                      run_train, summary, train_cmd, watchdog)
-from loop.errors import gone
-from loop.jobs import reported_step, run_until
+from conftest import (
+    ROOT,
+    assert_wall_time_sums_the_steps,
+    metrics,
+    run_and_kill,
+    run_and_signal,
+    run_train,
+    summary,
+    train_cmd,
+    watchdog,
+)
+from loop.guards.console import gone
+from tools.jobs import reported_step, run_until
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
 RNG = random.Random()  # a fresh draw each session; every assertion message carries the steps
@@ -88,7 +97,7 @@ def test_a_dataset_that_augments_resumes_bit_for_bit_whatever_the_workers(tmp_pa
     # Random augmentation in a user's Dataset (conftest.augment: torch, random and NumPy draws).
     # DataLoader workers' streams restarted at every iterator start, so a resumed run with
     # num_workers=2 masked other tokens than the uninterrupted one; now each sample's draws are
-    # seeded from its position (data/seeded.py). The reference fetches in-process (num_workers=0).
+    # seeded from its position (loop/data/seeded.py). The reference fetches in-process (num_workers=0).
     def cmd(out, workers):
         c = train_cmd(out, cache, *STEPS, "data.name=text_augmented", f"data.num_workers={workers}")
         c[1] = str(ROOT / "tests" / "more_models.py")  # train.py with the test dataset registered
@@ -180,7 +189,7 @@ def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_p
 def test_a_run_started_with_its_console_closed_trains(tmp_path, cache, closed):
     # Started with fd 1 or 2 closed (`>&-`, some daemons and cron setups), Python's sys.stdout or
     # sys.stderr is None and prints go nowhere: the run trains (0), and bad input is still 2.
-    # Wrapping None for the hung-up terminal's sake (loop/errors.py) made both exit 120.
+    # Wrapping None for the hung-up terminal's sake (loop/guards/console.py) made both exit 120.
     fd = {"stdout": 1, "stderr": 2}[closed]
     out = tmp_path / "run"
     code = subprocess.run(train_cmd(out, cache, "train.max_steps=4"), cwd=ROOT,
@@ -349,7 +358,7 @@ def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cac
 
     import torch
 
-    from loop import checkpoint
+    from loop.checkpoint import store
 
     out = tmp_path / "run"
     shutil.copytree(reference, out)
@@ -365,7 +374,7 @@ def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cac
     saved = torch.load(out / "checkpoints" / "step_00000040" / "state.pt", weights_only=True)
     assert [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.25, 0.0]
     assert saved["scheduler"]["base_lrs"] == [4e-3, 4e-3]
-    assert checkpoint.params_sha256(saved["model"]) == summary(out)["params_sha256"] != \
+    assert store.params_sha256(saved["model"]) == summary(out)["params_sha256"] != \
         summary(reference)["params_sha256"], "step 40 holds this run's weights"
 
 
@@ -375,8 +384,8 @@ def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, referen
     # "global batch N" at the start. The ids still continue where they stopped.
     import shutil
 
-    from loop.config import DEFAULT_CONFIG, load_config, to_dict
-    from loop.state import global_batch_change
+    from loop.checkpoint.state import global_batch_change
+    from loop.config.load import DEFAULT_CONFIG, load_config, to_dict
 
     out = tmp_path / "run"
     shutil.copytree(reference, out)
@@ -399,7 +408,7 @@ def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, referen
 def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is_off():
     # Bit for bit is promised on one machine with the same versions and process count; a job
     # requeued onto another node type, or an upgraded torch, went on as if nothing changed.
-    from loop.state import platform_change
+    from loop.checkpoint.state import platform_change
 
     here = {"versions": {"torch": "2.13.0", "numpy": "2.4.6", "cuda": None},
             "hardware": {"cpu": "Xeon", "gpus": []}, "host_sha256": "a"}

@@ -1,4 +1,4 @@
-"""One run per run directory (loop/runlock.py): a second train.py on an out_dir in use exits 2
+"""One run per run directory (loop/checkpoint/runlock.py): a second train.py on an out_dir in use exits 2
 naming the holder and changes nothing; the lock goes with its process, even a SIGKILLed one."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from conftest import ROOT, run_train, summary, train_here
 
-HOLD = "import sys; from pathlib import Path; from loop import runlock; " \
+HOLD = "import sys; from pathlib import Path; from loop.checkpoint import runlock; " \
        "runlock.hold(Path(sys.argv[1]), sign=True); print('held', flush=True); sys.stdin.read()"
 
 
@@ -45,7 +45,7 @@ def test_a_second_run_on_an_out_dir_in_use_exits_2_and_changes_nothing(tmp_path,
 
 def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_path, cache):
     # run.out_dir=. in a project, or a home directory: the run overwrote the user's model.pt.
-    from loop.runlock import RUN_FILES
+    from loop.checkpoint.runlock import RUN_FILES
 
     mine = tmp_path / "mine"
     mine.mkdir()
@@ -77,7 +77,7 @@ def test_a_directory_with_a_run_s_mark_is_a_runs(tmp_path, mark, is_a_runs):
     # that run's to write again. A metadata.json of the user's own is no such mark.
     import json
 
-    from loop import runlock
+    from loop.checkpoint import runlock
     from loop.errors import BadInput
 
     (tmp_path / "config.yaml").write_text("")
@@ -107,7 +107,7 @@ def test_a_run_in_this_process_leaves_the_directory_free_when_it_ends(tmp_path, 
 def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkeypatch, capsys):
     import errno
 
-    from loop import runlock
+    from loop.checkpoint import runlock
 
     def no_locks(fd, how):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -125,7 +125,7 @@ def test_the_lock_names_its_holder_only_once_the_run_writes(tmp_path):
     import os
     import socket
 
-    from loop import runlock
+    from loop.checkpoint import runlock
 
     (tmp_path / ".lock").write_text("pid 4194303 on the-previous-holders-rather-long-host-name")
     runlock.hold(tmp_path)

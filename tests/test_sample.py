@@ -1,4 +1,4 @@
-"""Proves `python -m loop.sample` rebuilds the trained model from what a run leaves: from model.pt
+"""Proves `python -m tools.sample` rebuilds the trained model from what a run leaves: from model.pt
 (its weights or its EMA) and from a checkpoint, it draws the very text the run drew at its end
 (summary.json's sample: same prompt, seed and length), a model on token files takes and prints
 token ids, an empty prompt starts from token 0, and bad input is exit 2 naming it."""
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import TINY, run_train, summary, train_here
-from loop import sample
+from tools import sample
 
 # The run's train.sample_tokens (set below) and run.seed. 300 tokens: 16 drawn from the EMA and the
 # raw weights of a near-random model with one generator came out the same, so the run's own sample
@@ -108,8 +108,8 @@ def test_a_token_file_model_takes_and_prints_token_ids(tmp_path, cache, capsys):
     # data.name=markov: token files (16 ids) with no characters to them, as a tokenizer's output.
     from conftest import TINY
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     out = tmp_path / "run"
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "data.name=markov",

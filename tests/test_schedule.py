@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from loop.config import ScheduleConfig
+from loop.config.schema import ScheduleConfig
 from loop.errors import BadInput
 from loop.schedule import SCHEDULES, build_scheduler
 
@@ -170,8 +170,8 @@ def test_the_trainer_steps_with_the_lr_it_logs(tmp_path, cache):
     # (the NaN at step 6) applies nothing and does not advance the schedule.
     from conftest import TINY, metrics
     from loop.build import build_trainer
-    from loop.config import DEFAULT_CONFIG, load_config
-    from loop.distributed import Dist
+    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.distributed.group import Dist
 
     out = tmp_path / "run"
     cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={out}", cache, "train.max_steps=12",

@@ -1,4 +1,4 @@
-"""Shipping: the `.env` loader (loop/dotenv.py) and what it promises end to end (the variables reach
+"""Shipping: the `.env` loader (loop/config/dotenv.py) and what it promises end to end (the variables reach
 train.py, their values reach no file of the run, a malformed line exits 2 with nothing written), and
 static checks of the Dockerfile, .dockerignore, .env.example and the CI workflow; scripts/gpu_checks.sh
 refuses to run without a GPU; scripts/slurm.sbatch forwards the time-limit signal and requeues.
@@ -23,8 +23,9 @@ from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from conftest import ROOT, TINY
-from loop import dotenv, metadata
+from loop.config import dotenv
 from loop.errors import BadInput
+from loop.observe import metadata
 
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 

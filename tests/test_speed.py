@@ -78,11 +78,11 @@ def test_a_bug_in_the_model_under_compile_is_its_own_error(tmp_path, cache):
 
 
 def test_what_needs_no_fsdp_does_not_import_it():
-    # FSDP, DCP and DTensor cost 0.8 s of CPU to import (loop/fsdp.py imports them where used): a
-    # config error, `--help` and loop.sample answered that much later when loop/fsdp.py imported
+    # FSDP, DCP and DTensor cost 0.8 s of CPU to import (loop/distributed/fsdp.py imports them where used): a
+    # config error, `--help` and tools.sample answered that much later when loop/distributed/fsdp.py imported
     # them at the top. (A training run imports them anyway: the optimizer's first param group
     # imports torch._dynamo, which imports FSDP.)
     heavy = ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor")
-    code = f"import sys, train, loop.sample, loop.verify; print([m for m in {heavy} if m in sys.modules])"
+    code = f"import sys, train, tools.sample, tools.verify; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -9,7 +9,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from conftest import assert_wall_time_sums_the_steps, metrics, run_and_kill, run_train, summary, train_here
-from loop.config import load_config
+from loop.config.load import load_config
 
 MARKOV = ["data.name=markov", "model.n_embd=64", "model.dropout=0", "data.batch_size=16",
           "train.log_every=50", "train.eval_every=50", "train.eval_batches=4"]

@@ -1,4 +1,4 @@
-"""make verify (loop/verify.py) end to end: it passes on the default config, with a table that
+"""make verify (tools/verify.py) end to end: it passes on the default config, with a table that
 names every check and its numbers; --nproc 2 compares 2 processes with 1; bad input exits 2 before
 anything runs. tests/test_lab.py shows each check failing for the concern it guards."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 
 from conftest import ROOT, TINY, run_train
 
-VERIFY = [sys.executable, "-m", "loop.verify"]
+VERIFY = [sys.executable, "-m", "tools.verify"]
 
 
 def verify(tmp_path, *args: str, env=None) -> subprocess.CompletedProcess:
@@ -53,7 +53,7 @@ def test_verify_compares_two_processes_with_one(tmp_path, cache):
 
 
 def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
-    from loop.verify import main  # in this process: six interpreters would take 15 s to start
+    from tools.verify import main  # in this process: six interpreters would take 15 s to start
 
     for args, said in [(["model.n_layr=2"], "Did you mean 'model.n_layer'"),
                        (["--checks", "resume,speed"], "unknown check speed"),
@@ -87,7 +87,7 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
 def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, capsys):
     # A hung run was a subprocess.TimeoutExpired traceback that ended verify (and, under torchrun,
     # left the workers running). Here run A cannot even start within 1 s: a FAIL row names it.
-    from loop.verify import main
+    from tools.verify import main
 
     code = main(["--out", str(tmp_path / "verify"), "--checks", "determinism", "--timeout", "1", cache, *TINY])
     out = capsys.readouterr().out
@@ -104,8 +104,8 @@ def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cac
     # reported: a kill there left nothing to resume from, and the check failed with "the rerun did
     # not resume from a checkpoint" on an honest config (seen with a tiny model). A slow disk
     # makes that certain here; the kill now waits for the checkpoint's `latest` pointer.
-    from loop import audit_runs, jobs
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import audit_runs, jobs
 
     slow = str(ROOT / "tests" / "slow_save.py")
     train_cmd = jobs.train_cmd
@@ -122,7 +122,7 @@ def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cac
 def test_a_job_process_that_ended_before_its_signal_is_passed_over(monkeypatch):
     # run_until lists a torchrun job's processes, then signals each: a worker that ended in
     # between was a ProcessLookupError out of run_until (seen in a 2-process kill at a run's end).
-    from loop import jobs
+    from tools import jobs
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True).stdout.strip()  # a process that has ended and been reaped
@@ -139,8 +139,8 @@ def test_a_model_kept_in_bf16_is_held_to_bf16_tolerances(cache, monkeypatch):
     import torch
 
     import model
-    from loop.audit_grads import gradient_audits
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools.audit_grads import gradient_audits
 
     monkeypatch.setitem(model.BUILDERS, "gpt_bf16", lambda cfg, data: model.build_gpt(cfg, data).to(torch.bfloat16))
     results = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_bf16", "train.precision=fp32"],
@@ -158,8 +158,8 @@ def test_a_model_whose_forward_casts_to_its_16_bit_layer_is_audited_in_its_own_d
     import torch
 
     import model
-    from loop.audit_grads import gradient_audits
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools.audit_grads import gradient_audits
 
     class Bf16Linear(torch.nn.Linear):
         def forward(self, x):
@@ -182,8 +182,8 @@ def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monke
     # Two ways the resume check could pass without proving anything: run R finished before the kill
     # (a config that runs fewer steps than asked), or its rerun started over instead of resuming (a
     # loop that cannot find its checkpoints). Each is a FAIL that says which, not a PASS.
-    from loop import audit_runs
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import audit_runs
 
     plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=10, every=2, kill_at=5, nproc=0, root=tmp_path,
                            timeout=60)
@@ -204,8 +204,8 @@ def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monke
 def test_the_determinism_check_compares_the_weights_as_well_as_every_step(tmp_path, monkeypatch):
     # Nondeterminism that only the last update shows (a nondeterministic optimizer kernel, say)
     # leaves every logged loss equal: the weights' hash is what tells.
-    from loop import audit_runs
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import audit_runs
 
     plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=2, every=2, kill_at=0, nproc=0, root=tmp_path,
                            timeout=60)
@@ -220,8 +220,8 @@ def test_the_determinism_check_compares_the_weights_as_well_as_every_step(tmp_pa
 def test_the_data_check_fails_a_sampler_that_repeats_even_when_both_runs_agree(tmp_path, monkeypatch):
     # The same ids at every step in both runs, but a sample twice within an epoch (a sampler that
     # draws with replacement, or restarts its order inside an epoch): FAIL, with the count.
-    from loop import audit_runs
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import audit_runs
 
     plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=3, every=2, kill_at=0, nproc=0, root=tmp_path,
                            timeout=60)
@@ -240,8 +240,8 @@ def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monke
     # so only the logged norm, against the reference's, tells.
     import torch
 
-    from loop.audit_grads import gradient_audits
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools.audit_grads import gradient_audits
 
     real = torch.nn.utils.clip_grad_norm_
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_",
@@ -254,8 +254,8 @@ def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monke
 def test_the_accumulation_check_says_when_equal_target_counts_cannot_tell(cache):
     # One target per micro-batch (batch 1, seq_len 1): a per-micro-batch mean is then the right
     # division too, so the pass proves less; the row says so.
-    from loop.audit_grads import gradient_audits
-    from loop.config import DEFAULT_CONFIG
+    from loop.config.load import DEFAULT_CONFIG
+    from tools.audit_grads import gradient_audits
 
     [result] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "data.batch_size=1", "data.seq_len=1"],
                                {"accumulation"})

@@ -1,0 +1,224 @@
+"""Checkpoint mirror: a background copy of each completed checkpoint to `run.mirror`, and the way back.
+
+`run.mirror` is a directory (e.g. a mounted bucket) or any fsspec URL (`memory://b/run`, `file:///x`,
+`s3://b/run` with s3fs installed): one fsspec code path for all. Use:
+    mirror = Mirror(cfg.run.mirror)       # before anything is written: BadInput if unusable
+                                          # (an unknown protocol, a local directory it cannot make)
+    mirror.submit(checkpoint.save(root, ...), {p.name for p in checkpoint.step_dirs(root)})
+    mirror.close()                        # end of run: waits for the queued copies
+    fetch_latest(cfg.run.mirror, root)    # no local checkpoint (new machine): get the newest valid
+Object stores have no atomic rename, so the manifest is copied after the data files (then `latest`):
+a copy cut short has no manifest, is never fetched and is deleted by the next prune. A copy that
+still fails after its retries prints one warning and is dropped; nothing here raises into training.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import posixpath
+import queue
+import shutil
+import sys
+import threading
+from functools import partial
+from pathlib import Path
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from loop.checkpoint.atomic import atomic_write, fsync_dir
+from loop.checkpoint.store import MANIFEST, STEP_DIR, step_dirs, verify
+from loop.errors import BadInput
+
+
+def _open(target: str):
+    try:
+        return fsspec.core.url_to_fs(target)
+    except (ImportError, ValueError) as e:  # unknown protocol, or its backend (s3fs...) missing
+        raise BadInput(f"run.mirror={target}: cannot open it ({e}). Expected a directory path or an "
+                       f"fsspec URL whose backend is installed (e.g. pip install s3fs for s3://).")
+
+
+def _mirrored(fs, root: str) -> list[tuple[int, str]]:
+    """(step, path) of the step dirs in the mirror, oldest first; [] if the mirror does not exist."""
+    try:
+        paths = fs.ls(root, detail=False)
+    except FileNotFoundError:
+        return []
+    return sorted((int(m.group(1)), p) for p in paths if (m := STEP_DIR.match(_name(p))))
+
+
+INCOMPLETE = f"incomplete (no {MANIFEST}; a copy was cut short)"  # skipped: never a copy to miss
+
+
+def _name(path: str) -> str:
+    return posixpath.basename(path.rstrip("/"))
+
+
+class Mirror:
+    """A daemon thread copies the checkpoints queued by `submit`: training never waits on it."""
+
+    def __init__(self, target: str, retries: int = 3, backoff_s: float = 0.5):
+        self.target, self.retries, self.backoff_s = target, retries, backoff_s
+        self.fs, self.root = _open(target)
+        if isinstance(self.fs, LocalFileSystem):
+            # A directory that cannot be made (a typo, a mount that is not there) is bad input now,
+            # not a warning at every checkpoint of a run that thinks it is backed up. Object stores
+            # are left to their first copy: they have no directories, and a user allowed to write
+            # a prefix may not be allowed to look at the bucket.
+            try:
+                self.fs.makedirs(self.root, exist_ok=True)
+            except OSError as e:
+                raise BadInput(f"run.mirror={target}: cannot make the directory ({e.strerror or e}). "
+                               f"Expected a directory this user can write to, or an fsspec URL.") from e
+        self._queue: queue.Queue = queue.Queue()
+        self._abandon = threading.Event()  # set when close() times out: skip what is left
+        self._closed = False
+        self._thread = threading.Thread(target=self._work, name="checkpoint-mirror", daemon=True)
+        self._thread.start()
+
+    def submit(self, ckpt_dir: Path, keep: set[str]) -> None:
+        """Queue a copy of a completed checkpoint dir; returns at once. After copying, delete mirrored
+        checkpoint dirs whose names are not in `keep` (the local retention set), so the mirror holds
+        what the local dir holds."""
+        if self._closed:
+            print(f"warning: mirror {self.target}: closed, not copying {ckpt_dir}", file=sys.stderr)
+        else:  # an unbounded queue: put never blocks
+            self._queue.put((Path(ckpt_dir), frozenset(keep)))
+
+    def close(self, timeout_s: float | None = None) -> None:
+        """Wait for queued copies (at the end of a run) and stop the thread."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            self._abandon.set()  # no more retries, nothing queued copied; a part copy is never fetched
+            print(f"warning: mirror {self.target}: copies still running after {timeout_s}s were "
+                  f"abandoned", file=sys.stderr)
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None and not self._abandon.is_set():
+            ckpt_dir, keep = item
+            if reason := verify(ckpt_dir):  # also fails if local retention already deleted it
+                print(f"warning: mirror {self.target}: not copying {ckpt_dir}, it does not verify "
+                      f"({reason})", file=sys.stderr)
+            else:  # pruned before the copy too: a full mirror would refuse every copy from then on
+                keep |= {ckpt_dir.name}
+                self._retrying(partial(self._prune, replacing=ckpt_dir.name), keep,
+                               "could not delete old checkpoints")
+                self._retrying(self._copy, ckpt_dir, f"could not copy {ckpt_dir}")
+                self._retrying(self._prune, keep, "could not delete old checkpoints")
+
+    def _retrying(self, fn, arg, what: str) -> bool:
+        for attempt in range(self.retries + 1):
+            try:
+                fn(arg)
+                return True
+            except Exception as e:  # noqa: BLE001 -- backends raise their own types (botocore...),
+                # and one that escaped would kill the thread and silently end all mirroring
+                if attempt == self.retries or self._abandon.wait(self.backoff_s * 2 ** attempt):
+                    print(f"warning: mirror {self.target}: {what} ({type(e).__name__}: {e}); "
+                          f"training goes on", file=sys.stderr)
+                    return False
+        return False
+
+    def _copy(self, ckpt_dir: Path) -> None:
+        fs, dest = self.fs, posixpath.join(self.root, ckpt_dir.name)
+        names = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
+        if fs.exists(posixpath.join(dest, MANIFEST)):  # a re-copy must not look complete midway
+            fs.rm_file(posixpath.join(dest, MANIFEST))
+        fs.makedirs(dest, exist_ok=True)  # needed by local dirs; a no-op on object stores
+        for name in [*names, MANIFEST]:  # manifest last: its presence means the rest is there
+            fs.put_file(str(ckpt_dir / name), posixpath.join(dest, name))
+        fs.pipe_file(posixpath.join(self.root, "latest"), ckpt_dir.name.encode())
+
+    def _prune(self, keep: frozenset[str], replacing: str = "") -> None:
+        """Delete the mirrored checkpoints not in `keep` except the newest complete one (a failing
+        mirror keeps something to resume from), and every copy cut short: it holds space and is never
+        fetched (no manifest; this thread is the only writer, so none is in progress). `replacing`:
+        the step about to be copied again (run.resume=PATH back in time saved it anew); its
+        earlier copy goes too, and is not the one kept, since the copy that follows overwrites it."""
+        mirrored = [(path, self.fs.exists(posixpath.join(path, MANIFEST)))
+                    for _, path in _mirrored(self.fs, self.root)]
+        newest = next((_name(path) for path, whole in reversed(mirrored)
+                       if whole and _name(path) != replacing), None)
+        for path, whole in mirrored:
+            if not whole or _name(path) not in keep - {replacing} | {newest}:
+                if whole:  # manifest first: a delete cut short leaves no valid-looking dir
+                    self.fs.rm_file(posixpath.join(path, MANIFEST))
+                self.fs.rm(path, recursive=True)
+
+
+def listed(target: str) -> tuple:
+    """(fs, root, the step dirs mirrored there, oldest first); BadInput if it cannot be listed."""
+    fs, root = _open(target)
+    try:
+        return fs, root, _mirrored(fs, root)
+    except OSError as e:  # e.g. a file where the directory should be: before anything is written
+        raise BadInput(f"run.mirror={target}: cannot list it ({e.strerror or e}). Expected a "
+                       f"directory path or an fsspec URL this machine can read.") from e
+
+
+def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Path | None:
+    """Copy the newest mirrored checkpoint that verifies into local_root (atomic: temp dir then rename,
+    so local_root/step_XXXXXXXX appears complete or not at all) and return its local path; None if the
+    mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them; if
+    none of those with a manifest can be fetched, BadInput.
+    `before_write` is called before anything is written (the trainer makes and locks run.out_dir)."""
+    fs, root, mirrored = listed(target)
+    local_root = Path(local_root)
+    if mirrored:
+        before_write()
+    refused = 0
+    for _, src in reversed(mirrored):
+        name = _name(src)
+        final, tmp = local_root / name, local_root / f".tmp-{name}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        try:
+            reason = _download(fs, src, tmp)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            reason = f"{type(e).__name__}: {e}"
+        reason = reason or verify(tmp)
+        if reason is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            print(f"warning: skipping mirrored checkpoint {target}/{name}: {reason}", file=sys.stderr)
+            refused += reason != INCOMPLETE
+            continue
+        shutil.rmtree(final, ignore_errors=True)  # a leftover at this step: replace it
+        os.replace(tmp, final)
+        fsync_dir(local_root)
+        if step_dirs(local_root)[-1] == final:  # never point `latest` back at an older step
+            atomic_write(local_root / "latest", name.encode())
+        # Said: the resume line names the local copy, and a mirror two runs share hands one the
+        # other's checkpoints without a word otherwise.
+        print(f"note: no checkpoint in {local_root}; {name} fetched from run.mirror={target} (a "
+              f"mirror holds one run's checkpoints: give each run its own)")
+        return final
+    if refused:  # a fresh start would delete them from the mirror: an error (a credential, a full
+        # disk) must not cost the run its checkpoints, as none verifying locally does not
+        with contextlib.suppress(OSError):
+            local_root.rmdir()  # made for the fetch; empty again
+        raise BadInput(f"run.mirror={target}: none of its {refused} whole checkpoints could be fetched "
+                       f"or verifies (see the warnings above); expected at least one valid checkpoint, "
+                       f"as a fresh start would delete them from the mirror. Fix what the warnings "
+                       f"name, or give the run a new run.mirror.")
+    return None
+
+
+def _download(fs, src: str, tmp: Path) -> str | None:
+    """Copy one mirrored checkpoint into tmp, fsynced; the reason it is unusable, or None."""
+    if not fs.exists(posixpath.join(src, MANIFEST)):
+        return INCOMPLETE
+    names = json.loads(fs.cat_file(posixpath.join(src, MANIFEST)))["files"]
+    for name in [*names, MANIFEST]:
+        if name != posixpath.basename(name) or name in ("", ".", ".."):  # no writing outside tmp
+            return f"{MANIFEST} names a file outside its dir: {name!r}"
+        with fs.open(posixpath.join(src, name), "rb") as f, open(tmp / name, "wb") as out:
+            shutil.copyfileobj(f, out, 1 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+    fsync_dir(tmp)
+    return None

@@ -1,0 +1,2 @@
+"""Configuration: typed sections, YAML files and dotted overrides, checked before anything runs.
+"""

@@ -1,0 +1,228 @@
+"""How a config is read and checked: YAML mappings and dotted overrides -> typed dataclass fields.
+
+The section dataclasses themselves live in `loop/config/schema.py`. Here: unknown keys (with a
+did-you-mean), type coercion (an int where a float is asked is fine; "abc" is not), list
+elements by index (`optim.betas.1=0.99`), and the bounds and choices declared on the fields.
+Every problem raises `BadInput` naming the key. A key that is a Python keyword (`lab.break`) is
+held in a field with a trailing underscore (`break_`); users only ever see the key.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import keyword
+import math
+import re
+import typing
+
+import yaml
+
+from loop.errors import BadInput
+
+
+def opt(default, *, min=None, max=None, above=None, below=None, choices=None):
+    """A field with optional bounds (`min` and `max` inclusive, `above` and `below` exclusive) or a set of
+    allowed values, checked at load time. A list keeps its default's length, and the bounds apply
+    to each element."""
+    meta = {"min": min, "max": max, "above": above, "below": below, "choices": choices}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def field_of(key: str) -> str:
+    return f"{key}_" if keyword.iskeyword(key) else key
+
+
+def key_of(field: str) -> str:
+    return field[:-1] if field.endswith("_") and keyword.iskeyword(field[:-1]) else field
+
+
+def to_dict(obj) -> dict:
+    """A config (or section) as plain data, spelled with the keys users write."""
+    return {key_of(f.name): to_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name))
+            else (list(v) if isinstance(v, list) else v) for f in dataclasses.fields(obj)}
+
+
+def from_dict(cls, raw, prefix: str, source: str):
+    raw = {} if raw is None else raw  # an empty section in YAML reads as None
+    if not isinstance(raw, dict):
+        raise BadInput(f"config {prefix.rstrip('.') or 'file'} in {source}: expected a mapping of "
+                       f"keys, got {raw!r}.")
+    hints, obj = typing.get_type_hints(cls), cls()
+    for key_name, value in raw.items():
+        key, name = f"{prefix}{key_name}", field_of(str(key_name))
+        if name not in hints:
+            raise BadInput(_unknown(key))
+        if dataclasses.is_dataclass(hints[name]):
+            setattr(obj, name, from_dict(hints[name], value, key + ".", source))
+        else:
+            setattr(obj, name, _coerce(value, hints[name], key))
+    return obj
+
+
+def override(obj, parts: list[str], text: str, key: str) -> None:
+    name, rest = field_of(parts[0]), parts[1:]
+    hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
+    if name not in hints:
+        raise BadInput(_unknown(key))
+    hint = hints[name]
+    if dataclasses.is_dataclass(hint) and rest:
+        return override(getattr(obj, name), rest, text, key)
+    if typing.get_origin(hint) is list and len(rest) == 1:  # optim.betas.1=0.99
+        items, (elem,) = getattr(obj, name), typing.get_args(hint)
+        if not rest[0].isdigit() or int(rest[0]) >= len(items):
+            raise BadInput(f"config key {key}: index {rest[0]} is not in a list of {len(items)}.")
+        items[int(rest[0])] = _coerce(_parse(text, elem), elem, key)
+        return
+    if rest:
+        raise BadInput(_unknown(key))
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)  # run.mirror=none made ./none:
+    if hint is str and text.lower() in NONE_WORDS and f.default == "" and not f.metadata.get("choices"):
+        raise BadInput(f"config key {key}: {text!r} would be taken as a path called {text}; expected "
+                       f"a path, or {key}= (empty) for none.")
+    setattr(obj, name, _coerce(_parse(text, hint), hint, key))
+
+
+class DecimalLoader(yaml.SafeLoader):
+    """yaml.safe_load with decimal integers only: YAML 1.1's 010 is 8 (train.max_steps=010 trained 8
+    steps), 1:30 is 90, 0x10 is 16. Those are text here, which an integer key refuses by name."""
+
+
+DecimalLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+DecimalLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"),
+                                    list("-+0123456789"))
+NONE_WORDS = {"none", "null", "~", "off", "false", "no"}  # meant as "none" for a key whose none is ''
+
+
+def _parse(text: str, hint):
+    """Command-line text -> a Python value; strings stay verbatim so a path like 007 survives."""
+    if hint is str:
+        return text
+    try:
+        return yaml.load(text, Loader=DecimalLoader)
+    except yaml.YAMLError:
+        return text
+
+
+def _coerce(value, hint, key: str):
+    origin = typing.get_origin(hint)
+    if origin is list:
+        (elem,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise _wrong(key, f"a list of {elem.__name__}", value)
+        return [_coerce(v, elem, f"{key}.{i}") for i, v in enumerate(value)]
+    if hint is bool and isinstance(value, bool):
+        return value
+    if hint is int and isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if hint is float and not isinstance(value, bool) and (number := _float(value)) is not None:
+        if not math.isfinite(number):  # nan slips past every bound (nan < 0 is False)
+            raise BadInput(f"config key {key}: expected a finite number, got {value!r}.")
+        return number
+    if hint is str and isinstance(value, str):
+        return value
+    raise _wrong(key, hint.__name__, value)
+
+
+def _float(value) -> float | None:
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:  # PyYAML reads 3e-4 (no dot) as a string
+        return float(value) if isinstance(value, str) else None
+    except ValueError:
+        return None
+
+
+def _wrong(key: str, expected: str, value) -> BadInput:
+    got = "an empty value" if value is None else f"{value!r} ({type(value).__name__})"  # key= or key:
+    return BadInput(f"config key {key}: expected {expected}, got {got}.")
+
+
+def check(obj, prefix: str = "") -> None:
+    """Apply the bounds and choices declared on the fields."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{key_of(f.name)}"
+        if dataclasses.is_dataclass(value):
+            check(value, key + ".")
+            continue
+        if isinstance(value, list):
+            if len(value) != len(f.default_factory()):
+                raise _wrong(key, f"a list of {len(f.default_factory())} values", value)
+            for i, v in enumerate(value):
+                _bounds(v, f.metadata, f"{key}.{i}")
+        else:
+            _bounds(value, f.metadata, key)
+        choices = f.metadata.get("choices")
+        if choices and value not in choices:
+            shown = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
+            raise BadInput(f"config key {key}: expected one of {shown}; "
+                           f"got {value!r}.")
+
+
+def _finite(text: str, ok, says: str) -> float:
+    value = _float(text)
+    if value is None or not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"expected a finite number {says}, got {text!r}")
+    return value
+
+
+def non_negative(text: str) -> float:
+    """argparse type for a command-line option bounded as its config key is (finite, >= 0): a
+    price, a carbon intensity, a validation fraction."""
+    return _finite(text, lambda v: v >= 0, ">= 0")
+
+
+def positive(text: str) -> float:
+    """argparse type: a finite number > 0 (a temperature)."""
+    return _finite(text, lambda v: v > 0, "> 0")
+
+
+def at_least(low: int, at_most: int | None = None):
+    """An argparse type: an int >= `low` (and <= `at_most`). Anything else is a usage error that
+    names the option (exit 2), not a ZeroDivisionError after the runs."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < low or (at_most is not None and value > at_most):
+            within = f">= {low}" if at_most is None else f"from {low} to {at_most}"
+            raise argparse.ArgumentTypeError(f"expected an integer {within}, got {value}")
+        return value
+    parse.__name__ = "integer"  # argparse names the type in its message for int("x")
+    return parse
+
+
+def _bounds(value, meta, key: str) -> None:
+    for name, fails, says in (("min", lambda v, b: v < b, ">="), ("max", lambda v, b: v > b, "<="),
+                              ("above", lambda v, b: v <= b, ">"), ("below", lambda v, b: v >= b, "<")):
+        bound = meta.get(name)
+        if bound is not None and fails(value, bound):
+            raise BadInput(f"config key {key}: expected a value {says} {bound}, got {value!r}.")
+
+
+def all_keys(cls, prefix: str = "") -> list[str]:
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        if dataclasses.is_dataclass(hint):
+            out += all_keys(hint, f"{prefix}{key_of(name)}.")
+        else:
+            out.append(f"{prefix}{key_of(name)}")
+    return out
+
+
+def _unknown(key: str) -> str:
+    from loop.config.schema import Config
+
+    keys = all_keys(Config)
+    section, _, leaf = key.rpartition(".")
+    # A near spelling in the same section, then the same name in another section
+    # (train.lr -> optim.lr), then a near spelling anywhere.
+    parent = f"{section}." if section else ""
+    siblings = {k[len(parent):].split(".")[0] for k in keys if k.startswith(parent)}
+    guess = [parent + g for g in difflib.get_close_matches(leaf, siblings, 1, 0.6)]
+    guess = guess or [k for k in keys if k.rpartition(".")[2] == leaf][:1]
+    guess = guess or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
+    hint = f" Did you mean '{guess[0]}'?" if guess else ""
+    return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."

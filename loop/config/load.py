@@ -1,0 +1,149 @@
+"""Typed configuration: dataclasses per section, loaded from YAML, with dotted CLI overrides.
+
+    python train.py --config configs/default.yaml optim.lr=3e-4 optim.betas.1=0.99 train.max_steps=100
+
+The `data` and `model` sections are defined next to their builders (data/config.py,
+model/config.py), so a new task adds its options there. Every key is checked before anything runs: an unknown key gets a did-you-mean, a wrong type or an
+out-of-range value names the key, the expected type and the value given, malformed YAML (a key
+given twice included) names the file and line. All of these raise `BadInput` (exit code 2, nothing written). `save` writes the
+resolved config; `load_config` on that file gives back an equal object.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import textwrap
+from pathlib import Path
+
+import yaml
+
+from loop.checkpoint.atomic import atomic_write
+from loop.config.fields import DecimalLoader, check, from_dict, override, to_dict
+from loop.config.paths import check_paths
+from loop.config.schema import Config
+from loop.errors import BadInput
+
+# Found from anywhere: `python ~/proj/train.py` run in another directory trains the default too
+# (relative paths in a config, such as run.out_dir, stay relative to the working directory).
+DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "default.yaml")
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+
+# ---------------------------------------------------------------------------------------- loading
+def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
+    p = argparse.ArgumentParser(description="Train with the honest loop.", epilog=keys_help(),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once,
+                   help="YAML preset (default: %(default)s)")
+    p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
+    args = p.parse_intermixed_args(argv)  # overrides may come before and after --config
+    return args.config, args.overrides
+
+
+def keys_help() -> str:
+    """Every key with its default (what applies when the config file does not set it), a line per
+    section, for --help: the keys without opening loop/config/schema.py."""
+    def shown(v) -> str:  # as YAML and the command line take them: true, [0.9,0.95]
+        return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, bool)) else str(v)
+
+    lines = ["config keys, as section.key=value (the default where the config file sets none):"]
+    for section, values in to_dict(Config()).items():
+        keys = " ".join(f"{k}={shown(v)}" for k, v in flat(values).items())
+        lines += textwrap.wrap(keys, 96, initial_indent=f"  {section}: ",
+                               subsequent_indent=" " * (len(section) + 4), break_on_hyphens=False)
+    return "\n".join(lines)
+
+
+def flat(d: dict, prefix: str = "") -> dict:
+    """A nested config dict as {dotted key: value}."""
+    out = {}
+    for k, v in d.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
+class _Once(argparse.Action):
+    """An option given at most once: argparse keeps the last --config and drops the others unsaid."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, f"_{self.dest}_seen", False):
+            parser.error(f"argument {option_string}: given twice; expected one file (later keys "
+                         f"can be given as section.key=value overrides)")
+        setattr(namespace, f"_{self.dest}_seen", True)
+        setattr(namespace, self.dest, values)
+
+
+class _Loader(DecimalLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping. YAML keeps the last one
+    silently, so a second `train:` section at the end of a file dropped every key of the first."""
+
+    def construct_mapping(self, node, deep=False):
+        first: dict[str, int] = {}
+        for key, _ in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in first:
+                    raise yaml.constructor.ConstructorError(
+                        problem=f"key '{key.value}' given twice, first on line {first[key.value] + 1}; "
+                                f"YAML would keep the second and drop the first without a word",
+                        problem_mark=key.start_mark)
+                first[key.value] = key.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
+def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
+    """YAML file + dotted overrides -> a checked Config. Raises BadInput on any problem."""
+    path = Path(path)
+    try:
+        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
+    except OSError as e:
+        where = "" if path.is_absolute() else f", looked for in {Path.cwd()}"
+        raise BadInput(f"config file {path}: cannot read it ({e.strerror}{where}); expected a YAML file.")
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        raise BadInput(f"config file {path}: byte {e.start} is not UTF-8 text; expected a YAML file.")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise BadInput(f"config file {path}{where}: malformed YAML ({getattr(e, 'problem', e)}).")
+    cfg = from_dict(Config, raw, "", str(path))
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            file = " (a config file is given as --config PATH)" if item.endswith((".yaml", ".yml")) else ""
+            raise BadInput(f"override '{item}': expected the form section.key=value{file}.")
+        override(cfg, key.split("."), value, key)
+    check(cfg)
+    check_paths(cfg)
+    return cfg
+
+
+# ---------------------------------------------------------------------------------------- output
+def changed_keys(old: dict, new: Config) -> list[str]:
+    """Dotted keys whose values differ between a saved config dict and `new`."""
+    a, b = flat(old), flat(to_dict(new))
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()
+
+
+def save(cfg: Config, path: Path) -> None:
+    atomic_write(path, yaml.safe_dump(to_dict(cfg), sort_keys=False).encode())

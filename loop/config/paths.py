@@ -1,0 +1,54 @@
+"""Where a run reads and writes, checked before anything is written: `~` expanded, directories
+that can be made, and no run.out_dir or local run.mirror inside what another run writes."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from loop.checkpoint.runlock import refuse_nested
+from loop.errors import BadInput
+
+# Keys that hold a path. A shell expands ~ only at the start of a word: in `make ARGS="run.out_dir=~/x"`
+# or a YAML file it reached the run as text, and made a directory named ~ here.
+PATHS = [("run", "out_dir"), ("run", "resume"), ("run", "init_from"), ("run", "mirror"),
+         ("data", "cache_dir"), ("data", "path")]
+
+
+def check_paths(cfg) -> None:
+    for section, key in PATHS:
+        if (value := getattr(getattr(cfg, section), key)).startswith("~"):
+            setattr(getattr(cfg, section), key, os.path.expanduser(value))
+    writable_dir("config key run.out_dir", cfg.run.out_dir)
+    writable_dir("config key data.cache_dir", cfg.data.cache_dir, write=False)  # read-only if prepared
+    refuse_nested("run.out_dir", Path(cfg.run.out_dir))
+    if cfg.run.mirror:
+        from fsspec.core import split_protocol
+
+        protocol, path = split_protocol(cfg.run.mirror)
+        if protocol in (None, "file", "local"):  # a directory: it could be a run's checkpoints/
+            refuse_nested("run.mirror", Path(path), also=Path(cfg.run.out_dir))
+
+
+def writable_dir(name: str, path: str, write: bool = True) -> None:
+    """`path` is a directory, or one can be made there: checked before anything is written, so a
+    file in the way is a clear error (exit 2), not a traceback after half a setup. `name` says
+    what gave the path: "config key run.out_dir", "option --out". `write=False`: one to read from
+    may do (a prepared data cache: the places that write into it check again)."""
+    if not path:
+        raise BadInput(f"{name}: expected a directory path, got ''.")
+    there = Path(path).absolute()
+    try:
+        there.exists()
+    except OSError as e:  # a part longer than the file system allows (ENAMETOOLONG): a traceback
+        raise BadInput(f"{name}={path}: {e.strerror}; expected a directory path.") from None
+    while not there.exists():  # the nearest part of the path that exists
+        if there.is_symlink():  # mkdir would meet it: FileExistsError, a traceback mid-setup
+            raise BadInput(f"{name}={path}: {there} is a symbolic link to {os.readlink(there)}, which "
+                           f"does not exist; expected a directory, or a path where one can be made.")
+        there = there.parent
+    if not there.is_dir():
+        raise BadInput(f"{name}={path}: {there} is a file; expected a directory, or a path "
+                       f"where one can be made.")
+    if write and not os.access(there, os.W_OK | os.X_OK):
+        raise BadInput(f"{name}={path}: cannot write in {there}; expected a directory "
+                       f"this user can write to.")

@@ -1,0 +1,44 @@
+"""`metrics.jsonl`: one JSON record per line, appended. A write cut short (a kill or power cut
+mid-write, a full disk) leaves part of a line; readers skip it, and a resume's rewrite drops it,
+so the rerun the error message asks for works."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from loop.checkpoint.atomic import atomic_write
+
+
+def read_records(path: Path) -> list[dict]:
+    """The whole records in `path`, in order; a line cut short (not valid JSON) is skipped."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():  # a cut may split a UTF-8 character
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            pass
+    return out
+
+
+def truncate(path: Path, last_step: int) -> dict | None:
+    """Drop the records after `last_step` and a line cut short at the end (an atomic rewrite, only
+    if anything goes); return the last record kept. Records are in step order (every resume and
+    rollback truncates before it appends), so only the tail is parsed: a long run's resume does
+    not hold its every record in memory (300k steps: 446 MB and 2.3 s here, parsed whole)."""
+    if not path.exists():
+        return None
+    data = path.read_bytes()
+    end, last = len(data), None
+    while end and last is None:
+        start = data.rfind(b"\n", 0, end - 1) + 1  # the last line of data[:end]
+        try:
+            rec = json.loads(data[start:end])
+            last = rec if rec["step"] <= last_step else None
+        except ValueError:
+            pass
+        if last is None:
+            end = start
+    kept = data[:end] if data[:end].endswith(b"\n") or not end else data[:end] + b"\n"
+    if kept != data:
+        atomic_write(path, kept)
+    return last

@@ -1,0 +1,157 @@
+"""Step metrics to three sinks: console (every log interval), `metrics.jsonl` (every optimizer
+step), and TensorBoard scalars under `tb/`.
+
+Every step's record has step, loss, lr, grad_norm, tokens, samples, skipped, data_ms (time the loop
+waited for data) and, on CUDA, gpu_ms (the step's time on the GPU's timeline, from CUDA events
+recorded at each step's end and read at the flush, so no extra sync). The last record of each log
+interval adds the interval's tokens_per_s, samples_per_s, ms_per_step, data_wait_pct, MFU where the
+device's peak is known, and the host telemetry (CUDA memory, NVML readings). All values are global
+(rank 0 logs for all ranks).
+
+Per-step loss and grad norm stay on the device until `flush()`, which reads them all in one host
+transfer, so logging adds no sync per step. `metrics.jsonl` keeps losses at full float precision
+(Python's repr round-trips). On resume, records after the checkpoint's step are dropped (they will
+be produced again) and TensorBoard purges its events after that step, so both show one run.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from loop.checkpoint.atomic import naming
+from loop.observe import jsonl
+from loop.observe.report import hms
+
+
+class MetricsLog:
+    def __init__(self, out_dir: Path, start_step: int, start_tokens: int, start_samples: int,
+                 max_steps: int, tensorboard: bool = True, telemetry=None, mfu=None):
+        """`telemetry()`: host readings for the interval (memory, GPU); `mfu(tokens_per_s)`."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.path, self.max_steps = out_dir / "metrics.jsonl", max_steps
+        last = jsonl.truncate(self.path, start_step)
+        self.last_loss = last["loss"] if last else None
+        self.file = open(self.path, "a")
+        self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
+        if self.tb:
+            _quiet_tensorboard_thread()
+        self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
+        self.telemetry, self.mfu = telemetry or dict, mfu or (lambda _: None)
+        self.last_event = None  # CUDA event at the end of the last logged step
+        self.mark = (time.perf_counter(), start_step, start_tokens, start_samples)  # at the last flush
+
+    def record(self, fields: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        if loss.is_cuda:  # mark the end of this step on the GPU's own timeline: no sync
+            fields["_event"] = torch.cuda.Event(enable_timing=True)
+            # On the loss's device: record() alone takes the current device's stream, cuda:0's
+            # under train.device=cuda:1, where no step runs.
+            fields["_event"].record(torch.cuda.current_stream(loss.device))
+        self.pending.append((fields, torch.stack([loss.float(), grad_norm.float()])))
+
+    def scalar(self, step: int, name: str, value: float) -> None:
+        """A value known on the host now (e.g. val loss): merged into that step's record."""
+        self._merge(step, name, value)
+        if self.tb:
+            with naming(self.tb.log_dir):
+                self.tb.add_scalar(name.replace("_", "/", 1), value, step)
+
+    def text(self, step: int, name: str, value: str) -> None:
+        """A text (e.g. a model sample): into that step's record and TensorBoard's text tab."""
+        self._merge(step, name, value)
+        if self.tb:
+            with naming(self.tb.log_dir):
+                self.tb.add_text(name, value, step)
+
+    def _merge(self, step: int, name: str, value) -> None:
+        for fields, _ in reversed(self.pending):
+            if fields["step"] == step:
+                fields[name] = value
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        # Taken off first: if a write below fails (a full disk), the flush on the way out must not
+        # write them again after the part already written.
+        pending, self.pending = self.pending, []
+        values = torch.stack([v for _, v in pending]).tolist()  # the one host read
+        recs = [{**f, "loss": loss, "grad_norm": g} for (f, _), (loss, g) in zip(pending, values)]
+        for rec in recs:  # GPU time per step, between step-end events (complete after the read above)
+            event = rec.pop("_event", None)
+            if event is not None and self.last_event is not None:
+                rec["gpu_ms"] = self.last_event.elapsed_time(event)
+            self.last_event = event or self.last_event
+        recs[-1].update(self._interval(recs))  # rates over the interval, on its last step
+        with naming(self.path):
+            self.file.write("".join(json.dumps(rec) + "\n" for rec in recs))
+            self.file.flush()
+        for rec in recs if self.tb else []:
+            with naming(self.tb.log_dir):
+                for k, v in rec.items():
+                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                        self.tb.add_scalar(f"train/{k}", v, rec["step"])
+        self._console(recs[-1])
+        self.last_loss = recs[-1]["loss"]
+
+    def _interval(self, recs: list[dict]) -> dict:
+        now, (t0, s0, tok0, smp0) = time.perf_counter(), self.mark
+        last = recs[-1]
+        self.mark = (now, last["step"], last["tokens"], last["samples"])
+        dt, steps = max(now - t0, 1e-9), max(last["step"] - s0, 1)
+        out = {"tokens_per_s": (last["tokens"] - tok0) / dt, "samples_per_s": (last["samples"] - smp0) / dt,
+               "ms_per_step": 1000 * dt / steps,
+               "data_wait_pct": 100 * sum(r["data_ms"] for r in recs) / (1000 * dt)}
+        if (m := self.mfu(out["tokens_per_s"])) is not None:
+            out["mfu"] = m
+        return {**out, **self.telemetry()}
+
+    def _console(self, rec: dict) -> None:
+        eta = (self.max_steps - rec["step"]) * rec["ms_per_step"] / 1000
+        extra = f" | MFU {100 * rec['mfu']:.1f}%" if "mfu" in rec else ""
+        extra += f" | mem {rec['cuda_max_alloc_gb']:.1f} GB" if "cuda_max_alloc_gb" in rec else ""
+        print(f"step {rec['step']:>6}/{self.max_steps} ({100 * rec['step'] / max(self.max_steps, 1):3.0f}%)"
+              f" | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f}"
+              f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['ms_per_step']:.1f} ms/step"
+              f" | data {rec['data_wait_pct']:.1f}%{extra}"
+              f" | ETA {hms(eta)}", flush=True)  # strftime's %H wrapped at a day
+
+    def close(self) -> None:
+        self.flush()
+        self.file.close()
+        if self.tb:
+            with naming(self.tb.log_dir):
+                self.tb.close()
+
+
+def _quiet_tensorboard_thread() -> None:
+    """TensorBoard writes its event file on a thread of its own. A write the disk refuses there
+    printed that thread's traceback, in the middle of train.py's one-line exit 3 for the same
+    error: the thread keeps the error, and the next TensorBoard call here raises it again (naming
+    the directory), so the traceback said nothing more. Every other thread's is printed as before."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_tensorboard", False):
+        return
+
+    def hook(args) -> None:
+        if type(args.thread).__module__ != "tensorboard.summary.writer.event_file_writer":
+            previous(args)
+
+    hook.quiets_tensorboard = True
+    threading.excepthook = hook
+
+
+class NullLog:
+    """What ranks other than 0 log: nothing (rank 0 logs the global values)."""
+    last_loss = None
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def record(self, *args) -> None:
+        pass
+
+    scalar = text = flush = close = record

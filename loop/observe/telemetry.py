@@ -1,0 +1,66 @@
+"""What the loop reads from the host at each log interval: CUDA memory, NVML readings (GPU
+utilisation, memory, power, temperature, energy) and MFU. None of it touches the GPU stream:
+memory counters and NVML are host calls, and MFU is arithmetic on the measured tokens/s.
+
+MFU = tokens/s x model FLOPs per token / peak FLOP/s of all the run's devices; it is reported only
+for models with a FLOPs formula (the GPT, loop/observe/mfu.py) on devices in the peak table.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from loop.observe.gpu import GpuSampler
+from loop.observe.mfu import gpt_flops_per_token, peak_flops
+from model.gpt import GPT
+
+
+def node_gpus(device: torch.device) -> dict[int, str] | None:
+    """The GPUs this node's processes train on (torchrun: cuda:0 to cuda:LOCAL_WORLD_SIZE-1, one
+    each), by CUDA index -> NVML UUID: every GPU NVML saw was summed, a shared machine's other jobs
+    included. None for a run on the CPU (or MPS): no GPU of its own to read."""
+    if device.type != "cuda":
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 0))
+    indices = range(local) if local else [torch.cuda.current_device() if device.index is None else device.index]
+    return {i: f"GPU-{torch.cuda.get_device_properties(i).uuid}" for i in indices}  # NVML's spelling
+
+
+class Telemetry:
+    def __init__(self, model: torch.nn.Module, model_cfg, seq_len: int, device: torch.device,
+                 precision: str, world: int):
+        self.device = device
+        gpus = node_gpus(device)  # the sampler says once that it is off without NVIDIA
+        self.gpu = GpuSampler(devices=gpus) if gpus else None
+        self.flops = None
+        if isinstance(model, GPT):  # 6N + attention, N without position embeddings (not `wpe` of
+            # a model of the user's own, whose FLOPs this formula does not count)
+            n = sum(p.numel() for p in model.parameters())
+            self.flops = gpt_flops_per_token(n, model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd,
+                                             seq_len, model.wpe.weight.numel())
+        if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.fp32_precision == "tf32":
+            precision = "tf32"
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+        peak = peak_flops(name, precision)
+        self.peak = peak * world if peak else None  # every process drives one such device
+
+    def read(self, now: bool = False) -> dict:
+        """The latest readings; `now`: NVML read first (the run's end: its energy to the last step,
+        not the sampler's last tick, which a run shorter than its interval never saw)."""
+        out = (self.gpu.sample_once() if now else self.gpu.read()) if self.gpu else {}
+        if self.device.type == "cuda":
+            gb = 1e9
+            out.update({"cuda_alloc_gb": torch.cuda.memory_allocated(self.device) / gb,
+                        "cuda_reserved_gb": torch.cuda.memory_reserved(self.device) / gb,
+                        "cuda_max_alloc_gb": torch.cuda.max_memory_allocated(self.device) / gb})
+        return out
+
+    def mfu(self, tokens_per_s: float) -> float | None:
+        if self.flops is None or self.peak is None:
+            return None
+        return tokens_per_s * self.flops / self.peak
+
+    def close(self) -> None:
+        if self.gpu:
+            self.gpu.close()

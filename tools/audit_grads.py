@@ -1,0 +1,172 @@
+"""make verify's in-process gradient audits: the gradient the optimizer is handed, read inside its
+step (a step pre-hook), for one real optimizer step of the loop (`Trainer._step`, wired by
+loop/build.py exactly as train.py wires it).
+
+    accumulation  train.grad_accum=k with micro-batch b  vs  1 x k*b, on the same k*b samples
+    clipping      that one-batch step  vs  a plain float32 reference: mean loss over the targets,
+                  backward, clip_grad_norm_'s formula, by hand
+
+Both run in eval mode, so dropout draws nothing and both sides compute the same function, and both
+hide all but one target in every micro-batch after the first, so the micro-batches hold different
+target counts: the case where only dividing by the whole step's target count is exact.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+
+from loop.build import build_trainer
+from loop.config.load import load_config
+from loop.data.bundle import IGNORE_INDEX
+from loop.data.sampler import split_batch, train_loader
+from loop.device import pick_device
+from loop.distributed.group import Dist
+from loop.evaluate import loss_and_sums
+from loop.precision import DTYPES
+
+# Relative L2 difference allowed between two gradients of the same step that were summed in a
+# different order (float32: ~1e-7 seen) or rounded differently by autocast (bf16 keeps 8 bits of
+# mantissa, fp16 11): far below what a wrong normalisation or a wrong clip does (~1e-1 and up).
+TOLERANCE = {"fp32": 1e-4, "fp16": 2e-2, "bf16": 5e-2}
+HALF = {dtype: name for name, dtype in DTYPES.items() if dtype is not None}  # torch.bfloat16: "bf16", ...
+
+
+def arithmetic(precision: str, model: torch.nn.Module) -> str:
+    """The coarsest arithmetic a step's gradients see: autocast's (train.precision), or the weights'
+    own when the model keeps them in 16 bits (a model built in bf16 computes in bf16 under fp32)."""
+    return max([precision, *(HALF[p.dtype] for p in model.parameters() if p.dtype in HALF)],
+               key=TOLERANCE.__getitem__)
+
+
+@dataclass
+class Result:
+    check: str
+    ok: bool
+    numbers: str
+    hint: str = ""
+
+
+def _trainer(config: str, overrides: list[str], accum: int, batch: int):
+    cfg = load_config(config, [*overrides, f"train.grad_accum={accum}", f"data.batch_size={batch}",
+                               "train.nan_policy=skip", "ema.enabled=false", "train.async_save=false"])
+    t = build_trainer(cfg, Dist(), pick_device(cfg.train.device))
+    t.model.eval()  # no dropout: both sides of a comparison compute the same function
+    t.log = SimpleNamespace(record=lambda fields, loss, grad_norm: t.logged.append(grad_norm))
+    t.logged = []
+    return t
+
+
+def _step_batches(t, k: int, b: int) -> list[dict]:
+    """The first k*b training samples in the loop's order, as k micro-batches of b; every
+    micro-batch after the first keeps only its first real target (when targets are ids; not its
+    first position, which a masked prompt leaves without one)."""
+    batch = next(iter(train_loader(t.data.train, k * b, t.cfg.run.seed, 0, 0, 2, False)))
+    micro = split_batch(batch, k)
+    if not torch.is_floating_point(batch["y"]):
+        for m in micro[1:]:
+            y = m["y"].flatten()
+            first = (y != IGNORE_INDEX).nonzero()[:1, 0]
+            kept = torch.full_like(y, IGNORE_INDEX)
+            kept[first] = y[first]
+            m["y"], m["n_targets"] = kept.view_as(m["y"]), len(first)
+    return micro
+
+
+def _join(micro: list[dict]) -> dict:
+    """The micro-batches as one batch (targets recounted by summing)."""
+    out = {k: torch.cat([m[k] for m in micro]) for k, v in micro[0].items() if torch.is_tensor(v)}
+    return {**out, "n_targets": sum(m["n_targets"] for m in micro)}
+
+
+def _applied(t, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float]:
+    """Run optimizer steps on these batches until one is taken (fp16 may overflow first and back
+    off its scale); return the gradients handed to the optimizer, by name, and the logged norm."""
+    seen: dict[str, torch.Tensor] = {}
+
+    def capture(_opt, _args, _kwargs) -> None:
+        seen.update({n: p.grad.detach().double().clone() for n, p in t.raw.named_parameters()
+                     if p.grad is not None})
+
+    hook = t.optimizer.register_step_pre_hook(capture)
+    for _ in range(8):
+        t.batches = iter(micro)
+        t._step()
+        if seen:
+            break
+    hook.remove()
+    return seen, float(t.logged[-1])
+
+
+def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([g.flatten().cpu() for _, g in sorted(grads.items())])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def reference(model: torch.nn.Module, batch: dict, device, clip: float):
+    """Plain float32, one batch, mean loss over the real targets, backward; clipped by hand. Returns
+    (gradients, their norm, the reference's arithmetic): the model's own dtypes where its forward
+    casts to one of them (`x.to(torch.bfloat16)` before a bf16 layer), which float32 weights fail."""
+    on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    try:
+        ref, what = copy.deepcopy(model).float(), "float32"
+        loss = loss_and_sums(ref(on_device))[0]
+    except RuntimeError:  # "expected m1 and m2 to have the same dtype": a traceback, no table
+        ref, what = copy.deepcopy(model), "own-dtype"
+        loss = loss_and_sums(ref(on_device))[0]
+    (loss / batch["n_targets"]).backward()
+    grads = {name: p.grad.detach().double() for name, p in ref.named_parameters() if p.grad is not None}
+    norm = float(_flat(grads).norm())
+    scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # clip_grad_norm_'s rule
+    return {name: g * scale for name, g in grads.items()}, norm, what
+
+
+def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list[Result]:
+    if not {"accumulation", "clipping"} & checks:
+        return []
+    probe = load_config(config, overrides)
+    b, k = probe.data.batch_size, max(probe.train.grad_accum, 2)
+    accum = _trainer(config, overrides, k, b)
+    whole = _trainer(config, overrides, 1, k * b)
+    micro = _step_batches(accum, k, b)
+    counts = [m["n_targets"] for m in micro]
+    kind = arithmetic(whole.precision.name, whole.raw)
+    tol, kind = TOLERANCE[kind], kind if kind == whole.precision.name else f"{kind} weights"
+    start = copy.deepcopy(whole.raw)  # the weights before the step, for the reference
+    g_whole, norm_whole = _applied(whole, [_join(micro)])
+    out = []
+    if "accumulation" in checks:
+        g_accum, _ = _applied(accum, micro)
+        if not (g_accum and g_whole):
+            out.append(Result("accumulation", False, "no optimizer step was taken in 8 tries "
+                              "(non-finite gradients every time)", "lower optim.lr or check the data"))
+        else:
+            diff = _rel(_flat(g_accum), _flat(g_whole))
+            same = "" if len(set(counts)) > 1 else "; equal target counts, so a per-micro-batch " \
+                "mean would go unnoticed"
+            out.append(Result("accumulation", diff <= tol,
+                              f"{k} x {b} vs 1 x {k * b} (targets per micro-batch {counts}): gradient "
+                              f"rel. difference {diff:.1e} (tolerance {tol:g}, {kind}){same}",
+                              "each micro-batch's loss must be divided by the target count of the whole "
+                              "step (not averaged per micro-batch), so the model's forward must return "
+                              "the loss summed over its targets (reduction=\"sum\"), not their mean"))
+    if "clipping" in checks:
+        want, norm, what = reference(start, _join(micro), whole.device, whole.cfg.train.clip_grad)
+        if not g_whole:
+            out.append(Result("clipping", False, "no optimizer step was taken in 8 tries",
+                              "lower optim.lr or check the data"))
+        else:
+            diff = _rel(_flat(g_whole), _flat(want))
+            ok = diff <= tol and abs(norm_whole - norm) <= max(tol * norm, 1e-6)
+            out.append(Result("clipping", ok,
+                              f"applied gradient vs a plain {what} reference: rel. difference "
+                              f"{diff:.1e}; gradient norm logged {norm_whole:.4g}, reference {norm:.4g}"
+                              f" (train.clip_grad={whole.cfg.train.clip_grad:g}, {kind})",
+                              "unscale the gradients (GradScaler.unscale_) before clipping and before "
+                              "measuring their norm; clip after the last micro-batch only"))
+    return out

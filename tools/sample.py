@@ -1,0 +1,146 @@
+"""Text from a trained model: a run's exported model.pt, or any checkpoint, continued from a prompt.
+
+    python -m tools.sample runs/default                        # the finished run's model.pt
+    python -m tools.sample runs/default --prompt "def " --tokens 300 --temperature 0.5 --seed 1
+    python -m tools.sample runs/default/checkpoints/latest     # a run still training (or stopped)
+    python -m tools.sample runs/default --ema                  # its EMA weights (ema.enabled runs)
+
+The model is rebuilt from the config saved with the weights, and the vocabulary comes from its data
+set, as training built it (data.cache_dir, re-prepared from data.path if the cache is gone): run it
+from where the training ran, relative paths are read from there. On the CPU unless --device says
+otherwise. The same seed gives the same text. A character-level corpus takes the prompt as text; a
+token file takes it as token ids ("1 2 3") and prints ids. An empty prompt starts from token 0 (a
+newline in most texts). Bad input (no such file, a prompt outside the vocabulary, a model that does
+not generate, a corpus edited since training) is exit 2 with a message that names it.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from data import build_data
+from loop.checkpoint import resume, store
+from loop.config.fields import at_least, from_dict, positive
+from loop.config.schema import Config
+from loop.device import pick_device
+from loop.errors import EXIT_BAD_INPUT, BadInput
+from model import build_model
+
+CODE = "Use the model code it was trained with."  # the config is its own: only the code can differ
+
+
+def load(path: Path, ema: bool, device: torch.device):
+    """(model in eval mode, its data) from a run dir, a model.pt or a checkpoint dir."""
+    path = resume.followed(path)
+    if (path / "model.pt").is_file():
+        path = path / "model.pt"
+    if path.is_file():
+        saved = store.load(path.parent, path.name)
+    elif path.is_dir() and ((path / store.MANIFEST).exists() or path.name.startswith("step_")):
+        saved = store.load(resume.verified(path, "checkpoint"), "state.pt")
+    else:
+        raise BadInput(f"{path}: expected a run directory with model.pt, a model.pt, or a checkpoint "
+                       f"directory.{resume.checkpoints_near(path / 'checkpoints')}")
+    if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
+        raise BadInput(f"{path}: no config saved with these weights (a bare state_dict?); expected a "
+                       f"model.pt or checkpoint that train.py wrote.")
+    cfg = from_dict(Config, saved["config"], "", str(path))
+    data = build_data(cfg.data)
+    if path.is_file() and "data" not in saved:  # a model.pt exported before it held its "data"
+        saved["data"] = (_json(path.parent / "metadata.json") or {}).get("data")
+    check_corpus(data, saved["data"] if path.is_file() else (saved.get("metadata") or {}).get("data"), path)
+    model = build_model(cfg.model, data)
+    if not hasattr(model, "generate") or data.decode is None:
+        raise BadInput(f"{path}: model.name={cfg.model.name} on data.name={cfg.data.name} does not "
+                       f"generate text (no generate method, or data without a decoder).")
+    if path.is_file():
+        if ema and saved.get("ema") is None:
+            raise BadInput(f"{path}: --ema, but it holds no EMA weights (ema.enabled was off).")
+        weights = saved["ema" if ema else "model"]
+        resume.refuse_mismatch(model, weights, f"model file {path}", saved["config"], cfg, CODE)
+        resume.load_whole(model, weights)
+    elif ema:
+        raise BadInput(f"{path}: --ema reads a finished run's model.pt; a checkpoint's is not loaded here.")
+    else:
+        resume.load_model_state(path, model, cfg, advice=CODE)
+    return model.to(device).eval(), data
+
+
+def _json(path: Path) -> dict | None:
+    try:  # a model.pt copied away from its run has no metadata.json beside it: nothing to check
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def check_corpus(data, recorded: dict | None, path: Path) -> None:
+    """A text corpus's characters are its vocabulary: edited since training (the cache is keyed by
+    content, so it is prepared anew), it may list them in another order, and the text came out
+    decoded with the wrong characters without a word. Compared by the sha256 the run recorded."""
+    was, now = (recorded or {}).get("sha256"), data.meta.get("sha256")
+    if "chars" in data.meta and was and was != now:
+        raise BadInput(f"{path}: trained on a corpus with sha256 {was[:16]}..., but data.path "
+                       f"({data.meta.get('source')}) now holds {now[:16]}...: its characters, the "
+                       f"model's vocabulary, may differ, and the text would be decoded wrongly; "
+                       f"expected the text it was trained on there.")
+
+
+def encode(prompt: str, data) -> list[int]:
+    """The prompt's token ids: characters of a character-level corpus, else ids written out."""
+    if "chars" in data.meta:
+        lut = {c: i for i, c in enumerate(data.meta["chars"])}
+        if missing := sorted(set(prompt) - lut.keys()):
+            raise BadInput(f"option --prompt: {''.join(missing)!r} not in the model's vocabulary "
+                           f"(the {len(lut)} characters of its training text).")
+        return [lut[c] for c in prompt] or [0]
+    try:
+        ids = [int(t) for t in prompt.split()] or [0]
+    except ValueError:
+        raise BadInput(f"option --prompt: {prompt!r}; this model reads token ids, expected integers "
+                       f"separated by spaces.") from None
+    if bad := [i for i in ids if not 0 <= i < data.vocab_size]:
+        raise BadInput(f"option --prompt: token ids {bad} outside the vocabulary (0 to {data.vocab_size - 1}).")
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m tools.sample", description=__doc__.splitlines()[0])
+    p.add_argument("path", type=Path, help="a run dir, a model.pt or a checkpoint dir")
+    p.add_argument("--prompt", default="", help="text (or token ids) to continue; default: token 0")
+    p.add_argument("--tokens", type=at_least(1), default=200, help="tokens to generate (200)")
+    p.add_argument("--temperature", type=positive, default=None,
+                   help="> 0: lower draws the likelier tokens more often (default: the model's "
+                        "generate() default, 0.8 for the GPT)")
+    p.add_argument("--seed", type=at_least(0, 2**64 - 1), default=0)  # what a torch.Generator takes
+    p.add_argument("--ema", action="store_true", help="the EMA weights of model.pt")
+    p.add_argument("--device", default="cpu", help="cpu (default), cuda, cuda:N, mps or auto")
+    a = p.parse_args(argv)
+    try:
+        device = pick_device(a.device, "option --device")
+        with contextlib.redirect_stdout(sys.stderr):  # "preparing ...": stdout is the text alone
+            model, data = load(a.path, a.ema, device)
+        prompt = torch.tensor([encode(a.prompt, data)], device=device)  # (1, T)
+        g = torch.Generator(device).manual_seed(a.seed)
+        # The loop's own sample calls generate(prompt, n, generator): a model of yours need not
+        # take a temperature, and then only this option asks for one.
+        options = {} if a.temperature is None else {"temperature": a.temperature}
+        if options and "temperature" not in inspect.signature(model.generate).parameters:
+            raise BadInput(f"option --temperature: this model's generate() ({type(model).__name__}) "
+                           f"takes no temperature; leave the option out.")
+        with torch.no_grad():
+            ids = model.generate(prompt, a.tokens, g, **options)[0].tolist()
+    except BadInput as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(data.decode(ids))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
