@@ -27,11 +27,10 @@ import torch
 
 from bench.common import RESULTS, append_result, command, device_label, sync_device
 from loop import build, determinism
-from loop.checkpoint import store
+from loop.checkpoint import state, store
 from loop.checkpoint.async_save import AsyncSaver
-from loop.checkpoint.state import capture
 from loop.config.fields import at_least
-from loop.config.load import DEFAULT_CONFIG, config_hash, load_config
+from loop.config.load import DEFAULT_CONFIG, config_hash, load_config, to_dict
 from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.observe.metrics import NullLog
@@ -44,10 +43,17 @@ def build_trainer(config: str, overrides: list[str]) -> Trainer:
     if cfg.run.deterministic:
         determinism.enable()
     t = build.build_trainer(cfg, Dist(), pick_device(cfg.train.device))
-    t.log, t.batches = NullLog(), t._batches()
+    t.log = NullLog()
+    t.feed.start()
     for _ in range(2):
-        t._step()
+        t.step()
     return t
+
+
+def capture(t: Trainer) -> dict[str, object]:
+    """The checkpoint's files as a run writes them (loop/checkpoint/state.py)."""
+    run = {"config": to_dict(t.cfg), "config_sha256": config_hash(t.cfg), "world_size": 1, "metadata": {}}
+    return state.files(t.parts, 0, False, run)
 
 
 def timed_steps(t: Trainer, n: int = 0, while_busy: AsyncSaver | None = None) -> tuple[int, float]:
@@ -55,7 +61,7 @@ def timed_steps(t: Trainer, n: int = 0, while_busy: AsyncSaver | None = None) ->
     return how many and their seconds."""
     done, t0 = 0, time.perf_counter()
     while done < n or (while_busy is not None and (done == 0 or while_busy.busy)):
-        t._step()
+        t.step()
         done += 1
     sync_device(t.device)
     return done, time.perf_counter() - t0

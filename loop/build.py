@@ -15,7 +15,8 @@ from loop.device import use_tf32
 from loop.distributed import fsdp
 from loop.distributed.group import Dist
 from loop.distributed.wrap import wrap
-from loop.ema import build_ema
+from loop.ema import EMA
+from loop.guards import faults
 from loop.errors import BadInput
 from loop.optim import build_optimizer
 from loop.precision import Precision, check_weights
@@ -46,7 +47,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
         model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
         dist.say("model compiled in place (torch.compile); the first steps include compilation")
     # Before wrapping: an FSDP module cannot be deep-copied.
-    ema = build_ema(model, cfg.ema, shapes_only=deferred)
+    ema = EMA(model, cfg.ema.decay, cfg.ema.warmup, shapes_only=deferred) if cfg.ema.enabled else None
     for note in idle_settings(cfg, precision, model):
         dist.say(f"note: {note}")
     model = wrap(model, device, cfg, precision.dtype, ema)
@@ -55,7 +56,11 @@ def build_trainer(cfg, dist: Dist, device: torch.device) -> Trainer:
     # Each rank's own streams (dropout, augmentation) start here, whatever the builders drew: FSDP's
     # meta-device ranks draw nothing, so they would otherwise differ from DDP's.
     seed_everything(rank_seed(cfg.run.seed, dist.rank))
-    return Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)
+    trainer = Trainer(cfg, model, data, optimizer, scheduler, precision, device, dist, ema)
+    # Deliberate faults, if configured, from outside the step (loop/guards/faults.py).
+    trainer.forward = faults.around_forward(trainer.forward, cfg.faults, trainer.progress, dist.rank)
+    trainer.checkpoints.midway = faults.kill_midway(cfg.faults.kill_in_ckpt_at_step)
+    return trainer
 
 
 def idle_settings(cfg, precision: Precision, model=None) -> list[str]:

@@ -4,8 +4,9 @@ A model's `forward(batch)` returns the loss summed over the batch's real targets
 that sum as "loss" and more sums over the same targets (a classifier: "accuracy", the number it got
 right). Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their
 own generator) and reports each sum divided by the number of real targets, as `val_loss`,
-`val_accuracy`, ..., with one host read. The sample uses its own `torch.Generator`. The functions
-at the end are the trainer's evaluation step (they take the Trainer, like loop/checkpoint/state.py's).
+`val_accuracy`, ..., with one host read. The sample uses its own `torch.Generator`. `Evaluator`
+is a run's evaluation: its fixed validation batches, its samples, and the probe of the model's
+contract before anything is written.
 """
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from loop.data.sampler import split_batch, val_batches
 from loop.data.seeded import SeededSamples
 from loop.distributed import fsdp
 from loop.errors import BadInput, GaveUp
-from loop.guards.oom import oom_in_collectives
 
 CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
             "(shape (), e.g. reduction=\"sum\"), or a dict with it under \"loss\" and more such sums "
@@ -84,55 +84,93 @@ def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decod
     return decode(ids)
 
 
-# ------------------------------------------------------------- the trainer's evaluation (t: Trainer)
-def validate(t) -> dict[str, float]:
-    """val_loss and the model's other val_ metrics over every rank's share (EMA weights if on); a
-    collective: every rank calls it."""
-    batches = t.val
-    if t.lab == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
-        d = t.cfg.data
-        batches = val_batches(t.data.val, d.batch_size, t.cfg.train.eval_batches, None, t.dist.rank,
-                              t.dist.world)
-    metrics = val_metrics(t.ema.module if t.ema else t.raw, batches, t.precision, t.device, t.dist,
-                          t.progress.micro_split)
-    t.last_eval = (t.progress.step, metrics)
-    return metrics
+class Evaluator:
+    """A run's validation and text samples: a fixed set of validation batches (drawn once by their
+    own generator, the same at every evaluation), and samples drawn with a generator of their own,
+    so evaluating never changes training."""
 
+    def __init__(self, model: nn.Module, data, cfg, precision, device: torch.device, dist,
+                 sharded: bool, progress, oom):
+        """`model`: what is evaluated (the EMA copy, if on); `progress` and `oom` (loop/guards/oom.py):
+        the training micro-batch, which validation splits like, and what out of memory says."""
+        self.model, self.data, self.precision, self.device, self.dist = model, data, precision, device, dist
+        self.sharded, self.progress, self.oom, self.lab = sharded, progress, oom, cfg.lab.break_
+        self.seed, self.tokens = cfg.run.seed, cfg.train.sample_tokens
+        self.batch_size, self.n_batches = cfg.data.batch_size, cfg.train.eval_batches
+        self.batches = val_batches(data.val, self.batch_size, self.n_batches, self.seed, dist.rank, dist.world)
+        self.last: tuple[int, dict[str, float]] | None = None  # (step, {val_loss, val_...})
 
-def evaluate(t, step: int) -> bool:
-    """Validation metrics and a text sample into the log; True if the monitored metric
-    (train.best_metric) is the best so far."""
-    metrics = validate(t)
-    for name, value in metrics.items():
-        t.log.scalar(step, name, value)
-    if text := sample(t):
-        t.log.text(step, "sample", text)  # a no-op off rank 0
-    best = t.monitor.update(step, metrics[t.monitor.metric])
-    if t.monitor.state.stop_reason:  # set by this evaluation: the loop ends here
-        t.dist.say(f"stopped early at step {step}: {t.monitor.state.stop_reason}")
-    return best
+    def validate(self) -> dict[str, float]:
+        """val_loss and the model's other val_ metrics over every rank's share; a collective."""
+        batches = self.batches
+        if self.lab == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
+            batches = val_batches(self.data.val, self.batch_size, self.n_batches, None, self.dist.rank,
+                                  self.dist.world)
+        metrics = val_metrics(self.model, batches, self.precision, self.device, self.dist,
+                              self.progress.micro_split)
+        self.last = (self.progress.step, metrics)
+        return metrics
 
+    def sample(self) -> str | None:
+        """A short text from the model after the last validation, on rank 0 (on every rank with
+        FSDP, whose forward needs all of them; the same text on each). None for models that do not
+        generate (a classifier), data without a decoder, or train.sample_tokens=0."""
+        if not (self.dist.main or self.sharded) or not hasattr(self.model, "generate") \
+                or self.data.decode is None or self.tokens == 0:
+            return None
+        step, metrics = self.last
+        if not math.isfinite(metrics["val_loss"]):  # diverged weights: no distribution to draw from
+            self.dist.say(f"warning: step {step}: val_loss is {metrics['val_loss']}; no text sample drawn",
+                          file=sys.stderr)
+            return None
+        # Fetched as training fetches (loop/data/seeded.py): a validation set that augments drew
+        # from the training streams here, and evaluating changed the dropout masks after it.
+        prompt = SeededSamples(self.data.val, self.seed)[(0, 0)]["x"][None, :8].to(self.device)  # (1, 8)
+        return text_sample(self.model, prompt, self.tokens, self.seed, self.data.decode)
 
-def check_model_output(t) -> None:
-    """Before anything is written, probe one validation batch (eval mode, no gradients, no random
-    draws): the model keeps its contract (`loss_and_sums`), and train.best_metric is one it reports."""
-    if not t.dist.sum_host([sum(b["n_targets"] for b in t.val)])[0]:  # was a ZeroDivisionError
-        raise BadInput("data: the validation batches hold no targets (every y is -100, the ignored "
-                       "index); expected some to measure val_loss on.")
-    # A batch with targets where this rank has one: the probe divides by the count over ranks.
-    probe = next((b for b in t.val if b["n_targets"]), t.val[0])
-    try:  # a compiled model is built here, at its first forward
-        names = _probe(t, probe)
-    except Exception as e:
-        if not (t.cfg.train.compile and _cannot_compile(e)):
-            raise
-        raise BadInput(f"config key train.compile=true: torch.compile could not build this model "
-                       f"({str(e).strip().splitlines()[0]}); install what it names (a C++ compiler "
-                       f"for the CPU, a C compiler for Triton on CUDA), or set "
-                       f"train.compile=false.") from e
-    if t.monitor.metric not in names:
-        raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
-                       f"model reports ({', '.join(names)}); got {t.monitor.metric!r}.")
+    def check_model(self, raw: nn.Module, best_metric: str, compiled: bool) -> None:
+        """Before anything is written, probe one validation batch through the trained model `raw`
+        (eval mode, no gradients, no random draws): it keeps its contract (`loss_and_sums`), and
+        train.best_metric is one it reports."""
+        if not self.dist.sum_host([sum(b["n_targets"] for b in self.batches)])[0]:
+            raise BadInput("data: the validation batches hold no targets (every y is -100, the ignored "
+                           "index); expected some to measure val_loss on.")
+        # A batch with targets where this rank has one: the probe divides by the count over ranks.
+        probe = next((b for b in self.batches if b["n_targets"]), self.batches[0])
+        try:  # a compiled model is built here, at its first forward
+            names = self._probe(raw, probe)
+        except Exception as e:
+            if not (compiled and _cannot_compile(e)):
+                raise
+            raise BadInput(f"config key train.compile=true: torch.compile could not build this model "
+                           f"({str(e).strip().splitlines()[0]}); install what it names (a C++ compiler "
+                           f"for the CPU, a C compiler for Triton on CUDA), or set "
+                           f"train.compile=false.") from e
+        if best_metric not in names:
+            raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
+                           f"model reports ({', '.join(names)}); got {best_metric!r}.")
+
+    def _probe(self, raw: nn.Module, batch: dict) -> dict[str, float]:
+        """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch
+        too big for the card must reach training, whose recovery (train.oom_policy) splits it. Ranks
+        need not agree first: the one collective comes after every forward. Under FSDP, whose
+        forward gathers weights from every rank, an out-of-memory cannot be retried."""
+        split, n = 1, len(batch["idx"])
+        while True:
+            try:
+                return val_metrics(raw, [batch], self.precision, self.device, self.dist, split)
+            except torch.OutOfMemoryError:
+                pass  # retried outside the except block: its traceback pins the tensors
+            if self.sharded:
+                self.oom.in_collectives("in the first validation forward (the model's contract probe) "
+                                        "under FSDP, which gathers each block's weights from all ranks")
+            if split >= n:
+                raise GaveUp(f"out of memory in the model's first forward (validation, no "
+                             f"gradients), even one sample at a time: the model does not fit "
+                             f"{self.device}; use a smaller model or data.seq_len.")
+            split *= 2
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
 
 def _cannot_compile(e: Exception) -> bool:
@@ -143,45 +181,3 @@ def _cannot_compile(e: Exception) -> bool:
     from torch._inductor.exc import GPUTooOldForTriton, TritonMissing
 
     return isinstance(e, (BackendCompilerFailed, TritonMissing, GPUTooOldForTriton))
-
-
-def _probe(t, batch: dict) -> dict[str, float]:
-    """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch too
-    big for the card must reach training, whose recovery (train.oom_policy) splits it. Ranks need
-    not agree first: the one collective comes after every forward. Under FSDP, whose forward
-    gathers weights from every rank, an out-of-memory cannot be retried (loop.guards.preemption)."""
-    split, n = 1, len(batch["idx"])
-    while True:
-        try:
-            return val_metrics(t.raw, [batch], t.precision, t.device, t.dist, split)
-        except torch.OutOfMemoryError:
-            pass  # retried outside the except block: its traceback pins the tensors
-        if t.sharded:
-            oom_in_collectives(t, "in the first validation forward (the model's contract probe) "
-                                  "under FSDP, which gathers each block's weights from all ranks")
-        if split >= n:
-            raise GaveUp(f"out of memory in the model's first forward (validation, no "
-                         f"gradients), even one sample at a time: the model does not fit "
-                         f"{t.device}; use a smaller model or data.seq_len.")
-        split *= 2
-        if t.device.type == "cuda":
-            torch.cuda.empty_cache()
-
-
-def sample(t) -> str | None:
-    """A short text from the model (EMA weights if on), drawn with its own generator, on rank 0 (on
-    every rank with FSDP, whose forward needs all of them; the same text on each). None for models
-    that do not generate (a classifier) or data without a decoder."""
-    model = t.ema.module if t.ema else t.raw
-    if not (t.dist.main or t.sharded) or not hasattr(model, "generate") or t.data.decode is None \
-            or t.cfg.train.sample_tokens == 0:
-        return None
-    step, metrics = t.last_eval
-    if not math.isfinite(metrics["val_loss"]):  # diverged weights: no distribution to draw from
-        t.dist.say(f"warning: step {step}: val_loss is {metrics['val_loss']}; no text sample drawn",
-                   file=sys.stderr)
-        return None
-    # Fetched as training fetches (loop/data/seeded.py): a validation set that augments drew from the
-    # training streams here, and evaluating changed the dropout masks of the steps after it.
-    prompt = SeededSamples(t.data.val, t.cfg.run.seed)[(0, 0)]["x"][None, :8].to(t.device)  # (1, 8)
-    return text_sample(model, prompt, t.cfg.train.sample_tokens, t.cfg.run.seed, t.data.decode)

@@ -48,12 +48,17 @@ class Monitor:
         return better
 
     def state_dict(self) -> dict:
-        return asdict(self.state)
+        return {"metric": self.metric, "mode": self.mode, **asdict(self.state)}
 
     def load_state_dict(self, d: dict) -> None:
-        # A checkpoint from before `reference` (its best was measured by min_delta) has none.
-        self.state = MonitorState(**{"reference": d.get("best"), **d})
+        """A checkpoint's tracking, if it watched the same metric the same way; else none is kept
+        (no yardstick: the best checkpoint and early stopping start over from here)."""
+        saved = dict(d)
+        if (saved.pop("metric"), saved.pop("mode")) != (self.metric, self.mode):
+            self.state = MonitorState()
+            return
+        self.state = MonitorState(**saved)
         # Stopped or not follows from the count under this run's patience: resumed with a larger
-        # train.early_stop_patience, or 0, a run that stopped early trains on (it stayed stopped).
+        # train.early_stop_patience, or 0, a run that stopped early trains on.
         if not (self.patience and self.state.bad_evals >= self.patience):
             self.state.stop_reason = ""

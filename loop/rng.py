@@ -1,7 +1,8 @@
 """Seed every random stream, and capture / restore all of them for exact resume.
 
 Streams: Python `random`, NumPy's global generator, torch CPU, and the current accelerator
-device (CUDA or MPS). The captured state holds only tensors and primitives, so it loads with
+device (CUDA or MPS). They are the process's, so each rank checkpoints its own (`RngStreams`, a
+file per rank). The state holds only tensors and primitives, so it loads with
 `torch.load(weights_only=True)`.
 """
 from __future__ import annotations
@@ -24,28 +25,30 @@ def rank_seed(seed: int, rank: int, step: int = 0) -> int:
     return int(np.random.SeedSequence([seed, rank, step]).generate_state(1)[0])
 
 
-def capture() -> dict:
-    name, keys, pos, has_gauss, gauss = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
-                  "has_gauss": has_gauss, "gauss": gauss},
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()  # the current device: one per rank
-    if torch.backends.mps.is_available():
-        state["mps"] = torch.mps.get_rng_state()
-    return state
+class RngStreams:
+    """Every random stream of this process, as a part of the checkpoint."""
 
+    def state_dict(self) -> dict:
+        name, keys, pos, has_gauss, gauss = np.random.get_state()
+        state = {
+            "python": random.getstate(),
+            "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": pos,
+                      "has_gauss": has_gauss, "gauss": gauss},
+            "torch": torch.get_rng_state(),
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            state["cuda"] = torch.cuda.get_rng_state()  # the current device: one per rank
+        if torch.backends.mps.is_available():
+            state["mps"] = torch.mps.get_rng_state()
+        return state
 
-def restore(state: dict) -> None:
-    random.setstate(state["python"])
-    n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
-                         n["has_gauss"], n["gauss"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-    if "mps" in state:
-        torch.mps.set_rng_state(state["mps"])
+    def load_state_dict(self, state: dict) -> None:
+        random.setstate(state["python"])
+        n = state["numpy"]
+        np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
+                             n["has_gauss"], n["gauss"]))
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"])
+        if "mps" in state:
+            torch.mps.set_rng_state(state["mps"])

@@ -58,8 +58,20 @@ SCHEDULES = {"warmup_cosine": warmup_cosine, "cosine_restarts": cosine_restarts,
              "inverse_sqrt": inverse_sqrt, "step": step_decay, "constant": constant}
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, max_steps: int) -> LambdaLR:
+class Schedule(LambdaLR):
+    """LambdaLR, resumed the way a config reads: the step count from the checkpoint, the schedule
+    (schedule.*, train.max_steps) and its base, optim.lr, from this run's config. Loaded after the
+    optimizer (loop/optim.py::AdamW), it sets the lr of the resumed step, as its `step` would have."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self.base_lrs = [g["initial_lr"] for g in self.optimizer.param_groups]  # this run's optim.lr
+        for g, base, factor in zip(self.optimizer.param_groups, self.base_lrs, self.lr_lambdas):
+            g["lr"] = base * factor(self.last_epoch)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, max_steps: int) -> Schedule:
     if cfg.name not in SCHEDULES:
         raise BadInput(f"config key schedule.name: expected one of {', '.join(SCHEDULES)}; "
                        f"got {cfg.name!r}.")
-    return LambdaLR(optimizer, partial(SCHEDULES[cfg.name], cfg=cfg, max_steps=max_steps))
+    return Schedule(optimizer, partial(SCHEDULES[cfg.name], cfg=cfg, max_steps=max_steps))

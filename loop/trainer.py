@@ -1,132 +1,124 @@
-"""The honest loop. `Trainer(...).run()` resumes if it can, trains to `train.max_steps` (or until
-early stopping or a preemption signal), and writes `summary.json`. The optimizer step (`_step`)
-reads top to bottom:
+"""The honest loop. `Trainer(...).run()` resumes if it can, trains to train.max_steps (or until early
+stopping or a preemption signal), evaluating and checkpointing on the way, and writes summary.json.
+`step()` is one optimizer step, top to bottom:
 
-    lr (set by LambdaLR) -> micro-batches (forward, backward) -> unscale -> clip -> finite check
-    -> step -> EMA -> zero_grad -> log;   then eval and checkpoint.
+    micro-batches -> forward, backward of each -> the true loss over every rank -> unscale -> clip
+    -> one finite check -> step or skip -> schedule, EMA, zero_grad -> count and log
 
-Exact resume rests on three seams: the data position (global samples consumed by optimizer
-steps, `Progress.samples`), every RNG stream captured in the checkpoint (`loop.rng`), and the LR
-as a pure function of the optimizer step (`loop.schedule`).
+Exact resume rests on three seams: the data position (`Progress.samples`, global samples taken by
+optimizer steps), every RNG stream in the checkpoint (loop/rng.py), and the LR as a pure function
+of the optimizer step (loop/schedule.py). A checkpoint is `self.parts`, each part a state_dict.
+Lines marked `lab:` break one concern on purpose when its lab switch is on (loop/lab.py).
 """
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.profiler import record_function
 
-from loop import evaluate
-from loop.checkpoint import resume, runlock, store
-from loop.checkpoint.async_save import AsyncSaver
+from loop.checkpoint import resume, runlock, state, store
 from loop.checkpoint.atomic import atomic_write
-from loop.checkpoint.state import Progress, restore, save, warm_start
-from loop.config.load import save as save_config
-from loop.config.schema import Config
-from loop.data.sampler import close_loader, train_loader, val_batches
+from loop.checkpoint.saver import Saver
+from loop.config.load import config_hash, save as save_config, to_dict
+from loop.data.feed import Feed
+from loop.data.sampler import split_batch
 from loop.distributed import fsdp
 from loop.distributed.group import Dist
-from loop.distributed.wrap import check_all_used
-from loop.ema import update as update_ema
-from loop.forward_backward import forward_backward
-from loop.guards.nonfinite import describe_non_finite, on_non_finite, skip_empty_step
-from loop.guards.oom import recover_from_oom
-from loop.guards.preemption import Preemption, worker_ignores_stop_signals
+from loop.distributed.wrap import check_all_used, ddp, grad_sync, is_ddp
+from loop.evaluate import Evaluator, loss_and_sums
+from loop.guards.nonfinite import NonFinite, describe
+from loop.guards.oom import OutOfMemory
+from loop.guards.preemption import Preemption
 from loop.lab import banner
 from loop.monitor import Monitor
+from loop.observe import summary
 from loop.observe.metadata import collect as collect_metadata
 from loop.observe.metrics import MetricsLog, NullLog
 from loop.observe.profile import StepProfiler
-from loop.observe.summary import close_sinks, finish
 from loop.observe.telemetry import Telemetry
+from loop.progress import Progress
+from loop.rng import RngStreams
 
 
 class Trainer:
-    def __init__(self, cfg: Config, model, data, optimizer, scheduler, precision, device, dist=None,
-                 ema=None):
-        self.cfg, self.model, self.data, self.device = cfg, model, data, device
-        self.dist = dist or Dist()
+    def __init__(self, cfg, model, data, optimizer, scheduler, precision, device, dist=None, ema=None):
+        """`model` as wrapped for the run (DDP, FSDP or plain); `ema`: loop.ema.EMA or None."""
+        self.cfg, self.model, self.data, self.device, self.dist = cfg, model, data, device, dist or Dist()
         self.raw = getattr(model, "module", model)  # unwrapped (DDP keeps it as .module)
         self.sharded = fsdp.is_sharded(model)  # FSDP: every rank holds a shard of each weight
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
-        self.scaler, self.out = precision.scaler, Path(cfg.run.out_dir)
-        self.ckpt_root = self.out / "checkpoints"
+        self.scaler, self.ema, self.lab = precision.scaler, ema, cfg.lab.break_
+        tc, self.out = cfg.train, Path(cfg.run.out_dir)
         self.progress = Progress()
-        tc = cfg.train
         self.monitor = Monitor(tc.best_metric, tc.best_mode, tc.early_stop_patience, tc.early_stop_min_delta)
-        if cfg.ema.enabled != (ema is not None):
-            raise ValueError("pass the AveragedModel (loop.ema.build_ema) exactly when ema.enabled")
-        self.ema = ema  # built before wrapping (loop/build.py)
-        self.val = val_batches(data.val, cfg.data.batch_size, tc.eval_batches, cfg.run.seed,
-                               self.dist.rank, self.dist.world)
-        self.last_eval: tuple[int, dict[str, float]] | None = None  # (step, val_loss, val_...)
-        self.log: MetricsLog | None = None
-        self.mirror, self.origin = None, None  # origin: where run.resume=PATH began (resume.origin)
-        self.telemetry: Telemetry | None = None  # rank 0 only
-        self.metadata: dict = {}  # rank 0 only; also goes into every checkpoint
+        self.parts = {"model": self.raw, "optimizer": optimizer, "scheduler": scheduler, "scaler": self.scaler,
+                      "ema": ema, "monitor": self.monitor, "progress": self.progress, "rng": RngStreams()}
+        self.feed = Feed(data, cfg, cfg.data.pin_memory and device.type == "cuda", self.progress,
+                         self.dist.rank, self.dist.world)
+        self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save)
+        self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.dist.rank, self.dist.world)
+        hint = ", or model.activation_checkpointing=true" if hasattr(self.raw, "set_activation_checkpointing") else ""
+        self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded, hint)
+        self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
+                                   self.sharded, self.progress, self.oom)
+        self.log, self.telemetry, self.metadata, self.run_facts = NullLog(), None, {}, {}
         self.preempted = False
-        self.saver = AsyncSaver(self.dist.for_thread()) if cfg.train.async_save else None
-        self.bad_streak = 0  # non-finite steps in a row, with no step past them in between
-        self.last_bad = 0  # the step the last of them was
-        self.fired: set[str] = set()  # injected faults already fired in this process
-        self.lab = cfg.lab.break_  # a lab switch breaking one concern on purpose (loop/lab.py)
 
     def run(self) -> dict:
-        cfg, tc = self.cfg, self.cfg.train
+        cfg, tc, p = self.cfg, self.cfg.train, self.progress
         if self.lab:
             self.dist.say(banner(self.lab))
-        evaluate.check_model_output(self)
-        path = self.dist.on_main(self._lock_then_choose)
-        if self.dist.main:  # before restore, which compares it with the checkpoint's
+        self.evaluator.check_model(self.raw, self.monitor.metric, tc.compile)  # before anything is written
+        path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
+        if self.dist.main:  # before the restore, which compares it with the checkpoint's
             self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
                                              self.data.meta, path)
+        self.run_facts = {"config": to_dict(cfg), "config_sha256": config_hash(cfg),
+                          "world_size": self.dist.world, "metadata": self.metadata}
         if path:
-            restore(self, path)
+            self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata, self.lab)
         elif cfg.run.init_from:
-            warm_start(self, Path(cfg.run.init_from))
-        if cfg.run.mirror:  # built before any write: a bad URL is bad input (on every rank)
-            self.dist.on_main(self._open_mirror)
-        self.dist.on_main(self._make_out_dir)
+            taken = state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg)
+            self.dist.say(f"initialised model weights from {taken}")
+        if cfg.run.mirror:  # opened before any write: a bad URL is bad input (said on every rank)
+            self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
+        self.dist.on_main(lambda: runlock.claim(self.out))
         if self.dist.main:  # from here on, files are written
             save_config(cfg, self.out / "config.yaml")
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
         self.open_log()
-        n_params = sum(p.numel() for p in self.raw.parameters())
-        frozen = sum(p.numel() for p in self.raw.parameters() if not p.requires_grad)  # not trained
-        params = f"{n_params:,} parameters" + (f" ({frozen:,} frozen)" if frozen else "")
-        layout = "fsdp" if self.sharded else "ddp" if self.raw is not self.model else "no process group"
-        if torch.distributed.is_initialized():
-            layout += f" over {torch.distributed.get_backend()}"  # nccl on CUDA, else gloo
-        global_batch = cfg.data.batch_size * tc.grad_accum * self.dist.world
-        self.batches, profiler, preemption, ended = None, None, Preemption(), False
+        preemption, profiler, ended = Preemption(), None, False
         try:  # from the log's opening on: an error anywhere closes what is open (the finally below)
-            self.dist.say(f"{params} | {self.device} | {self.precision.name} | {self.dist.world} "
-                          f"process(es), {layout} | global batch {global_batch} samples of "
-                          f"{self.data.seq_len} target(s)")
-            if cfg.train.nan_policy == "rollback" and not store.step_dirs(self.ckpt_root):
-                save(self, 0)  # something to roll back to before the first periodic checkpoint
-            self.batches = self._batches()
+            self.dist.say(summary.start_line(self.raw, self.model, self.sharded, self.device, self.precision.name,
+                                             self.dist.world, cfg.data.batch_size * tc.grad_accum, self.data.seq_len))
+            if tc.nan_policy == "rollback" and not store.step_dirs(self.checkpoints.root):
+                self.save()  # something to roll back to before the first periodic checkpoint
+            self.feed.start()
             profiler = StepProfiler(self.out / "profile") if tc.profile and self.dist.main else None
             self.model.train()
-            while self.progress.step < tc.max_steps and not self.monitor.state.stop_reason:
+            while p.step < tc.max_steps and not self.monitor.state.stop_reason:
                 t0 = time.perf_counter()
-                if not self._step():
+                if not self.step():
                     continue  # rolled back to a checkpoint
                 if profiler:
                     profiler.step()
-                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # all agree
-                step, best = self.progress.step, False
-                if (tc.eval_every and step % tc.eval_every == 0) or step == tc.max_steps:  # and the end's:
-                    best = evaluate.evaluate(self, step)  # logged, and a best like any other
-                done = step == tc.max_steps or bool(self.monitor.state.stop_reason)
-                if step % tc.log_every == 0 or done:
+                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
+                best = False
+                if (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps:
+                    best = self.evaluate()  # logged, and a best like any other
+                done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
+                if p.step % tc.log_every == 0 or done:
                     self.log.flush()
-                self.progress.train_s += time.perf_counter() - t0
-                if (tc.ckpt_every and step % tc.ckpt_every == 0) or done or best or stop:
-                    save(self, step)
+                p.train_s += time.perf_counter() - t0
+                if (tc.ckpt_every and p.step % tc.ckpt_every == 0) or done or best or stop:
+                    self.save()
                 if stop:
                     self.preempted = True
                     break
@@ -135,121 +127,195 @@ class Trainer:
             preemption.close()
             if profiler:
                 profiler.close()
-            close_loader(self.batches)  # the DataLoader workers, even if an error pins them
-            self.batches = None
-            # Even on the way out of an error every finished step is on disk (written before its console
-            # line); a console gone with it (a `tee` ended by the same Ctrl-C) must not stop that.
+            self.feed.close()  # the DataLoader workers, even if an error pins them
+            # Even on the way out of an error every finished step is on disk (written before its
+            # console line); a console gone with it (a `tee` ended by the same Ctrl-C) must not stop that.
             with contextlib.suppress(BrokenPipeError):
                 self.log.flush()
             try:
-                if self.saver:
-                    self.saver.close()  # the last checkpoint is on disk before anything else
+                self.checkpoints.close()  # the last checkpoint is on disk, and mirrored
             finally:
                 if not ended:  # an error or Ctrl-C on its way out, which it reports, not this
                     with contextlib.suppress(OSError):  # (a full disk again, closing the log)
-                        close_sinks(self)
-        return finish(self)
+                        self.close_sinks()
+        return self.finish()
 
-    def _lock_then_choose(self) -> Path | None:
-        """The checkpoint to resume from, the out_dir locked first (loop/checkpoint/runlock.py): a second run
-        stops before reading one the first may write. A fetch from the mirror makes a new one."""
-        runlock.hold(self.out)
-        return resume.choose(self.cfg.run.resume, self.ckpt_root, self.cfg.run.mirror, self._make_out_dir)
-
-    def _make_out_dir(self) -> None:
-        self.out.mkdir(parents=True, exist_ok=True)
-        runlock.hold(self.out, sign=True)  # a fresh out_dir is locked as soon as it exists
-
-    def _open_mirror(self) -> None:
-        from loop.checkpoint.mirror import Mirror
-
-        self.mirror = Mirror(self.cfg.run.mirror)  # rank 0 only: it alone writes checkpoints
-
-    def open_log(self) -> None:
-        """Metrics from rank 0 (the values are global); from the resume point on."""
-        p = self.progress
-        if not self.dist.main:
-            self.log = NullLog()
-            return
-        if self.telemetry is None:
-            self.telemetry = Telemetry(self.raw, self.cfg.model, self.data.seq_len, self.device,
-                                       self.precision.name, self.dist.world)
-        self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, self.cfg.train.max_steps,
-                              telemetry=self.telemetry.read, mfu=self.telemetry.mfu)
-
-    def _batches(self):
-        d = self.cfg.data
-        start = 0 if self.lab == "no_sampler_state" else self.progress.samples  # lab: from the top
-        return iter(train_loader(self.data.train, d.batch_size, self.cfg.run.seed, start,
-                                 d.num_workers, d.prefetch_factor, d.pin_memory and self.device.type == "cuda",
-                                 worker_ignores_stop_signals, self.dist.rank, self.dist.world))
-
-    def _draw(self) -> list[dict]:
-        """The next optimizer step's batches, passing over windows a rollback marked as bad."""
-        p, k = self.progress, self.cfg.train.grad_accum
-        while p.samples in p.skip_windows:
-            p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k)) * self.dist.world
-        return [next(self.batches) for _ in range(k)]
-
-    def _step(self) -> bool:
-        """One optimizer step over train.grad_accum batches. False if it rolled back instead."""
+    def step(self) -> bool:
+        """One optimizer step over train.grad_accum micro-batches. False if it rolled back instead."""
         tc, p = self.cfg.train, self.progress
-        t = time.perf_counter()
+        t0 = time.perf_counter()
         with record_function("data"):
-            micro = self._draw()
-        data_ms = 1000 * (time.perf_counter() - t)  # waiting for the DataLoader
-        # Targets in the whole step, all ranks: counted on the CPU by the collate, summed over ranks
-        # by a CPU collective, so the GPU stream is never waited on.
+            micro = self.feed.draw()
+        data_ms = 1000 * (time.perf_counter() - t0)  # waiting for the DataLoader
+        # Targets in the whole step on every rank: counted on the CPU by the collate, summed over
+        # ranks by a CPU collective, so the GPU stream is never waited on.
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
-        if not n_targets:  # every y is -100 on every rank (e.g. a prompt-only sample): no loss
-            skip_empty_step(self, micro, data_ms)
-            return True
-        while (losses := forward_backward(self, micro, n_targets)) is None:
-            recover_from_oom(self)  # every rank retries the same batches in smaller pieces
+        if not n_targets:  # every y is -100 on every rank (e.g. prompts only): nothing to learn
+            return self.skip_empty(micro, data_ms)
+        while True:  # out of memory: every rank retries the same samples in smaller micro-batches
+            losses, loss, scaled = [], None, None  # (None: a failed attempt's graph goes first)
+            with self.oom.attempt() as attempt:
+                pieces = [piece for m in micro for piece in split_batch(m, p.micro_split)]
+                for i, batch in enumerate(pieces):
+                    last = i == len(pieces) - 1
+                    with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
+                        loss = self.forward(batch)  # summed over the micro-batch's targets
+                        losses.append(loss.detach().float())
+                        # Divided by the step's targets on every rank (x world: DDP averages over
+                        # ranks), the gradients are one big batch's. Lab: its own mean / pieces.
+                        per = batch["n_targets"] * len(pieces) if self.lab == "mean_loss_per_microbatch" else n_targets
+                        scaled = self.scaler.scale(loss * (self.dist.world / per))
+                        if last:
+                            attempt.agree()  # before gradients cross ranks: did any rank run out?
+                        with record_function("backward"):
+                            scaled.backward()
+            if not attempt.failed:
+                break
+            self.recover_from_oom()
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
-            lab_clip_first = self.lab == "clip_before_unscale"  # lab: the wrong order, on purpose
-            if not lab_clip_first:
-                self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
-            if tc.clip_grad > 0:
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, tc.clip_grad)
-            else:
-                grad_norm = torch.nn.utils.get_total_norm([q.grad for q in params if q.grad is not None])
-            if lab_clip_first:
-                self.scaler.unscale_(self.optimizer)
-            grad_norm = fsdp.whole(grad_norm).to(losses.device)  # FSDP: a DTensor; CPU if offloaded
+            if self.lab == "clip_before_unscale":  # lab: clipped while still multiplied by the scale
+                clip_grad_norm_(params, tc.clip_grad)
+            self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
+            grad_norm = clip_grad_norm_(params, tc.clip_grad) if tc.clip_grad > 0 else \
+                get_total_norm([q.grad for q in params if q.grad is not None])
+            grad_norm = fsdp.whole(grad_norm).to(losses[0].device)  # FSDP: a DTensor; CPU if offloaded
+            losses = torch.stack(losses)
             totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
-            step_loss = totals[0] / n_targets  # the true loss: all targets of all ranks
+            step_loss = totals[0] / n_targets  # the true loss: every target of every rank
             lr = self.optimizer.param_groups[0]["lr"]
-            loss_ok, grad_ok = torch.stack([step_loss.isfinite(), totals[1] == 0]).tolist()  # one read
+            loss_ok, grad_ok = torch.stack([step_loss.isfinite(), totals[1] == 0]).tolist()  # one host read
             if loss_ok and grad_ok:
                 self.scaler.step(self.optimizer)
                 self.scheduler.step()  # the LR advances only on steps actually taken
                 if self.ema:
-                    update_ema(self.ema, self.raw, self.cfg.ema)
-                if p.step + 1 >= self.last_bad:  # past the bad step, not a replay after a rollback
-                    self.bad_streak = 0
+                    self.ema.update(self.raw)
+                self.nonfinite.passed(p.step + 1)
             elif self.scaler.is_enabled() and loss_ok:
                 p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
-            elif not on_non_finite(self, describe_non_finite(p.step + 1, losses, grad_norm, self.raw)):
-                return False
+            elif self.nonfinite.verdict(p.step + 1, describe(p.step + 1, losses, grad_norm, self.raw),
+                                        p.samples) == "rollback":
+                return self.rollback()
+            else:
+                p.skipped += 1
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-        self._advance(micro, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
+        self.count(micro, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
         return True
 
-    def _advance(self, micro: list[dict], n_targets: int, lr: float, skipped: bool, data_ms: float,
-                 step_loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
-        """Count the step and its data, and log it."""
+    def forward(self, batch: dict) -> torch.Tensor:
+        """One micro-batch's loss, summed over its targets (the model's contract: loop/evaluate.py)."""
+        batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        if self.sharded:
+            fsdp.sync_buffers(self.raw)  # rank 0's buffers on every rank, as DDP does
+        with self.precision.autocast(), record_function("forward"):
+            return loss_and_sums(self.model(batch))[0]
+
+    def count(self, micro: list[dict], n_targets: int, lr: float, skipped: bool, data_ms: float,
+              loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """Count the step and its data, and log it (the loss and norm stay on the device)."""
         p = self.progress
-        p.step += 1
-        p.samples += sum(len(b["idx"]) for b in micro) * self.dist.world
-        p.tokens += n_targets
-        fields = {"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples,
-                  "skipped": skipped, "data_ms": data_ms,
-                  "micro_batch": -(-self.cfg.data.batch_size // p.micro_split)}
+        p.advance(micro, n_targets, self.dist.world)
+        fields = {"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples, "skipped": skipped,
+                  "data_ms": data_ms, "micro_batch": self.oom.micro_batch()}
         if self.cfg.data.log_ids:  # for audits: the global ids of this step's samples, in order
             ranks = self.dist.gather_to_main([b["idx"].tolist() for b in micro])  # rank 0 only
             fields["ids"] = ranks and [i for m in range(len(micro)) for r in ranks for i in r[m]]
-        self.log.record(fields, step_loss, grad_norm)
+        self.log.record(fields, loss, grad_norm)
+
+    def skip_empty(self, micro: list[dict], data_ms: float) -> bool:
+        """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
+        changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
+        self.progress.empty += 1
+        self.dist.say(f"warning: step {self.progress.step + 1}: no targets in this step's batches (every "
+                      f"y is -100, at sample position {self.progress.samples}); nothing to learn from, "
+                      f"step skipped", file=sys.stderr)
+        nan = torch.tensor(float("nan"), device=self.device)
+        self.count(micro, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
+        return True
+
+    def recover_from_oom(self) -> None:
+        """Halve the micro-batch to retry the same samples, or give up (train.oom_policy)."""
+        self.oom.split(self.optimizer, self.device)
+        if is_ddp(self.model):  # its reducer waits for a backward that never comes: a fresh DDP
+            self.model = None
+            gc.collect()  # the old reducer and its hooks on the parameters first (DDP is a cycle)
+            self.model = ddp(self.raw, self.device, self.cfg.train.find_unused_parameters)
+
+    def evaluate(self) -> bool:
+        """Validation metrics and a text sample into the log; True if the monitored metric
+        (train.best_metric) is the best so far."""
+        step, metrics = self.progress.step, self.evaluator.validate()
+        for name, value in metrics.items():
+            self.log.scalar(step, name, value)
+        if text := self.evaluator.sample():
+            self.log.text(step, "sample", text)  # a no-op off rank 0
+        best = self.monitor.update(step, metrics[self.monitor.metric])
+        if self.monitor.state.stop_reason:  # set by this evaluation: the loop ends here
+            self.dist.say(f"stopped early at step {step}: {self.monitor.state.stop_reason}")
+        return best
+
+    def save(self) -> None:
+        """Checkpoint this step (every rank takes part); metrics up to it are on disk first."""
+        self.log.flush()
+        self.checkpoints.save(self.progress.step, self.parts, self.sharded, self.run_facts,
+                              self.monitor.state.best_step)
+
+    def rollback(self) -> bool:
+        """Back to the newest valid checkpoint; the bad step's data window is never trained on."""
+        p, bad = self.progress, self.progress.samples
+        carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()  # consume this step's inf checks before the scaler state is replaced
+        self.checkpoints.wait()  # the newest checkpoint may still be being written
+        path = self.dist.on_main(lambda: store.newest_valid(self.checkpoints.root))
+        self.checkpoints.origin = state.restore(path, self.parts, self.cfg, self.dist, self.metadata, self.lab)
+        p.rollbacks, p.skip_windows, p.micro_split = carry
+        self.log.close()
+        self.open_log()  # drops the records after the checkpoint, as a resume does
+        self.feed.start()
+        self.dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
+                      file=sys.stderr)
+        return False
+
+    def open_log(self) -> None:
+        """Metrics from rank 0 (the values are global), from the resumed step on."""
+        if not self.dist.main:
+            return
+        if self.telemetry is None:
+            self.telemetry = Telemetry(self.raw, self.device, self.precision.name, self.dist.world)
+        p = self.progress
+        self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, self.cfg.train.max_steps,
+                              telemetry=self.telemetry.read, mfu=self.telemetry.mfu)
+
+    def close_sinks(self) -> None:
+        """What rank 0 writes besides checkpoints: the GPU sampler's thread, then the metrics file and
+        TensorBoard's writer thread (a run called again in the same process leaves none behind)."""
+        if self.telemetry:
+            self.telemetry.close()
+        self.log.close()
+
+    def finish(self) -> dict:
+        """The end: validation if the last step had none, then (rank 0) summary.json, model.pt and
+        the report. A preempted run skips them and exits fast: the same command finishes the job."""
+        p = self.progress
+        if self.preempted:
+            self.close_sinks()
+            self.dist.say(f"preempted at step {p.step}; checkpoint written to {self.checkpoints.root}")
+            return {"steps": p.step, "preempted": True}
+        if not (self.evaluator.last and self.evaluator.last[0] == p.step):
+            self.evaluator.validate()  # every rank takes part: validation sums over ranks
+        # Collectives with FSDP (gather the whole model, sample through it): every rank takes part.
+        weights, text = fsdp.full_state(self.raw), self.evaluator.sample()
+        ema = fsdp.full_state(self.ema.module) if self.ema else None
+        if not self.dist.main:
+            return {"steps": p.step, "preempted": False}
+        result = summary.of_run(p, self.monitor, self.evaluator.last[1], self.log.last_loss, weights, ema, text,
+                                self.oom.micro_batch(), self.precision.name, self.device,
+                                self.data.meta.get("optimal_loss"), self.lab, self.telemetry.read(now=True))
+        self.log.text(p.step, "sample", text or "")
+        self.close_sinks()
+        summary.write(self.out, result, weights, ema, self.run_facts["config"], self.metadata.get("data"),
+                      self.cfg.report)
+        return result

@@ -62,6 +62,23 @@ class GPT(nn.Module):
             if name.endswith(("attn.proj.weight", "mlp.2.weight")):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * n_layer))
 
+    def set_activation_checkpointing(self, on: bool) -> None:
+        """The loop's model.activation_checkpointing switch (an optional method of a model)."""
+        self.activation_checkpointing = on
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, for MFU (an optional method of a model): PaLM's count
+        (Chowdhery et al. 2022, appendix B), as nanoGPT's `estimate_mfu` has it: 6*N + 12*L*H*Q*T.
+        Forward + backward = 3 x forward, 2 FLOPs per weight per token in each matmul; attention
+        adds QK^T and AV over the full context T (not halved for the causal mask). N counts every
+        unique parameter (the tied wte/lm_head weight once: it stands for the lm_head matmul; the
+        lookup itself does no FLOPs) but the position embedding. Recomputation (activation
+        checkpointing) is not counted, by definition of MFU."""
+        n = sum(p.numel() for p in self.parameters()) - self.wpe.weight.numel()
+        attn = self.blocks[0].attn
+        return float(6 * n + 12 * len(self.blocks) * attn.n_head * (attn.proj.in_features // attn.n_head)
+                     * self.seq_len)
+
     @staticmethod
     def _init(m: nn.Module) -> None:
         if isinstance(m, (nn.Linear, nn.Embedding)):

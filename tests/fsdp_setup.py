@@ -35,16 +35,16 @@ def gpt_with_buffer(cfg, data):
 
 
 model.BUILDERS["gpt"] = gpt_with_buffer
-build_ema, ema_built_on = build.build_ema, []
+EMA, ema_built_on = build.EMA, []
 
 
-def build_ema_seen(*args, **kwargs):
-    ema = build_ema(*args, **kwargs)
-    ema_built_on.extend(sorted({t.device.type for t in ema.module.parameters()}) if ema else [])
+def ema_seen(*args, **kwargs):
+    ema = EMA(*args, **kwargs)
+    ema_built_on.extend(sorted({t.device.type for t in ema.module.parameters()}))
     return ema
 
 
-build.build_ema = build_ema_seen
+build.EMA = ema_seen
 cfg = load_config(DEFAULT_CONFIG, sys.argv[1:])
 dist, device = group.init(cfg.train.device)
 
@@ -57,7 +57,7 @@ def report() -> None:
               "model_bytes": n_bytes, "probe": t.model.probe.tolist(),
               "ema_probe": t.ema.module.probe.tolist() if t.ema else None, "ema_built_on": ema_built_on}
     if cfg.train.fsdp_mixed_precision:  # each rank's batch differs: so do its bf16 gradients
-        loss_and_sums(t.model(t.val[0]))[0].backward()
+        loss_and_sums(t.model(t.evaluator.batches[0]))[0].backward()
         grads = [fsdp.local(p.grad) for p in t.model.parameters()]
         fields["grads_beyond_bf16"] = sum(int((g != g.bfloat16().float()).sum()) for g in grads)
     line = json.dumps(fields)

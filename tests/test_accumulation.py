@@ -136,7 +136,7 @@ def test_loop_rule_through_model_forward_float32():
     assert max_diff(grads(model), ref) < 1e-5 * scale
 
 
-# ------------------------------------------------------------------------------- the real _step
+# -------------------------------------------------------------------------------- the real step
 def mask_some(i: int, item: dict) -> dict:
     """Hide a sample-dependent number of targets, so the micro-batches of one step hold different
     target counts (the case where only the loop's rule is exact)."""
@@ -147,7 +147,7 @@ def mask_some(i: int, item: dict) -> dict:
 
 def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str, mask: bool,
                      reduced: list | None = None):
-    """One Trainer._step. With `reduced` (a list), the model is in DDP over a one-process gloo
+    """One Trainer.step. With `reduced` (a list), the model is in DDP over a one-process gloo
     group, and each bucket the step all-reduces is appended to it."""
     cfg = load_config(ROOT / "configs" / "default.yaml", [
         "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.vocab_size=16",
@@ -184,9 +184,9 @@ def one_trainer_step(tmp_path, batch_size: int, grad_accum: int, optimizer: str,
     # As Trainer.run builds the loader (fresh run: position 0).
     loader = iter(train_loader(data.train, cfg.data.batch_size, cfg.run.seed, 0,
                                cfg.data.num_workers, cfg.data.prefetch_factor, False))
-    seen = []  # (sample indices, target count) of each micro-batch _step takes
-    trainer.batches = (seen.append((b["idx"].tolist(), b["n_targets"])) or b for b in loader)
-    trainer._step()
+    seen = []  # (sample indices, target count) of each micro-batch the step takes
+    trainer.feed.batches = (seen.append((b["idx"].tolist(), b["n_targets"])) or b for b in loader)
+    trainer.step()
     assert trainer.progress.step == 1 and trainer.progress.samples == 8
     end = {n: p.detach().clone() for n, p in trainer.raw.named_parameters()}
     return start, end, records[0], trainer.progress.tokens, seen

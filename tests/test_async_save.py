@@ -13,7 +13,7 @@ import torch
 from loop import rng
 from loop.checkpoint import store
 from loop.checkpoint.async_save import AsyncSaver, snapshot
-from loop.ema import ema_state
+from loop.ema import EMA
 from loop.errors import GaveUp
 from model.gpt import GPT
 
@@ -21,26 +21,26 @@ META = {"config_sha256": "abc", "world_size": 1}
 
 
 def trained_state(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict[str, object]]:
-    """A small GPT after two AdamW steps, and checkpoint files shaped like loop.checkpoint.state.capture's."""
+    """A small GPT after two AdamW steps, and checkpoint files shaped like loop/checkpoint/state.py's."""
     torch.manual_seed(seed)
     model = GPT(vocab_size=17, seq_len=8, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    ema = torch.optim.swa_utils.AveragedModel(model, use_buffers=True)
+    ema = EMA(model, decay=0.9, warmup=1)
     for _ in range(2):
         x = torch.randint(0, 17, (4, 8))
         model({"x": x, "y": x}).backward()
         opt.step()
         sched.step()
-        ema.update_parameters(model)
+        ema.update(model)
         opt.zero_grad(set_to_none=True)
     base = torch.arange(12.0)
     files = {
         "state.pt": {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                     "scheduler": sched.state_dict(), "scaler": {}, "ema": ema_state(ema, False),
+                     "scheduler": sched.state_dict(), "scaler": {}, "ema": ema.state_dict(),
                      "views": {"whole": base, "part": base[3:7]},  # one storage, two tensors
                      "progress": {"step": 2, "skip_windows": [5, 9]}, "config": {"a": {"b": (1, "x")}}},
-        "rng_rank0.pt": rng.capture(),
+        "rng_rank0.pt": rng.RngStreams().state_dict(),
     }
     return model, opt, files
 

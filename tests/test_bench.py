@@ -132,14 +132,15 @@ def test_the_bare_loop_trains_what_the_scaffold_trains(cache, more):
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.dropout=0", "train.grad_accum=2",
                                        "train.max_steps=2", "schedule.warmup_steps=2", *more])
     t = build.build_trainer(cfg, Dist(), torch.device("cpu"))
-    t.log, t.batches = NullLog(), t._batches()
-    steps = [t._draw() for _ in range(2)]
-    t.batches = iter([b for s in steps for b in s])
+    t.log = NullLog()
+    t.feed.start()
+    steps = [t.feed.draw() for _ in range(2)]
+    t.feed.batches = iter([b for s in steps for b in s])
     loop = loop_vs_bare.Bare(cfg, cfg.train.max_steps)
     before = {k: v.clone() for k, v in loop.model.state_dict().items()}
     assert same(before, t.raw.state_dict())
     for s in steps:
-        assert t._step() and loop.step(s) == sum(b["n_targets"] for b in s)
+        assert t.step() and loop.step(s) == sum(b["n_targets"] for b in s)
     assert t.progress.overflows == 0  # fp16: an overflow holds back only the scaffold's schedule
     assert same(loop.model.state_dict(), t.raw.state_dict())
     assert not same(before, t.raw.state_dict())  # it trained

@@ -7,7 +7,6 @@ import json
 import re
 import shutil
 import signal
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -131,19 +130,18 @@ def test_an_ema_turned_on_at_a_resume_starts_from_the_resumed_weights(tmp_path, 
 def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
     # Kept in bf16, the default decay 0.999 rounded to 1.0: the average stayed the first weights,
     # validation through it never improved, and early stopping stopped a run that was learning.
-    from loop.config.schema import EmaConfig
-    from loop.ema import build_ema, update
+    from loop.ema import EMA
 
-    m, cfg = torch.nn.Linear(8, 8).to(dtype), EmaConfig(enabled=True, decay=0.999, warmup=1)
-    ema = build_ema(m, cfg)  # warmup 1: d = 0.999 from the first average on
+    m = torch.nn.Linear(8, 8).to(dtype)
+    ema = EMA(m, decay=0.999, warmup=1)  # warmup 1: d = 0.999 from the first average on
     assert ema.module.weight.dtype == torch.float32 and m.weight.dtype == dtype
     w0 = m.weight.float()
-    update(ema, m, cfg)  # the first update copies the weights
+    ema.update(m)  # the first update copies the weights
     with torch.no_grad():
         m.weight.add_(1)
     w1 = m.weight.float()
     for _ in range(100):
-        update(ema, m, cfg)
+        ema.update(m)
     # 100 updates from w0 towards w1: w1 + (w0 - w1) * 0.999**100, up to float32 sums and each
     # (1 - d) * w1 term rounded to 16 bits (an error under 1e-5 here); the bf16 average moved 0.
     torch.testing.assert_close(ema.module.weight, w1 + (w0 - w1) * 0.999 ** 100, rtol=0, atol=1e-4)
@@ -162,13 +160,13 @@ def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(
                                        "train.eval_every=0", "train.ckpt_every=0", "ema.enabled=true",
                                        "ema.decay=0.9", "ema.warmup=3"])
     trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
-    step, seen = trainer._step, []
+    step, seen = trainer.step, []
 
     def recorded() -> bool:
         taken = step()
         seen.append({k: v.detach().double().clone() for k, v in trainer.raw.state_dict().items()})
         return taken
-    trainer._step = recorded
+    trainer.step = recorded
     trainer.run()
     expected = seen[0]  # the first update copies the weights
     for n, weights in enumerate(seen[1:], 1):  # n updates before this one
@@ -179,7 +177,7 @@ def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(
         torch.testing.assert_close(v.double(), expected[k], rtol=0, atol=1e-6, msg=k)
     # And validation is the average's (the same batches again: the same float sums), not the raw
     # weights', which nothing else checked.
-    val = {m: val_metrics(m, trainer.val, trainer.precision, trainer.device, trainer.dist)["val_loss"]
+    val = {m: val_metrics(m, trainer.evaluator.batches, trainer.precision, trainer.device, trainer.dist)["val_loss"]
            for m in (trainer.ema.module, trainer.raw)}
     assert summary(tmp_path / "run")["val_loss"] == val[trainer.ema.module] != val[trainer.raw]
 
@@ -249,10 +247,15 @@ def test_an_improvement_must_beat_the_best_by_more_than_min_delta_in_either_mode
     assert m.state.stop_reason == "val_loss did not improve by 0.1 for 2 evaluations (best 0.92 at step 30)"
     m = Monitor("val_loss", "min", patience=0, min_delta=0.5)
     assert [m.update(10, 1.0), m.update(20, 0.9)] == [True, True] and not m.state.stop_reason
-    # A checkpoint written before the reference was kept apart: its best was that reference.
+    # Its state goes through a checkpoint whole, and only into a monitor watching the same way.
     m = Monitor("val_loss", "min", patience=3, min_delta=0.1)
-    m.load_state_dict({"best": 1.0, "best_step": 10, "bad_evals": 1, "stop_reason": ""})
-    assert m.update(20, 0.95) is True and m.state.bad_evals == 2
+    assert m.update(10, 1.0) and m.update(20, 0.95) and m.state.bad_evals == 1
+    again = Monitor("val_loss", "min", patience=3, min_delta=0.1)
+    again.load_state_dict(m.state_dict())
+    assert again.state == m.state
+    for other in (Monitor("val_loss", "max", 3, 0.1), Monitor("val_accuracy", "min", 3, 0.1)):
+        other.load_state_dict(m.state_dict())
+        assert other.state.best is None and other.state.bad_evals == 0
     m = Monitor("val_loss", "min", patience=2, min_delta=0.0)
     assert m.update(10, 2.0) is True and m.update(20, 2.0) is False and m.update(30, 2.0) is False
     assert m.state.stop_reason == "val_loss did not improve by 0.0 for 2 evaluations (best 2 at step 10)"
@@ -337,19 +340,18 @@ def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
     # Resumed back in time (run.resume=PATH in the same run.out_dir), a run's best can be a step the
     # run before deleted once its own best moved on, or there is none yet: `best` named that missing
     # directory, or the run before's best, and run.init_from=checkpoints/best failed or took it.
-    from types import SimpleNamespace
+    from loop.checkpoint.saver import Saver
+    from loop.distributed.group import Dist
 
-    from loop.checkpoint.state import _saved
-
-    t = SimpleNamespace(ckpt_root=tmp_path, mirror=None)
+    saver = Saver(tmp_path, keep_last=3, dist=Dist(), async_save=False)
     for name in ("step_00000020", "step_00000040"):
         (tmp_path / name).mkdir()
     (tmp_path / "best").write_text("step_00000040")  # the run before's
-    _saved(t, tmp_path / "step_00000020", best="step_00000015")
+    saver.saved(tmp_path / "step_00000020", best="step_00000015")
     assert not (tmp_path / "best").exists()
-    _saved(t, tmp_path / "step_00000020", best="step_00000020")
+    saver.saved(tmp_path / "step_00000020", best="step_00000020")
     assert (tmp_path / "best").read_text() == "step_00000020"
-    _saved(t, tmp_path / "step_00000020", best=None)
+    saver.saved(tmp_path / "step_00000020", best=None)
     assert not (tmp_path / "best").exists()
 
 
@@ -519,7 +521,6 @@ def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
     from data import build_data
-    from loop.checkpoint.state import save
     from loop.config.load import load_config
     from loop.optim import build_optimizer
     from loop.precision import Precision
@@ -536,12 +537,15 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10),
                       Precision("fp32", torch.device("cpu")), torch.device("cpu"))
-    trainer.log = SimpleNamespace(flush=lambda: None)
-    save(trainer, 1)
-    assert store.verify(trainer.ckpt_root / "step_00000001") is None  # finite: saved
+    trainer.run_facts = {"config": {}, "config_sha256": "", "world_size": 1, "metadata": {}}
+    trainer.progress.step = 1
+    trainer.save()
+    root = trainer.checkpoints.root
+    assert store.verify(root / "step_00000001") is None  # finite: saved
     with torch.no_grad():
         model.blocks[0].mlp[0].weight[0, 0] = float("inf")
-    save(trainer, 2)
-    assert not (trainer.ckpt_root / "step_00000002").exists()
+    trainer.progress.step = 2
+    trainer.save()
+    assert not (root / "step_00000002").exists()
     assert "step 2: weights are not all finite" in capsys.readouterr().err
-    assert json.loads((trainer.ckpt_root / "step_00000001" / "manifest.json").read_text())["world_size"] == 1
+    assert json.loads((root / "step_00000001" / "manifest.json").read_text())["world_size"] == 1

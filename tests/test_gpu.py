@@ -288,11 +288,11 @@ def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkey
     monkeypatch.setattr("loop.observe.telemetry.GpuSampler", functools.partial(GpuSampler, interval_s=IDLE))
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2"])
     trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
-    step = trainer._step
+    step = trainer.step
 
     def drawing() -> bool:  # each step draws 1.25 J, after the sampler's one reading (0 J)
         fake.energy_mj[0] += 1_250
         return step()
 
-    trainer._step = drawing
+    trainer.step = drawing
     assert trainer.run()["energy_j"] == 2.5

@@ -102,7 +102,7 @@ def test_an_fp16_overflow_is_skipped_and_counted_apart_from_non_finite_steps(tmp
                                 "train.max_steps=12", "train.ckpt_every=1", "train.keep_last=20",
                                 "ema.enabled=true", "train.nan_policy=abort"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
-    t.scaler = t.precision.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    t.scaler = t.precision.scaler = t.parts["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
     t.run()
     recs = metrics(out)
     assert [r["step"] for r in recs if r["skipped"]] == [1, 4, 11]
@@ -445,7 +445,7 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     from data import build_data
     from loop.config.load import load_config
     from loop.data.sampler import train_loader
-    from loop.ema import build_ema
+    from loop.ema import EMA
     from loop.optim import build_optimizer
     from loop.schedule import build_scheduler
     from loop.trainer import Trainer
@@ -460,10 +460,10 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     model = build_model(cfg.model, data)
     opt = build_optimizer(model, cfg.optim, cpu)
     trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10),
-                      Precision("fp32", cpu), cpu, ema=build_ema(model, cfg.ema))
+                      Precision("fp32", cpu), cpu, ema=EMA(model, 0.999, 10) if ema else None)
     trainer.log = SimpleNamespace(record=lambda *a: None)
     loader = train_loader(data.train, 2, 0, 0, 0, 2, False)
-    trainer.batches = iter([b for b, _ in zip(loader, range(12))])  # loaded before counting
+    trainer.feed.batches = iter([b for b, _ in zip(loader, range(12))])  # loaded before counting
     reads = []
     for name in ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy"):
         original = getattr(torch.Tensor, name)
@@ -474,10 +474,10 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
             return _original(self, *a, **k)
         monkeypatch.setattr(torch.Tensor, name, counted)
     for _ in range(3):
-        trainer._step()
+        trainer.step()
     monkeypatch.undo()
     assert trainer.progress.step == 3
-    # Ours: the finite check, once per optimizer step. With EMA, loop/ema.py::update also reads
+    # Ours: the finite check, once per optimizer step. With EMA, loop/ema.py::EMA.update also reads
     # its update counter (is this the first average?); that counter lives in host memory, so on
     # a GPU this is a host read, not a device sync.
     assert reads == ["tolist", *(["ema"] if ema else [])] * 3, reads

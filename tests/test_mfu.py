@@ -1,9 +1,9 @@
-"""MFU arithmetic on the scaffold's GPT equals a hand computation, and the peak table maps the device names torch reports to the right datasheet peaks."""
+"""MFU arithmetic on the example GPT (its flops_per_token) equals a hand computation, and the peak table maps the device names torch reports to the right datasheet peaks."""
 from __future__ import annotations
 
 import pytest
 
-from loop.observe.mfu import gpt_flops_per_token, mfu, peak_flops
+from loop.observe.mfu import mfu, peak_flops
 from model.gpt import GPT
 
 
@@ -19,8 +19,7 @@ def test_gpt_flops_per_token_matches_hand_count():
     # 6*N with N = all params minus position embeddings, + 12*L*H*Q*T with Q = 32 // 4 = 8.
     hand = 6 * (28864 - 2048) + 12 * 2 * 4 * 8 * 64              # 160896 + 49152
     assert hand == 210048
-    got = gpt_flops_per_token(sum(p.numel() for p in m.parameters()), L, H, C, T, m.wpe.weight.numel())
-    assert got == hand
+    assert m.flops_per_token() == hand
 
 
 def test_mfu_round_numbers():
@@ -70,16 +69,14 @@ def test_unknown_precision_is_refused():
 def test_a_runs_mfu_divides_global_tokens_per_s_by_every_process_device(monkeypatch):
     # tokens/s in the log is global (summed over ranks): its MFU is over the peak of all the run's
     # devices, one per process, or 8 processes would read 8 times their true utilisation.
-    from types import SimpleNamespace
-
     import torch
 
     from loop.observe import telemetry
 
     monkeypatch.setattr(telemetry, "peak_flops", lambda name, precision: 1e12)  # a device in the table
     m = GPT(vocab_size=65, seq_len=64, n_layer=2, n_head=4, n_embd=32, dropout=0, bias=False)
-    shape = SimpleNamespace(n_layer=2, n_head=4, n_embd=32)
     for world in (1, 8):
-        t = telemetry.Telemetry(m, shape, 64, torch.device("cpu"), "bf16", world)
+        t = telemetry.Telemetry(m, torch.device("cpu"), "bf16", world)
         assert t.mfu(1e6) == 1e6 * 210048 / (world * 1e12)  # 210048 FLOPs a token: the hand count above
         t.close()
+    assert telemetry.Telemetry(torch.nn.Linear(2, 2), torch.device("cpu"), "bf16", 1).mfu(1e6) is None

@@ -356,7 +356,7 @@ def test_validation_without_any_target_stops_the_run_before_anything_is_written(
     def trainer(out: str, masked: int | None):  # the first `masked` validation batches; None: all
         cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / out}", "train.max_steps=2"])
         t = build_trainer(cfg, Dist(), torch.device("cpu"))
-        for b in t.val[:masked]:
+        for b in t.evaluator.batches[:masked]:
             b["y"][:] = IGNORE_INDEX
             b["n_targets"] = 0
         return t

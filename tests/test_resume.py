@@ -63,12 +63,12 @@ def test_every_random_stream_is_captured_and_restored():
     rng.seed_everything(3)
     random.random(), torch.rand(3), np.random.standard_normal()  # one Gaussian of a pair held back
     buf = io.BytesIO()
-    torch.save(rng.capture(), buf)
+    torch.save(rng.RngStreams().state_dict(), buf)
     draw = lambda: (random.random(), np.random.standard_normal(), np.random.rand(), torch.rand(3))  # noqa: E731
     want = draw()
     rng.seed_everything(4)
     assert draw()[0] != want[0]
-    rng.restore(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    rng.RngStreams().load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
     got = draw()
     assert got[:3] == want[:3] and torch.equal(got[3], want[3])
 
@@ -207,7 +207,7 @@ CONSOLE_GONE = """
 import os, sys
 import train
 from loop.trainer import Trainer
-step = Trainer._step
+step = Trainer.step
 def gone(self):
     if self.progress.step == int(os.environ["AT"]):
         r, w = os.pipe()
@@ -218,7 +218,7 @@ def gone(self):
             raise KeyboardInterrupt
         print("a warning", file=sys.stderr, flush=True)
     return step(self)
-Trainer._step = gone
+Trainer.step = gone
 sys.exit(train.main(sys.argv[1:]))
 """
 
@@ -384,7 +384,7 @@ def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, referen
     # "global batch N" at the start. The ids still continue where they stopped.
     import shutil
 
-    from loop.checkpoint.state import global_batch_change
+    from loop.checkpoint.notes import global_batch_change
     from loop.config.load import DEFAULT_CONFIG, load_config, to_dict
 
     out = tmp_path / "run"
@@ -408,7 +408,7 @@ def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, referen
 def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is_off():
     # Bit for bit is promised on one machine with the same versions and process count; a job
     # requeued onto another node type, or an upgraded torch, went on as if nothing changed.
-    from loop.checkpoint.state import platform_change
+    from loop.checkpoint.notes import platform_change
 
     here = {"versions": {"torch": "2.13.0", "numpy": "2.4.6", "cuda": None},
             "hardware": {"cpu": "Xeon", "gpus": []}, "host_sha256": "a"}

@@ -97,10 +97,10 @@ def test_the_summary_validates_the_final_weights(tmp_path, cache, monkeypatch):
     # Evaluations at steps 10 and 20 of a 25-step run, and at its last: summary.json's val_loss is
     # that of the weights the run ends with, logged like the others, equal to a run that evaluates
     # every 5 steps (evaluating does not change training), not step 20's; and measured once.
-    from loop import evaluate
+    from loop.evaluate import Evaluator
 
-    validate, validated = evaluate.validate, []
-    monkeypatch.setattr(evaluate, "validate", lambda t: validated.append(t.progress.step) or validate(t))
+    validate, validated = Evaluator.validate, []
+    monkeypatch.setattr(Evaluator, "validate", lambda e: validated.append(e.progress.step) or validate(e))
     every10, every5 = tmp_path / "every10", tmp_path / "every5"
     train_here(every10, cache, "train.max_steps=25", "train.eval_every=10")
     train_here(every5, cache, "train.max_steps=25", "train.eval_every=5")

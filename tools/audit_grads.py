@@ -1,5 +1,5 @@
 """make verify's in-process gradient audits: the gradient the optimizer is handed, read inside its
-step (a step pre-hook), for one real optimizer step of the loop (`Trainer._step`, wired by
+step (a step pre-hook), for one real optimizer step of the loop (`Trainer.step`, wired by
 loop/build.py exactly as train.py wires it).
 
     accumulation  train.grad_accum=k with micro-batch b  vs  1 x k*b, on the same k*b samples
@@ -49,21 +49,44 @@ class Result:
     hint: str = ""
 
 
-def _trainer(config: str, overrides: list[str], accum: int, batch: int):
-    cfg = load_config(config, [*overrides, f"train.grad_accum={accum}", f"data.batch_size={batch}",
-                               "train.nan_policy=skip", "ema.enabled=false", "train.async_save=false"])
-    t = build_trainer(cfg, Dist(), pick_device(cfg.train.device))
-    t.model.eval()  # no dropout: both sides of a comparison compute the same function
-    t.log = SimpleNamespace(record=lambda fields, loss, grad_norm: t.logged.append(grad_norm))
-    t.logged = []
-    return t
+class Probe:
+    """A trainer wired as train.py wires it (loop/build.py), in eval mode (no dropout: both sides of
+    a comparison compute the same function), whose optimizer steps run on given batches and are
+    read inside the optimizer's step."""
+
+    def __init__(self, config: str, overrides: list[str], accum: int, batch: int):
+        cfg = load_config(config, [*overrides, f"train.grad_accum={accum}", f"data.batch_size={batch}",
+                                   "train.nan_policy=skip", "ema.enabled=false", "train.async_save=false"])
+        self.trainer = build_trainer(cfg, Dist(), pick_device(cfg.train.device))
+        self.trainer.model.eval()
+        self.norms: list[torch.Tensor] = []
+        self.trainer.log = SimpleNamespace(record=lambda fields, loss, grad_norm: self.norms.append(grad_norm))
+
+    def applied(self, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float]:
+        """Run optimizer steps on these batches until one is taken (fp16 may overflow first and
+        back off its scale); return the gradients handed to the optimizer, by name, and the
+        logged norm."""
+        t, seen = self.trainer, {}
+
+        def capture(_opt, _args, _kwargs) -> None:
+            seen.update({n: p.grad.detach().double().clone() for n, p in t.raw.named_parameters()
+                         if p.grad is not None})
+
+        hook = t.optimizer.register_step_pre_hook(capture)
+        for _ in range(8):
+            t.feed.batches = iter(micro)
+            t.step()
+            if seen:
+                break
+        hook.remove()
+        return seen, float(self.norms[-1])
 
 
-def _step_batches(t, k: int, b: int) -> list[dict]:
+def step_batches(ds, seed: int, k: int, b: int) -> list[dict]:
     """The first k*b training samples in the loop's order, as k micro-batches of b; every
     micro-batch after the first keeps only its first real target (when targets are ids; not its
     first position, which a masked prompt leaves without one)."""
-    batch = next(iter(train_loader(t.data.train, k * b, t.cfg.run.seed, 0, 0, 2, False)))
+    batch = next(iter(train_loader(ds, k * b, seed, 0, 0, 2, False)))
     micro = split_batch(batch, k)
     if not torch.is_floating_point(batch["y"]):
         for m in micro[1:]:
@@ -79,25 +102,6 @@ def _join(micro: list[dict]) -> dict:
     """The micro-batches as one batch (targets recounted by summing)."""
     out = {k: torch.cat([m[k] for m in micro]) for k, v in micro[0].items() if torch.is_tensor(v)}
     return {**out, "n_targets": sum(m["n_targets"] for m in micro)}
-
-
-def _applied(t, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float]:
-    """Run optimizer steps on these batches until one is taken (fp16 may overflow first and back
-    off its scale); return the gradients handed to the optimizer, by name, and the logged norm."""
-    seen: dict[str, torch.Tensor] = {}
-
-    def capture(_opt, _args, _kwargs) -> None:
-        seen.update({n: p.grad.detach().double().clone() for n, p in t.raw.named_parameters()
-                     if p.grad is not None})
-
-    hook = t.optimizer.register_step_pre_hook(capture)
-    for _ in range(8):
-        t.batches = iter(micro)
-        t._step()
-        if seen:
-            break
-    hook.remove()
-    return seen, float(t.logged[-1])
 
 
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -131,17 +135,17 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
         return []
     probe = load_config(config, overrides)
     b, k = probe.data.batch_size, max(probe.train.grad_accum, 2)
-    accum = _trainer(config, overrides, k, b)
-    whole = _trainer(config, overrides, 1, k * b)
-    micro = _step_batches(accum, k, b)
+    accum, whole = Probe(config, overrides, k, b), Probe(config, overrides, 1, k * b)
+    micro = step_batches(accum.trainer.data.train, probe.run.seed, k, b)
     counts = [m["n_targets"] for m in micro]
-    kind = arithmetic(whole.precision.name, whole.raw)
-    tol, kind = TOLERANCE[kind], kind if kind == whole.precision.name else f"{kind} weights"
-    start = copy.deepcopy(whole.raw)  # the weights before the step, for the reference
-    g_whole, norm_whole = _applied(whole, [_join(micro)])
+    w = whole.trainer
+    kind = arithmetic(w.precision.name, w.raw)
+    tol, kind = TOLERANCE[kind], kind if kind == w.precision.name else f"{kind} weights"
+    start = copy.deepcopy(w.raw)  # the weights before the step, for the reference
+    g_whole, norm_whole = whole.applied([_join(micro)])
     out = []
     if "accumulation" in checks:
-        g_accum, _ = _applied(accum, micro)
+        g_accum, _ = accum.applied(micro)
         if not (g_accum and g_whole):
             out.append(Result("accumulation", False, "no optimizer step was taken in 8 tries "
                               "(non-finite gradients every time)", "lower optim.lr or check the data"))
@@ -156,7 +160,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
                               "step (not averaged per micro-batch), so the model's forward must return "
                               "the loss summed over its targets (reduction=\"sum\"), not their mean"))
     if "clipping" in checks:
-        want, norm, what = reference(start, _join(micro), whole.device, whole.cfg.train.clip_grad)
+        want, norm, what = reference(start, _join(micro), w.device, w.cfg.train.clip_grad)
         if not g_whole:
             out.append(Result("clipping", False, "no optimizer step was taken in 8 tries",
                               "lower optim.lr or check the data"))
@@ -166,7 +170,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
             out.append(Result("clipping", ok,
                               f"applied gradient vs a plain {what} reference: rel. difference "
                               f"{diff:.1e}; gradient norm logged {norm_whole:.4g}, reference {norm:.4g}"
-                              f" (train.clip_grad={whole.cfg.train.clip_grad:g}, {kind})",
+                              f" (train.clip_grad={w.cfg.train.clip_grad:g}, {kind})",
                               "unscale the gradients (GradScaler.unscale_) before clipping and before "
                               "measuring their norm; clip after the last micro-batch only"))
     return out

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from data import build_data
-from loop.checkpoint import resume, store
+from loop.checkpoint import resume, store, weights
 from loop.config.fields import at_least, from_dict, positive
 from loop.config.schema import Config
 from loop.device import pick_device
@@ -62,13 +62,13 @@ def load(path: Path, ema: bool, device: torch.device):
     if path.is_file():
         if ema and saved.get("ema") is None:
             raise BadInput(f"{path}: --ema, but it holds no EMA weights (ema.enabled was off).")
-        weights = saved["ema" if ema else "model"]
-        resume.refuse_mismatch(model, weights, f"model file {path}", saved["config"], cfg, CODE)
-        resume.load_whole(model, weights)
+        state = saved["ema" if ema else "model"]
+        weights.refuse_mismatch(model, state, f"model file {path}", saved["config"], cfg, CODE)
+        weights.load_whole(model, state)
     elif ema:
         raise BadInput(f"{path}: --ema reads a finished run's model.pt; a checkpoint's is not loaded here.")
     else:
-        resume.load_model_state(path, model, cfg, advice=CODE)
+        weights.load_model_state(path, model, cfg, advice=CODE)
     return model.to(device).eval(), data
 
 

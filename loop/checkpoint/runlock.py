@@ -52,6 +52,12 @@ def hold(out: Path, sign: bool = False) -> None:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
 
 
+def claim(out: Path) -> None:
+    """Make run directory `out` and hold it, signed: from here on the run writes there."""
+    out.mkdir(parents=True, exist_ok=True)
+    hold(out, sign=True)
+
+
 def release() -> None:
     """Unlock every run directory this process holds (closing the descriptor drops the lock). A
     .lock this process made in a directory it then wrote nothing in (bad input) goes too: left, it

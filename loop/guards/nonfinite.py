@@ -1,5 +1,11 @@
-"""The non-finite policy (train.nan_policy): a step whose loss or gradients are not finite is
-skipped, rolled back to the newest checkpoint, or ends the run; and steps without a single target.
+"""The non-finite policy (train.nan_policy): what a step whose loss or gradients are not finite does.
+
+    skip      the step changes nothing (weights, optimizer, LR, EMA); the data moves on
+    rollback  back to the newest valid checkpoint, passing over the bad step's samples from then on
+    abort     the run ends (exit 3) naming the step and what was not finite
+
+skip and rollback give up too (exit 3) after train.max_bad_steps bad steps in a row. Every rank sees
+the same verdict: the finite check sums over ranks (loop/trainer.py).
 """
 from __future__ import annotations
 
@@ -7,15 +13,38 @@ import sys
 
 import torch
 
-from loop.checkpoint import store
-from loop.checkpoint.state import restore
 from loop.distributed.fsdp import local
 from loop.errors import GaveUp
 
 
-# ---------------------------------------------------------------------------- non-finite values
-def describe_non_finite(step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor,
-                        model: torch.nn.Module) -> str:
+class NonFinite:
+    def __init__(self, policy: str, max_bad: int, rank: int, world: int):
+        self.policy, self.max_bad, self.rank, self.world = policy, max_bad, rank, world
+        self.streak = 0  # non-finite steps in a row, with no step past them in between
+        self.last_bad = 0  # the step the last of them was
+
+    def passed(self, step: int) -> None:
+        """A step was taken; past the last bad step (not a replay after a rollback) the streak ends."""
+        if step >= self.last_bad:
+            self.streak = 0
+
+    def verdict(self, step: int, what: str, position: int) -> str:
+        """`skip` or `rollback` for non-finite step `step` (`what`: describe()); GaveUp if the policy
+        says abort, or this is one bad step too many. `position`: its samples' data position."""
+        self.streak, self.last_bad = self.streak + 1, step
+        if self.policy == "abort" or self.streak > self.max_bad:
+            why = "train.nan_policy=abort" if self.policy == "abort" else \
+                f"{self.streak} bad steps in a row (train.max_bad_steps={self.max_bad})"
+            if self.policy == "rollback" and self.streak > 1:  # a replay's good steps do not count
+                why += f"; the last {self.streak - 1} rollbacks did not get the run past step {step}"
+            raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
+                         f"or check the data at sample position {position}.")
+        who = f"rank {self.rank}: " if self.world > 1 else ""  # each rank saw its own values
+        print(f"warning: {who}{what}; {self.policy}", file=sys.stderr)
+        return self.policy
+
+
+def describe(step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor, model: torch.nn.Module) -> str:
     """Which values were not finite at `step` (read only on this failure path)."""
     bad_micro = [i for i, ok in enumerate(torch.isfinite(micro_losses).tolist()) if not ok]
     bad_grads = [n for n, p in model.named_parameters()  # FSDP: this rank's shards
@@ -25,54 +54,3 @@ def describe_non_finite(step: int, micro_losses: torch.Tensor, grad_norm: torch.
              f"gradients of {', '.join(bad_grads[:5])}{' ...' if len(bad_grads) > 5 else ''}"
              if bad_grads else ""]
     return f"step {step}: non-finite " + "; ".join(p for p in parts if p)
-
-
-def skip_empty_step(t, micro: list[dict], data_ms: float) -> None:
-    """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
-    changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
-    p = t.progress
-    p.empty += 1
-    t.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is -100, "
-               f"at sample position {p.samples}); nothing to learn from, step skipped", file=sys.stderr)
-    nan = torch.tensor(float("nan"), device=t.device)
-    t._advance(micro, 0, t.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
-
-
-def on_non_finite(t, what: str) -> bool:
-    """Apply train.nan_policy to a non-finite step. True: record the step as skipped."""
-    tc, p = t.cfg.train, t.progress
-    t.bad_streak, t.last_bad = t.bad_streak + 1, p.step + 1
-    if tc.nan_policy == "abort" or t.bad_streak > tc.max_bad_steps:
-        why = "train.nan_policy=abort" if tc.nan_policy == "abort" else \
-            f"{t.bad_streak} bad steps in a row (train.max_bad_steps={tc.max_bad_steps})"
-        if tc.nan_policy == "rollback" and t.bad_streak > 1:  # a replay's good steps do not count
-            why += f"; the last {t.bad_streak - 1} rollbacks did not get the run past step {t.last_bad}"
-        raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
-                     f"or check the data at sample position {p.samples}.")
-    who = f"rank {t.dist.rank}: " if t.dist.world > 1 else ""  # each rank saw its own values
-    print(f"warning: {who}{what}; {tc.nan_policy}", file=sys.stderr)
-    if tc.nan_policy == "skip":
-        p.skipped += 1
-        return True
-    rollback(t)
-    return False
-
-
-def rollback(t) -> None:
-    """Back to the newest valid checkpoint; the bad step's data window is never trained on."""
-    bad, p = t.progress.samples, t.progress
-    carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
-    t.optimizer.zero_grad(set_to_none=True)
-    t.scaler.update()  # consume this step's inf checks before the scaler state is replaced
-    t.batches = None
-    if t.saver:
-        t.saver.wait()  # the newest checkpoint may still be being written
-    restore(t, t.dist.on_main(lambda: store.newest_valid(t.ckpt_root)))
-    p = t.progress
-    p.rollbacks, p.skip_windows, p.micro_split = carry
-    t.log.close()
-    t.open_log()  # drops the records after the checkpoint, as a resume does
-    t.batches = t._batches()
-    t.dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
-               file=sys.stderr)
-

@@ -1,20 +1,30 @@
-"""Out of memory: the CUDA allocator's setting, and a step that ran out retried in smaller
-micro-batches (train.oom_policy=split) where no collective over the ranks was under way.
+"""Out of memory: a step that runs out is retried in smaller micro-batches (train.oom_policy=split)
+where nothing crossed the ranks yet, and the allocator is set up to run out less.
+
+Up to the last micro-batch's backward, DDP ranks run no collective: each gets that far, and there
+all agree whether any ran out (`Attempt.agree`) before any rank starts reducing gradients. Then
+every rank retries the same samples with the micro-batch halved: the same global batch, the same
+maths. Out of memory inside a collective (that last backward with other ranks, or any forward or
+backward under FSDP, which gathers each block's weights from all ranks) cannot be undone: the
+others wait in a collective this rank never joins. That rank gives up (exit 3) and torchrun stops
+the others; rerunning resumes from the newest checkpoint.
 """
 from __future__ import annotations
 
-import gc
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 
-from loop.distributed.wrap import ddp, is_ddp
+from loop.distributed.group import Dist
 from loop.errors import GaveUp
-from model.gpt import GPT
+from loop.progress import Progress
+
+UNDER_FSDP = "in forward or backward under FSDP, which gathers each block's weights from all ranks"
+LAST_BACKWARD = "in the last micro-batch's backward, where gradients are reduced over the ranks"
 
 
-# ---------------------------------------------------------------------------- out of memory
 def configure_allocator() -> str:
     """Turn on expandable segments (less fragmentation, so fewer OOMs after a batch-size change)
     in both spellings of the allocator variable, keeping whatever else the user set. Must run
@@ -26,39 +36,70 @@ def configure_allocator() -> str:
     return os.environ["PYTORCH_ALLOC_CONF"]
 
 
-def oom_in_collectives(t, where: str) -> None:
-    """Out of memory while collectives over the ranks were under way: the other ranks are waiting
-    in (or have gone past) a collective this one will never join, and DDP's reducer cannot resume
-    a reduction left halfway. No retry can put that right, so this rank gives up (exit 3) and
-    torchrun stops the others; rerunning resumes from the newest checkpoint."""
-    p, b = t.progress, t.cfg.data.batch_size
-    raise GaveUp(f"rank {t.dist.rank}: step {p.step + 1}: out of memory {where} (micro-batch "
-                 f"{-(-b // p.micro_split)}). Collectives over the ranks were under way, so it cannot "
-                 f"be retried in place. Rerun with a smaller data.batch_size and a larger "
-                 f"train.grad_accum (the same global batch)"
-                 f"{', or model.activation_checkpointing=true' if isinstance(t.raw, GPT) else ''}.")
+class _OtherRank(Exception):
+    """Another rank ran out of memory: this one skips its last backward and retries too."""
 
 
-def recover_from_oom(t) -> None:
-    """train.oom_policy: halve the micro-batch (the same batches are retried), or give up."""
-    p, b = t.progress, t.cfg.data.batch_size
-    size = -(-b // p.micro_split)
-    t.optimizer.zero_grad(set_to_none=True)
-    if t.device.type == "cuda":
-        torch.cuda.empty_cache()
-    if t.cfg.train.oom_policy == "abort" or size <= 1:
-        raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
-                     f"(train.oom_policy={t.cfg.train.oom_policy}); use a smaller "
-                     f"data.batch_size or model, or activation checkpointing.")
-    p.micro_split *= 2
-    if is_ddp(t.model):
-        # A rank that finished the last micro-batch's forward has set DDP's reducer to reduce in
-        # the next backward, which would now be a retried micro-batch's (and a lone process may
-        # have run out of memory halfway through that reduction): a fresh DDP starts clean (every
-        # rank is here; the weights are unchanged, the optimizer holds the same tensors).
-        t.model = None
-        gc.collect()  # the old reducer and its hooks on the parameters go first, even in a cycle
-        t.model = ddp(t.raw, t.device, t.cfg.train.find_unused_parameters)
-    t.dist.say(f"step {p.step + 1}: out of memory; micro-batch {size} -> {-(-b // p.micro_split)}, "
-               f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
+class Attempt:
+    """One try at a step's forward and backward passes (`OutOfMemory.attempt`)."""
 
+    def __init__(self, dist: Dist):
+        self.dist, self.agreed, self.failed = dist, False, False
+
+    def agree(self) -> None:
+        """Before the last backward, where gradients cross ranks: did any rank run out of memory?"""
+        self.agreed = True
+        if self.dist.sum_host([0.0])[0]:
+            raise _OtherRank
+
+
+class OutOfMemory:
+    def __init__(self, policy: str, batch_size: int, progress: Progress, dist: Dist, sharded: bool,
+                 hint: str = ""):
+        """`hint`: one more way to use less memory, for the message (a model's own switch)."""
+        self.policy, self.batch_size, self.progress = policy, batch_size, progress
+        self.dist, self.sharded, self.hint = dist, sharded, hint
+
+    def micro_batch(self) -> int:
+        return -(-self.batch_size // self.progress.micro_split)
+
+    @contextmanager
+    def attempt(self):
+        """Catches an out-of-memory error in the block, tells the other ranks (or ends the run where
+        it cannot be retried), and sets `.failed` on every rank if any ran out. The error is dropped
+        on leaving, with the tensors its traceback held."""
+        a = Attempt(self.dist)
+        try:
+            yield a
+        except torch.OutOfMemoryError:
+            if self.sharded:
+                self.in_collectives(UNDER_FSDP)
+            if a.agreed and self.dist.world > 1:  # alone, a fresh DDP starts clean (recover)
+                self.in_collectives(LAST_BACKWARD)
+            if not a.agreed:
+                self.dist.sum_host([1.0])  # what the others' agree() waits for
+            a.failed = True
+        except _OtherRank:
+            a.failed = True
+
+    def in_collectives(self, where: str) -> None:
+        p = self.progress
+        raise GaveUp(f"rank {self.dist.rank}: step {p.step + 1}: out of memory {where} (micro-batch "
+                     f"{self.micro_batch()}). Collectives over the ranks were under way, so it cannot "
+                     f"be retried in place. Rerun with a smaller data.batch_size and a larger "
+                     f"train.grad_accum (the same global batch){self.hint}.")
+
+    def split(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        """train.oom_policy: halve the micro-batch (the same samples are retried), or give up. Under
+        DDP the trainer then wraps the model anew (loop/trainer.py::recover_from_oom)."""
+        p, size = self.progress, self.micro_batch()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if self.policy == "abort" or size <= 1:
+            raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
+                         f"(train.oom_policy={self.policy}); use a smaller data.batch_size or model"
+                         f"{self.hint}.")
+        p.micro_split *= 2
+        self.dist.say(f"step {p.step + 1}: out of memory; micro-batch {size} -> {self.micro_batch()}, "
+                      f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)

@@ -1,16 +1,9 @@
 """MFU (model FLOPs utilisation): achieved model FLOP/s over the device's peak dense FLOP/s.
 
-FLOPs per trained token follow PaLM (Chowdhery et al. 2022, appendix B) as implemented by nanoGPT's
-`GPT.estimate_mfu`: `6*N + 12*L*H*Q*T` (forward + backward = 3 x forward; 2 FLOPs per weight per
-token in each matmul; the attention term counts QK^T and AV over the full context T, not halved for
-the causal mask). N here is exactly nanoGPT's `get_num_params(non_embedding=True)`: every unique
-parameter (`model.parameters()` counts the tied `wte`/`lm_head` weight once; it stands for the
-lm_head matmul, since the lookup itself does no FLOPs) MINUS the position embedding `wpe`. The token
-embedding IS counted; LayerNorm weights are counted too (negligible). Recomputation (activation
-checkpointing) is not counted, by definition of MFU.
-
-Peaks are vendor datasheet numbers, dense (the "with sparsity" figures halved), per GPU, TFLOPS.
-Use per-GPU tokens/s with a per-GPU peak (or global tokens/s with peak * world size).
+A model that can count its training FLOPs per token has a `flops_per_token()` method (model/gpt.py
+counts PaLM's 6N + attention); for others no MFU is reported. Peaks are vendor datasheet numbers,
+dense (the "with sparsity" figures halved), per GPU, TFLOPS. Use per-GPU tokens/s with a per-GPU
+peak (or global tokens/s with peak * world size).
 """
 from __future__ import annotations
 
@@ -53,18 +46,6 @@ def peak_flops(device_name: str, precision: str) -> float | None:
         if all(re.search(rf"\b{re.escape(word)}\b", name) for word in key.split()):
             return peaks[precision] * 1e12
     return None
-
-
-def gpt_flops_per_token(n_params: int, n_layer: int, n_head: int, n_embd: int, seq_len: int,
-                        n_pos_params: int) -> float:
-    """Training FLOPs per token, 6*N + 12*L*H*Q*T, with N = n_params - n_pos_params (see above).
-
-    n_params: unique parameters (`sum(p.numel() for p in model.parameters())`); n_pos_params: the
-    position embedding's size (`model.wpe.weight.numel()`); seq_len: the context length trained on."""
-    if n_embd % n_head:
-        raise ValueError(f"n_embd {n_embd} is not divisible by n_head {n_head}")
-    n = n_params - n_pos_params
-    return float(6 * n + 12 * n_layer * n_head * (n_embd // n_head) * seq_len)
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> float | None:

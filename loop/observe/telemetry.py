@@ -3,7 +3,8 @@ utilisation, memory, power, temperature, energy) and MFU. None of it touches the
 memory counters and NVML are host calls, and MFU is arithmetic on the measured tokens/s.
 
 MFU = tokens/s x model FLOPs per token / peak FLOP/s of all the run's devices; it is reported only
-for models with a FLOPs formula (the GPT, loop/observe/mfu.py) on devices in the peak table.
+for models that count their FLOPs (`flops_per_token()`, loop/observe/mfu.py) on devices in the
+peak table.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ import os
 import torch
 
 from loop.observe.gpu import GpuSampler
-from loop.observe.mfu import gpt_flops_per_token, peak_flops
-from model.gpt import GPT
+from loop.observe.mfu import peak_flops
 
 
 def node_gpus(device: torch.device) -> dict[int, str] | None:
@@ -28,17 +28,11 @@ def node_gpus(device: torch.device) -> dict[int, str] | None:
 
 
 class Telemetry:
-    def __init__(self, model: torch.nn.Module, model_cfg, seq_len: int, device: torch.device,
-                 precision: str, world: int):
+    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str, world: int):
         self.device = device
         gpus = node_gpus(device)  # the sampler says once that it is off without NVIDIA
         self.gpu = GpuSampler(devices=gpus) if gpus else None
-        self.flops = None
-        if isinstance(model, GPT):  # 6N + attention, N without position embeddings (not `wpe` of
-            # a model of the user's own, whose FLOPs this formula does not count)
-            n = sum(p.numel() for p in model.parameters())
-            self.flops = gpt_flops_per_token(n, model_cfg.n_layer, model_cfg.n_head, model_cfg.n_embd,
-                                             seq_len, model.wpe.weight.numel())
+        self.flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
         if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.fp32_precision == "tf32":
             precision = "tf32"
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type

@@ -1,0 +1,104 @@
+"""What a resume says about the run it continues: what differs from the run that saved the
+checkpoint (config keys, data, machine, process count, global batch), and what the resumed state
+means for this run (stopped early, past train.max_steps, newer checkpoints from another run). Each
+is allowed, and said as a note.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from loop.checkpoint import store
+from loop.config.load import changed_keys
+
+
+def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
+    """What differs from the run that wrote the checkpoint: allowed, and said. `metadata`: this
+    run's (loop/observe/metadata.py; empty on ranks but 0, which say nothing)."""
+    notes, changed = [], changed_keys(state["config"], cfg)
+    if "run.init_from" in changed and cfg.run.init_from:  # the same command rerun has it unchanged
+        changed.remove("run.init_from")
+        notes.append(f"run.init_from={cfg.run.init_from} is not used: it starts a fresh run, and this "
+                     f"one resumes from its checkpoint; to start from those weights, give the run a "
+                     f"new run.out_dir")
+    if changed:
+        notes.append(f"config differs from the checkpoint's in: {', '.join(changed)}; this run's "
+                     f"values apply from here on")
+    if {"train.best_metric", "train.best_mode"} & set(changed):  # loop/monitor.py starts over
+        was = state["config"]["train"]
+        notes.append(f"train.best_metric/best_mode {was.get('best_metric')}/{was.get('best_mode')} -> "
+                     f"{cfg.train.best_metric}/{cfg.train.best_mode}: the best checkpoint and early "
+                     f"stopping start over from this step")
+    if "run.seed" in changed:  # the order is a function of (seed, epoch, index): loop/data/sampler.py
+        notes.append("with another run.seed the rest of this epoch follows another order, so some of "
+                     "its samples are trained on twice and some not at all, and validation reads "
+                     "other batches (its losses compare with the run before's no more)")
+    saved, now = state["metadata"].get("data"), metadata.get("data")  # None: older code, rank > 0
+    if saved is not None and now is not None:
+        keys = sorted(k for k in saved.keys() | now.keys() if saved.get(k) != now.get(k))
+        if saved.get("sha256") and saved.get("sha256") == now.get("sha256"):
+            keys = [k for k in keys if k != "source"]  # the same corpus, by another path
+        if keys:
+            notes.append(f"the data differs from the checkpoint's run ("
+                         f"{'; '.join(f'{k} {saved.get(k)} -> {now.get(k)}' for k in keys)}); "
+                         f"training goes on from the same sample position in it, not bit for bit "
+                         f"as before")
+    if moved := platform_change(state["metadata"], state["world_size"], metadata, world):
+        notes.append(f"this resume is not where the checkpoint was written ({moved}): the run "
+                     f"goes on, exact to floating-point rounding; bit for bit holds only on the "
+                     f"same machine, versions and process count")
+    if batch := global_batch_change(state["config"], state["world_size"], cfg, world):
+        notes.append(batch)
+    return notes
+
+
+def platform_change(saved: dict, saved_world: int, now: dict, world: int) -> str:
+    """What decides float rounding and differs between two runs' metadata: the versions of torch,
+    numpy and CUDA, the CPU model, the GPU models (of runs on CUDA), the process count. '' if
+    nothing (or not known)."""
+    def rounding(m: dict, processes: int) -> dict:
+        versions, hardware = m.get("versions", {}), m.get("hardware", {})
+        return {"torch": versions.get("torch"), "numpy": versions.get("numpy"),
+                "CUDA": versions.get("cuda"), "CPU": hardware.get("cpu"),
+                "GPUs": ", ".join(g["name"] for g in hardware.get("gpus", [])
+                                  if str(m.get("device")).startswith("cuda")) or None,
+                "processes": processes}
+
+    if not saved or not now:
+        return ""
+    a, b = rounding(saved, saved_world), rounding(now, world)
+    return "; ".join(f"{k} {a[k]} -> {b[k]}" for k in a if a[k] != b[k])
+
+
+def global_batch_change(saved: dict, saved_world: int, cfg, world: int) -> str | None:
+    """What a resume does to the samples per step: data.batch_size is per process, so another
+    number of processes changes the global batch (and with it the LR that suits it) unless
+    data.batch_size or train.grad_accum change with it. None if it stays the same."""
+    was = (saved_world, saved["data"]["batch_size"], saved["train"]["grad_accum"])
+    now = (world, cfg.data.batch_size, cfg.train.grad_accum)
+    if was[0] * was[1] * was[2] == now[0] * now[1] * now[2]:
+        return None
+    layout = "{} process(es) x data.batch_size {} x train.grad_accum {}"
+    return (f"a step now takes {now[0] * now[1] * now[2]} samples ({layout.format(*now)}), the "
+            f"checkpoint's run took {was[0] * was[1] * was[2]} ({layout.format(*was)}); the sample "
+            f"order continues where it stopped")
+
+
+def after_resume(step: int, stop_reason: str, cfg, ckpt_root: Path) -> list[str]:
+    """What the resumed state means here. run.resume=PATH back in time in the same out_dir, or from
+    another into one with newer checkpoints: those are from the run before; this one replaces each
+    as it saves that step (loop/checkpoint/store.py::save)."""
+    notes = []
+    if stop_reason:
+        notes.append(f"this run stopped early ({stop_reason}), so nothing more is trained; to train "
+                     f"on, rerun with a larger train.early_stop_patience, or 0")
+    if step > cfg.train.max_steps:
+        notes.append(f"the checkpoint is past train.max_steps={cfg.train.max_steps}, so nothing is "
+                     f"trained; to stop at step {cfg.train.max_steps}, resume from an older checkpoint "
+                     f"(run.resume=PATH) or start a new run.out_dir")
+    later = [d.name for d in store.step_dirs(ckpt_root) if d.name > f"step_{step:08d}"]
+    if later and cfg.run.resume != "auto":
+        notes.append(f"{', '.join(later)} in {ckpt_root} are from before this resume; each is "
+                     f"replaced when this run saves its step, but until then run.resume=auto would "
+                     f"continue from them. To branch off an older checkpoint, give the run its own "
+                     f"run.out_dir (run.resume may point into another one).")
+    return notes

@@ -1,0 +1,94 @@
+"""Whether a checkpoint's (or an exported model.pt's) weights fit the model this run built, and
+loading them: a mismatch names every tensor that differs and the config keys that size a model,
+before anything is loaded. Weights alone load across strategies: an FSDP checkpoint's shards into a
+plain model, a whole state_dict into an FSDP one.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from loop.checkpoint import store
+from loop.config.load import flat, to_dict
+from loop.config.schema import Config
+from loop.distributed import fsdp
+from loop.errors import BadInput
+
+# What to do about weights that do not fit: when resuming, and when only the weights are taken.
+RESUME = ("Use the config and model code it was trained with, or a new run.out_dir (and a new run.mirror, "
+          "if one is set: it would hand the new run the same checkpoint).")
+WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from empty to start from "
+              "random weights.")
+
+
+
+def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
+                     advice: str = "") -> dict:
+    """Load a checkpoint's state.pt and put its weights (and, if given, the optimizer state) into
+    `model`, refusing a mismatch. Weights alone load across strategies: an FSDP checkpoint's
+    shards into a plain model and a whole state_dict into an FSDP one."""
+    state = store.load(path, "state.pt")
+    advice = advice or (RESUME if optimizer is not None else WARM_START)
+    was_sharded = bool(state.get("sharded"))
+    if optimizer is not None and was_sharded != fsdp.is_sharded(model):
+        how = {True: "train.strategy=fsdp under torchrun", False: "plain python or train.strategy=ddp"}
+        raise BadInput(f"checkpoint {path} was written with {how[was_sharded]}; resuming it with "
+                       f"{how[not was_sharded]} is not supported. Use the strategy it was written "
+                       f"with (any number of processes, `torchrun --nproc_per_node=1` included), or "
+                       f"start a new run.out_dir with run.init_from={path} (weights only).")
+    if was_sharded:
+        refuse_mismatch(model, fsdp.saved_shapes(path), f"checkpoint {path}", state.get("config"), cfg,
+                        advice)
+        fsdp.load(model, optimizer, path)
+    else:
+        refuse_mismatch(model, state["model"], f"checkpoint {path}", state.get("config"), cfg,
+                        advice)
+        load_whole(model, state["model"])
+    if optimizer is not None and not was_sharded:
+        optimizer.load_state_dict(state["optimizer"])
+    return state
+
+
+def load_export(path: Path, model: nn.Module, cfg: Config) -> None:
+    """run.init_from=FILE: the weights of an exported model.pt (loop/observe/summary.py: {"model",
+    "config", "data"}, "ema" too with EMA on; FSDP runs export it whole), or of a bare state_dict
+    (`torch.save(model.state_dict(), PATH)`), into `model`."""
+    export = store.load(path.parent, path.name)
+    weights = export.get("model", export) if isinstance(export, dict) else None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise BadInput(f"run.init_from={path}: expected a checkpoint directory, a model.pt as "
+                       f"train.py exports it (a dict whose \"model\" is a state_dict), or a "
+                       f"state_dict saved with torch.save(model.state_dict(), PATH).")
+    refuse_mismatch(model, weights, f"model file {path}", export.get("config"), cfg, WARM_START)
+    load_whole(model, weights)
+
+
+def load_whole(model: nn.Module, weights: dict) -> None:
+    """A whole (unsharded) state_dict into a plain or an FSDP model."""
+    if fsdp.is_sharded(model):
+        fsdp.load_full(model, weights)
+    else:
+        model.load_state_dict(weights)
+
+
+def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: Config,
+                    advice: str) -> None:
+    """BadInput naming every tensor that differs, the keys that size a model (model.*, and
+    data.seq_len, its context) that its run set otherwise (`saved_cfg`: the config dict saved with
+    it; None for a bare state_dict), and what to do (`advice`)."""
+    bad = store.shape_mismatches(model, saved)
+    if not bad:
+        return
+    why = ""
+    if isinstance(saved_cfg, dict):
+        old, new = flat(saved_cfg), flat(to_dict(cfg))
+        keys = sorted(k for k in old.keys() | new.keys()
+                      if (k.startswith("model.") or k == "data.seq_len") and old.get(k) != new.get(k))
+        why = (f"It was trained with {', '.join(f'{k}={old.get(k)}' for k in keys)} (this config: "
+               f"{', '.join(f'{k}={new.get(k)}' for k in keys)}). " if keys else
+               "It was trained with this config's model.* keys and data.seq_len: the data's "
+               "vocabulary or the model code differs. ")
+    raise BadInput(f"{source} does not fit the configured model ({len(bad)} tensor(s)):\n  "
+                   + "\n  ".join(bad) + f"\n{why}{advice}")

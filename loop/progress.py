@@ -1,0 +1,38 @@
+"""How far a run has come: optimizer steps, and the data position they consumed.
+
+The data position (`samples`) counts the global samples that optimizer steps took, not what the
+DataLoader prefetched: a resume starts a fresh sampler there (loop/data/sampler.py) and sees exactly
+the samples the uninterrupted run saw from there on. Like every part of a checkpoint it has
+`state_dict` / `load_state_dict`; loading puts the values into this object, so whoever holds it
+sees the resumed position.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass
+class Progress:
+    step: int = 0  # optimizer steps done, skipped ones included
+    samples: int = 0  # training samples consumed by those steps: the data position
+    tokens: int = 0  # targets in those samples
+    skipped: int = 0  # steps dropped because the loss or gradients were not finite
+    overflows: int = 0  # fp16 steps skipped by the GradScaler (scale backed off)
+    empty: int = 0  # steps skipped because their batches held no target (every y -100)
+    train_s: float = 0.0  # wall time spent training, over every session
+    micro_split: int = 1  # each loaded batch is cut in this many micro-batches (doubles on OOM)
+    rollbacks: int = 0  # times training went back to a checkpoint after a non-finite step
+    skip_windows: list[int] = field(default_factory=list)  # data positions never trained on
+
+    def advance(self, micro: list[dict], n_targets: int, world: int) -> None:
+        """Count one optimizer step over `micro` (this rank's batches; every rank took as many)."""
+        self.step += 1
+        self.samples += sum(len(b["idx"]) for b in micro) * world
+        self.tokens += n_targets
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
