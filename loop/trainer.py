@@ -1,14 +1,11 @@
 """The honest loop. `Trainer(...).run()` resumes if it can, trains to train.max_steps (or until early
 stopping or a preemption signal), evaluating and checkpointing on the way, and writes summary.json.
-`step()` is one optimizer step, top to bottom:
+`step()` is one optimizer step: micro-batches -> forward, backward of each -> the true loss over
+every rank -> unscale -> clip -> one finite check -> step or skip -> schedule, EMA, zero_grad -> log.
 
-    micro-batches -> forward, backward of each -> the true loss over every rank -> unscale -> clip
-    -> one finite check -> step or skip -> schedule, EMA, zero_grad -> count and log
-
-Exact resume rests on three seams: the data position (`Progress.samples`, global samples taken by
-optimizer steps), every RNG stream in the checkpoint (loop/rng.py), and the LR as a pure function
-of the optimizer step (loop/schedule.py). A checkpoint is `self.parts`, each part a state_dict.
-Lines marked `lab:` break one concern on purpose when its lab switch is on (loop/lab.py).
+Exact resume rests on three seams: the data position (`Progress.samples`), every RNG stream in the
+checkpoint (loop/rng.py), and the LR as a pure function of the optimizer step (loop/schedule.py).
+A checkpoint is `self.parts`. Lines marked `lab:` break one concern on purpose (loop/lab.py).
 """
 from __future__ import annotations
 
@@ -33,7 +30,7 @@ from loop.distributed import fsdp
 from loop.distributed.group import Dist
 from loop.distributed.wrap import check_all_used, ddp, grad_sync, is_ddp
 from loop.evaluate import Evaluator, loss_and_sums
-from loop.guards.nonfinite import NonFinite, describe
+from loop.guards.nonfinite import NonFinite, describe, rollback
 from loop.guards.oom import OutOfMemory
 from loop.guards.preemption import Preemption
 from loop.lab import banner
@@ -60,15 +57,15 @@ class Trainer:
         self.monitor = Monitor(tc.best_metric, tc.best_mode, tc.early_stop_patience, tc.early_stop_min_delta)
         self.parts = {"model": self.raw, "optimizer": optimizer, "scheduler": scheduler, "scaler": self.scaler,
                       "ema": ema, "monitor": self.monitor, "progress": self.progress, "rng": RngStreams()}
-        self.feed = Feed(data, cfg, cfg.data.pin_memory and device.type == "cuda", self.progress,
-                         self.dist.rank, self.dist.world)
+        self.feed = Feed(data, cfg, cfg.data.pin_memory and device.type == "cuda", self.progress, self.dist)
         self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save)
-        self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.dist.rank, self.dist.world)
-        hint = ", or model.activation_checkpointing=true" if hasattr(self.raw, "set_activation_checkpointing") else ""
+        self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist)
+        switch = hasattr(self.raw, "set_activation_checkpointing")  # the model's own way to use less memory
+        hint = ", or model.activation_checkpointing=true" if switch else ""
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded, hint)
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
                                    self.sharded, self.progress, self.oom)
-        self.log, self.telemetry, self.metadata, self.run_facts = NullLog(), None, {}, {}
+        self.log, self.metadata, self.run_facts = NullLog(), {}, {}
         self.preempted = False
 
     def run(self) -> dict:
@@ -93,7 +90,9 @@ class Trainer:
         if self.dist.main:  # from here on, files are written
             save_config(cfg, self.out / "config.yaml")
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
-        self.open_log()
+            # Metrics from rank 0 (the values are global), from the resumed step on.
+            self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, telemetry=Telemetry(
+                self.raw, self.device, self.precision.name, self.dist.world))
         preemption, profiler, ended = Preemption(), None, False
         try:  # from the log's opening on: an error anywhere closes what is open (the finally below)
             self.dist.say(summary.start_line(self.raw, self.model, self.sharded, self.device, self.precision.name,
@@ -112,7 +111,7 @@ class Trainer:
                 stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
                 best = False
                 if (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps:
-                    best = self.evaluate()  # logged, and a best like any other
+                    best = self.evaluator.evaluate(self.log, self.monitor)  # a best like any other
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()
@@ -137,7 +136,7 @@ class Trainer:
             finally:
                 if not ended:  # an error or Ctrl-C on its way out, which it reports, not this
                     with contextlib.suppress(OSError):  # (a full disk again, closing the log)
-                        self.close_sinks()
+                        self.log.close()
         return self.finish()
 
     def step(self) -> bool:
@@ -147,8 +146,7 @@ class Trainer:
         with record_function("data"):
             micro = self.feed.draw()
         data_ms = 1000 * (time.perf_counter() - t0)  # waiting for the DataLoader
-        # Targets in the whole step on every rank: counted on the CPU by the collate, summed over
-        # ranks by a CPU collective, so the GPU stream is never waited on.
+        # Targets in the step on every rank: counted by the collate, summed on the CPU (no GPU sync).
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
         if not n_targets:  # every y is -100 on every rank (e.g. prompts only): nothing to learn
             return self.skip_empty(micro, data_ms)
@@ -161,8 +159,8 @@ class Trainer:
                     with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
                         loss = self.forward(batch)  # summed over the micro-batch's targets
                         losses.append(loss.detach().float())
-                        # Divided by the step's targets on every rank (x world: DDP averages over
-                        # ranks), the gradients are one big batch's. Lab: its own mean / pieces.
+                        # / the step's targets on every rank (x world: DDP averages): one big batch's
+                        # gradients. Lab: each micro-batch's own mean / pieces.
                         per = batch["n_targets"] * len(pieces) if self.lab == "mean_loss_per_microbatch" else n_targets
                         scaled = self.scaler.scale(loss * (self.dist.world / per))
                         if last:
@@ -191,14 +189,11 @@ class Trainer:
                 self.scheduler.step()  # the LR advances only on steps actually taken
                 if self.ema:
                     self.ema.update(self.raw)
-                self.nonfinite.passed(p.step + 1)
+                self.nonfinite.passed()
             elif self.scaler.is_enabled() and loss_ok:
                 p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
-            elif self.nonfinite.verdict(p.step + 1, describe(p.step + 1, losses, grad_norm, self.raw),
-                                        p.samples) == "rollback":
-                return self.rollback()
-            else:
-                p.skipped += 1
+            elif self.nonfinite.verdict(describe(p.step + 1, losses, grad_norm, self.raw)) == "rollback":
+                return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         self.count(micro, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
@@ -217,21 +212,17 @@ class Trainer:
         """Count the step and its data, and log it (the loss and norm stay on the device)."""
         p = self.progress
         p.advance(micro, n_targets, self.dist.world)
-        fields = {"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples, "skipped": skipped,
-                  "data_ms": data_ms, "micro_batch": self.oom.micro_batch()}
-        if self.cfg.data.log_ids:  # for audits: the global ids of this step's samples, in order
-            ranks = self.dist.gather_to_main([b["idx"].tolist() for b in micro])  # rank 0 only
-            fields["ids"] = ranks and [i for m in range(len(micro)) for r in ranks for i in r[m]]
-        self.log.record(fields, loss, grad_norm)
+        ids = {"ids": self.feed.ids(micro)} if self.cfg.data.log_ids else {}  # for audits: its samples
+        self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples, "skipped": skipped,
+                         "data_ms": data_ms, "micro_batch": self.oom.micro_batch(), **ids}, loss, grad_norm)
 
     def skip_empty(self, micro: list[dict], data_ms: float) -> bool:
         """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
         changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
-        self.progress.empty += 1
-        self.dist.say(f"warning: step {self.progress.step + 1}: no targets in this step's batches (every "
-                      f"y is -100, at sample position {self.progress.samples}); nothing to learn from, "
-                      f"step skipped", file=sys.stderr)
-        nan = torch.tensor(float("nan"), device=self.device)
+        p, nan = self.progress, torch.tensor(float("nan"), device=self.device)
+        p.empty += 1
+        self.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is -100, at "
+                      f"sample position {p.samples}); nothing to learn from, step skipped", file=sys.stderr)
         self.count(micro, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
         return True
 
@@ -243,79 +234,16 @@ class Trainer:
             gc.collect()  # the old reducer and its hooks on the parameters first (DDP is a cycle)
             self.model = ddp(self.raw, self.device, self.cfg.train.find_unused_parameters)
 
-    def evaluate(self) -> bool:
-        """Validation metrics and a text sample into the log; True if the monitored metric
-        (train.best_metric) is the best so far."""
-        step, metrics = self.progress.step, self.evaluator.validate()
-        for name, value in metrics.items():
-            self.log.scalar(step, name, value)
-        if text := self.evaluator.sample():
-            self.log.text(step, "sample", text)  # a no-op off rank 0
-        best = self.monitor.update(step, metrics[self.monitor.metric])
-        if self.monitor.state.stop_reason:  # set by this evaluation: the loop ends here
-            self.dist.say(f"stopped early at step {step}: {self.monitor.state.stop_reason}")
-        return best
-
     def save(self) -> None:
         """Checkpoint this step (every rank takes part); metrics up to it are on disk first."""
         self.log.flush()
         self.checkpoints.save(self.progress.step, self.parts, self.sharded, self.run_facts,
                               self.monitor.state.best_step)
 
-    def rollback(self) -> bool:
-        """Back to the newest valid checkpoint; the bad step's data window is never trained on."""
-        p, bad = self.progress, self.progress.samples
-        carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.update()  # consume this step's inf checks before the scaler state is replaced
-        self.checkpoints.wait()  # the newest checkpoint may still be being written
-        path = self.dist.on_main(lambda: store.newest_valid(self.checkpoints.root))
-        self.checkpoints.origin = state.restore(path, self.parts, self.cfg, self.dist, self.metadata, self.lab)
-        p.rollbacks, p.skip_windows, p.micro_split = carry
-        self.log.close()
-        self.open_log()  # drops the records after the checkpoint, as a resume does
-        self.feed.start()
-        self.dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
-                      file=sys.stderr)
-        return False
-
-    def open_log(self) -> None:
-        """Metrics from rank 0 (the values are global), from the resumed step on."""
-        if not self.dist.main:
-            return
-        if self.telemetry is None:
-            self.telemetry = Telemetry(self.raw, self.device, self.precision.name, self.dist.world)
-        p = self.progress
-        self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, self.cfg.train.max_steps,
-                              telemetry=self.telemetry.read, mfu=self.telemetry.mfu)
-
-    def close_sinks(self) -> None:
-        """What rank 0 writes besides checkpoints: the GPU sampler's thread, then the metrics file and
-        TensorBoard's writer thread (a run called again in the same process leaves none behind)."""
-        if self.telemetry:
-            self.telemetry.close()
-        self.log.close()
-
     def finish(self) -> dict:
-        """The end: validation if the last step had none, then (rank 0) summary.json, model.pt and
-        the report. A preempted run skips them and exits fast: the same command finishes the job."""
-        p = self.progress
-        if self.preempted:
-            self.close_sinks()
-            self.dist.say(f"preempted at step {p.step}; checkpoint written to {self.checkpoints.root}")
-            return {"steps": p.step, "preempted": True}
-        if not (self.evaluator.last and self.evaluator.last[0] == p.step):
-            self.evaluator.validate()  # every rank takes part: validation sums over ranks
-        # Collectives with FSDP (gather the whole model, sample through it): every rank takes part.
-        weights, text = fsdp.full_state(self.raw), self.evaluator.sample()
-        ema = fsdp.full_state(self.ema.module) if self.ema else None
-        if not self.dist.main:
-            return {"steps": p.step, "preempted": False}
-        result = summary.of_run(p, self.monitor, self.evaluator.last[1], self.log.last_loss, weights, ema, text,
-                                self.oom.micro_batch(), self.precision.name, self.device,
-                                self.data.meta.get("optimal_loss"), self.lab, self.telemetry.read(now=True))
-        self.log.text(p.step, "sample", text or "")
-        self.close_sinks()
-        summary.write(self.out, result, weights, ema, self.run_facts["config"], self.metadata.get("data"),
-                      self.cfg.report)
-        return result
+        """The end: summary.json, model.pt and the report (loop/observe/summary.py); a preempted
+        run skips them and exits fast, and rerunning the same command finishes the job."""
+        facts = {"precision": self.precision.name, "device": str(self.device), "lab_break": self.lab or None,
+                 "optimal_loss": self.data.meta.get("optimal_loss"), "micro_batch": self.oom.micro_batch()}
+        return summary.finish(self.out, self.preempted, self.parts, self.evaluator, self.log, self.dist,
+                              self.cfg, self.metadata.get("data"), facts)

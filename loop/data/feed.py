@@ -8,15 +8,15 @@ from __future__ import annotations
 
 from loop.data.bundle import Data
 from loop.data.sampler import close_loader, train_loader
+from loop.distributed.group import Dist
 from loop.guards.preemption import worker_ignores_stop_signals
 from loop.progress import Progress
 
 
 class Feed:
-    def __init__(self, data: Data, cfg, pin_memory: bool, progress: Progress, rank: int, world: int):
+    def __init__(self, data: Data, cfg, pin_memory: bool, progress: Progress, dist: Dist):
         """`cfg`: the run's config (data.*, run.seed, train.grad_accum, lab.break)."""
-        self.data, self.cfg, self.pin_memory, self.progress, self.rank, self.world = \
-            data, cfg, pin_memory, progress, rank, world
+        self.data, self.cfg, self.pin_memory, self.progress, self.dist = data, cfg, pin_memory, progress, dist
         self.batches = None  # an iterator of this rank's batches
 
     def start(self) -> None:
@@ -26,14 +26,20 @@ class Feed:
         start = 0 if self.cfg.lab.break_ == "no_sampler_state" else p.samples  # lab: from the top
         self.batches = iter(train_loader(self.data.train, d.batch_size, self.cfg.run.seed, start, d.num_workers,
                                          d.prefetch_factor, self.pin_memory, worker_ignores_stop_signals,
-                                         self.rank, self.world))
+                                         self.dist.rank, self.dist.world))
 
     def draw(self) -> list[dict]:
         """The next optimizer step's train.grad_accum batches."""
         p, k = self.progress, self.cfg.train.grad_accum
         while p.samples in p.skip_windows:
-            p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k)) * self.world
+            p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k)) * self.dist.world
         return [next(self.batches) for _ in range(k)]
+
+    def ids(self, micro: list[dict]) -> list[int] | None:
+        """The global ids of a step's samples in the order they were trained on, on rank 0 (data.log_ids,
+        for audits: make verify's data check); a collective."""
+        ranks = self.dist.gather_to_main([b["idx"].tolist() for b in micro])  # None off rank 0
+        return ranks and [i for m in range(len(micro)) for r in ranks for i in r[m]]
 
     def close(self) -> None:
         """Stop the loader's worker processes now (loop/data/sampler.py::close_loader)."""

@@ -13,24 +13,28 @@ import sys
 
 import torch
 
+from loop.checkpoint import state, store
 from loop.distributed.fsdp import local
+from loop.distributed.group import Dist
 from loop.errors import GaveUp
+from loop.progress import Progress
 
 
 class NonFinite:
-    def __init__(self, policy: str, max_bad: int, rank: int, world: int):
-        self.policy, self.max_bad, self.rank, self.world = policy, max_bad, rank, world
+    def __init__(self, policy: str, max_bad: int, progress: Progress, dist: Dist):
+        self.policy, self.max_bad, self.progress, self.dist = policy, max_bad, progress, dist
         self.streak = 0  # non-finite steps in a row, with no step past them in between
         self.last_bad = 0  # the step the last of them was
 
-    def passed(self, step: int) -> None:
-        """A step was taken; past the last bad step (not a replay after a rollback) the streak ends."""
-        if step >= self.last_bad:
+    def passed(self) -> None:
+        """The step is taken; past the last bad step (not a replay after a rollback) the streak ends."""
+        if self.progress.step + 1 >= self.last_bad:
             self.streak = 0
 
-    def verdict(self, step: int, what: str, position: int) -> str:
-        """`skip` or `rollback` for non-finite step `step` (`what`: describe()); GaveUp if the policy
-        says abort, or this is one bad step too many. `position`: its samples' data position."""
+    def verdict(self, what: str) -> str:
+        """`skip` (counted as skipped) or `rollback` for this non-finite step (`what`: describe()),
+        or GaveUp if the policy says abort, or this is one bad step too many."""
+        step, position = self.progress.step + 1, self.progress.samples
         self.streak, self.last_bad = self.streak + 1, step
         if self.policy == "abort" or self.streak > self.max_bad:
             why = "train.nan_policy=abort" if self.policy == "abort" else \
@@ -39,8 +43,10 @@ class NonFinite:
                 why += f"; the last {self.streak - 1} rollbacks did not get the run past step {step}"
             raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
                          f"or check the data at sample position {position}.")
-        who = f"rank {self.rank}: " if self.world > 1 else ""  # each rank saw its own values
+        who = f"rank {self.dist.rank}: " if self.dist.world > 1 else ""  # each rank saw its own values
         print(f"warning: {who}{what}; {self.policy}", file=sys.stderr)
+        if self.policy == "skip":
+            self.progress.skipped += 1
         return self.policy
 
 
@@ -54,3 +60,23 @@ def describe(step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor, mod
              f"gradients of {', '.join(bad_grads[:5])}{' ...' if len(bad_grads) > 5 else ''}"
              if bad_grads else ""]
     return f"step {step}: non-finite " + "; ".join(p for p in parts if p)
+
+
+def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> bool:
+    """Back to the newest valid checkpoint (every rank): `parts` restored, the metrics after it
+    dropped (as at a resume), the data read from its position on, passing over the bad step's
+    window from now on. False: no step was taken."""
+    p = parts["progress"]
+    bad = p.samples
+    carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
+    parts["optimizer"].zero_grad(set_to_none=True)
+    parts["scaler"].update()  # consume this step's inf checks before the scaler state is replaced
+    checkpoints.wait()  # the newest checkpoint may still be being written
+    path = dist.on_main(lambda: store.newest_valid(checkpoints.root))
+    checkpoints.origin = state.restore(path, parts, cfg, dist, metadata, cfg.lab.break_)
+    p.rollbacks, p.skip_windows, p.micro_split = carry
+    log.rewind(p.step, p.tokens, p.samples)
+    feed.start()
+    dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
+             file=sys.stderr)
+    return False

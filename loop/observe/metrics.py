@@ -29,21 +29,33 @@ from loop.observe.report import hms
 
 class MetricsLog:
     def __init__(self, out_dir: Path, start_step: int, start_tokens: int, start_samples: int,
-                 max_steps: int, tensorboard: bool = True, telemetry=None, mfu=None):
-        """`telemetry()`: host readings for the interval (memory, GPU); `mfu(tokens_per_s)`."""
+                 max_steps: int, tensorboard: bool = True, telemetry=None):
+        """`telemetry`: loop/observe/telemetry.py's readings and MFU, closed with the log."""
+        self.out_dir, self.path, self.max_steps = out_dir, out_dir / "metrics.jsonl", max_steps
+        self.tensorboard, self.telemetry = tensorboard, telemetry
+        self.last_event = None  # CUDA event at the end of the last logged step
+        self._open(start_step, start_tokens, start_samples)
+
+    def _open(self, step: int, tokens: int, samples: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.path, self.max_steps = out_dir / "metrics.jsonl", max_steps
-        last = jsonl.truncate(self.path, start_step)
+        last = jsonl.truncate(self.path, step)
         self.last_loss = last["loss"] if last else None
         self.file = open(self.path, "a")
-        self.tb = SummaryWriter(out_dir / "tb", purge_step=start_step + 1) if tensorboard else None
+        self.tb = SummaryWriter(self.out_dir / "tb", purge_step=step + 1) if self.tensorboard else None
         if self.tb:
             _quiet_tensorboard_thread()
         self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
-        self.telemetry, self.mfu = telemetry or dict, mfu or (lambda _: None)
-        self.last_event = None  # CUDA event at the end of the last logged step
-        self.mark = (time.perf_counter(), start_step, start_tokens, start_samples)  # at the last flush
+        self.mark = (time.perf_counter(), step, tokens, samples)  # at the last flush
+
+    def rewind(self, step: int, tokens: int, samples: int) -> None:
+        """Back to `step` (a rollback): the records after it go, as at a resume."""
+        self._close_files()
+        self._open(step, tokens, samples)
+
+    def readings(self) -> dict:
+        """The telemetry's readings now (at the run's end: NVML read first, not its last tick)."""
+        return self.telemetry.read(now=True) if self.telemetry else {}
 
     def record(self, fields: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if loss.is_cuda:  # mark the end of this step on the GPU's own timeline: no sync
@@ -105,9 +117,11 @@ class MetricsLog:
         out = {"tokens_per_s": (last["tokens"] - tok0) / dt, "samples_per_s": (last["samples"] - smp0) / dt,
                "ms_per_step": 1000 * dt / steps,
                "data_wait_pct": 100 * sum(r["data_ms"] for r in recs) / (1000 * dt)}
-        if (m := self.mfu(out["tokens_per_s"])) is not None:
+        if self.telemetry is None:
+            return out
+        if (m := self.telemetry.mfu(out["tokens_per_s"])) is not None:
             out["mfu"] = m
-        return {**out, **self.telemetry()}
+        return {**out, **self.telemetry.read()}
 
     def _console(self, rec: dict) -> None:
         eta = (self.max_steps - rec["step"]) * rec["ms_per_step"] / 1000
@@ -120,6 +134,15 @@ class MetricsLog:
               f" | ETA {hms(eta)}", flush=True)  # strftime's %H wrapped at a day
 
     def close(self) -> None:
+        """Everything on disk, and the file, TensorBoard's writer thread and the telemetry's closed
+        (a run called again in the same process, as from a notebook, leaves no thread behind)."""
+        try:
+            self._close_files()
+        finally:
+            if self.telemetry:
+                self.telemetry.close()
+
+    def _close_files(self) -> None:
         self.flush()
         self.file.close()
         if self.tb:
@@ -154,4 +177,7 @@ class NullLog:
     def record(self, *args) -> None:
         pass
 
-    scalar = text = flush = close = record
+    scalar = text = flush = close = rewind = record
+
+    def readings(self) -> dict:
+        return {}

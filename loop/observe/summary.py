@@ -13,9 +13,9 @@ import torch
 
 from loop.checkpoint import store
 from loop.checkpoint.atomic import atomic_write
-from loop.monitor import Monitor
+from loop.config.load import to_dict
+from loop.distributed import fsdp
 from loop.observe.report import write_report
-from loop.progress import Progress
 
 
 def start_line(raw: torch.nn.Module, model: torch.nn.Module, sharded: bool, device: torch.device,
@@ -31,27 +31,42 @@ def start_line(raw: torch.nn.Module, model: torch.nn.Module, sharded: bool, devi
             f"{batch * world} samples of {seq_len} target(s)")
 
 
-def of_run(p: Progress, monitor: Monitor, metrics: dict[str, float], final_loss: float | None,
-           weights: dict, ema: dict | None, sample: str | None, micro_batch: int, precision: str,
-           device: torch.device, optimal_loss: float | None, lab: str, readings: dict) -> dict:
-    """summary.json of a finished run. `metrics`: the last validation's; `weights`, `ema`: whole
-    state_dicts; `readings`: the telemetry's at the end (this session's energy and peak memory)."""
+def finish(out: Path, preempted: bool, parts: dict, evaluator, log, dist, cfg, data: dict | None,
+           facts: dict) -> dict:
+    """The end of a run (every rank calls it): validation, if the last step had none, and the
+    whole model; then, on rank 0, summary.json, model.pt and the report in `out`. `parts`: the
+    checkpoint's (loop/trainer.py); `data`: what it was trained on (metadata.json's "data");
+    `facts`: summary.json's precision, device, lab_break, optimal_loss and micro_batch."""
+    p, monitor, ema = parts["progress"], parts["monitor"], parts["ema"]
+    if preempted:
+        log.close()
+        dist.say(f"preempted at step {p.step}; checkpoint written to {out / 'checkpoints'}")
+        return {"steps": p.step, "preempted": True}
+    if not (evaluator.last and evaluator.last[0] == p.step):
+        evaluator.validate()  # every rank takes part: validation sums over ranks
+    # Collectives with FSDP (gather the whole model, sample through it): every rank takes part.
+    weights, sample = fsdp.full_state(parts["model"]), evaluator.sample()
+    averaged = fsdp.full_state(ema.module) if ema else None
+    if not dist.main:
+        return {"steps": p.step, "preempted": False}
     m = monitor.state
-    out = {
-        "steps": p.step, "final_loss": final_loss, **metrics,  # val_loss, val_...
+    summary = {
+        "steps": p.step, "final_loss": log.last_loss, **evaluator.last[1],  # val_loss, val_...
         "params_sha256": store.params_sha256(weights), "wall_s": p.train_s,
         "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
         "skipped_steps": p.skipped, "overflow_steps": p.overflows, "empty_steps": p.empty,
         "best": {"metric": monitor.metric, "value": m.best, "step": m.best_step},
         "stopped_early": bool(m.stop_reason), "stop_reason": m.stop_reason or None,
-        "rollbacks": p.rollbacks, "micro_batch": micro_batch, "preempted": False,
-        "precision": precision, "device": str(device), "optimal_loss": optimal_loss,
-        "sample": sample, "lab_break": lab or None,
+        "rollbacks": p.rollbacks, "preempted": False, **facts, "sample": sample,
     }
-    if ema is not None:
-        out["ema_params_sha256"] = store.params_sha256(ema)
-    out.update({k: v for k, v in readings.items() if k in ("energy_j", "cuda_max_alloc_gb")})
-    return out
+    if averaged is not None:
+        summary["ema_params_sha256"] = store.params_sha256(averaged)
+    # This session's energy and peak memory, NVML read now (not at the sampler's last tick).
+    summary.update({k: v for k, v in log.readings().items() if k in ("energy_j", "cuda_max_alloc_gb")})
+    log.text(p.step, "sample", sample or "")
+    log.close()
+    write(out, summary, weights, averaged, to_dict(cfg), data, cfg.report)
+    return summary
 
 
 def write(out: Path, summary: dict, weights: dict, ema: dict | None, config: dict, data: dict | None,
