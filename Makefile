@@ -1,9 +1,10 @@
 # `make train` and `make test` create .venv on first use (a stamp makes later calls instant).
 # To use an interpreter you already have (e.g. a GPU image with CUDA torch and no network):
 #   make test PYTHON=python3
-# make test runs two pytest workers (pytest-xdist, in the venv; each takes whole test files): about
-# 13 minutes on 2 cores, where one took 15 or more. JOBS=1 for one; with PYTHON=, whose
-# interpreter may lack xdist, one unless JOBS says otherwise.
+# make test runs every test on two pytest workers (pytest-xdist, in the venv; each takes whole test
+# files) and prints the 15 slowest; make test-fast leaves out those marked slow, for an edit-test
+# loop. JOBS=1 for one worker; with PYTHON=, whose interpreter may lack xdist, one unless JOBS says
+# otherwise.
 VENV := .venv
 ifeq ($(origin PYTHON), undefined)
 PYTHON := $(VENV)/bin/python
@@ -21,7 +22,7 @@ BENCH_OVERRIDES ?=
 BENCH_STEPS ?= 50
 BENCH_REPS ?= 3
 
-.PHONY: train test verify profile bench clean
+.PHONY: train test test-fast verify profile bench new-project clean
 train: $(ENV)
 	$(PYTHON) train.py $(ARGS)
 
@@ -39,8 +40,18 @@ bench: $(ENV)
 		$(ARGS) $(BENCH_OVERRIDES)
 	$(PYTHON) -m bench.ckpt_stall --config $(BENCH_CONFIG) --reps $(BENCH_REPS) $(BENCH_OVERRIDES)
 
+PYTEST = $(PYTHON) -m pytest $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile)
+
 test: $(ENV)
-	$(PYTHON) -m pytest $(if $(filter-out 1,$(JOBS)),-n $(JOBS) --dist loadfile) $(ARGS)
+	$(PYTEST) --durations=15 $(ARGS)
+
+test-fast: $(ENV)
+	$(PYTEST) -m "not slow" $(ARGS)
+
+# make new-project DEST=../myproj [EXAMPLES=1]: a project of your own, ready to train
+# (tools/new_project.py); it copies files, so any python3 does.
+new-project:
+	python3 -m tools.new_project $(DEST) $(if $(EXAMPLES),--examples)
 
 $(VENV)/.stamp: requirements.lock pyproject.toml
 	python3 -m venv $(VENV)

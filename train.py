@@ -16,11 +16,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from data import DATASETS
 from loop import determinism
 from loop.build import build_trainer
 from loop.checkpoint import runlock, store
 from loop.config import dotenv
 from loop.config.load import load_config, parse_args
+from loop.config.paths import directories
 from loop.device import pick_device
 from loop.distributed import group
 from loop.errors import (
@@ -36,6 +38,7 @@ from loop.errors import (
 from loop.guards.console import HangupProof, console_gone, mute_dead_console, tell
 from loop.guards.oom import configure_allocator
 from loop.guards.preemption import EXIT_PREEMPTED
+from model import MODELS
 
 
 def lost(cfg) -> str:
@@ -49,15 +52,15 @@ def lost(cfg) -> str:
 def main(argv: list[str] | None = None) -> int:
     cfg, undo = None, None
     try:
-        args = parse_args(argv)  # --help answers whatever ./.env holds
+        args = parse_args(argv, DATASETS, MODELS)  # --help answers whatever ./.env holds
         dotenv.load()  # ./.env next (loop/config/dotenv.py): the config and the loop see its variables
-        cfg = load_config(*args)
+        cfg = load_config(*args, DATASETS, MODELS)
         if cfg.run.deterministic:
             undo = determinism.enable()  # process-wide: put back at the end (a notebook's next run)
         if pick_device(cfg.train.device).type == "cuda":
             print(f"CUDA allocator: {configure_allocator()}")  # before CUDA initialises
         dist, device = group.init(cfg.train.device, cfg.train.fsdp_cpu_offload)
-        summary = build_trainer(cfg, dist, device).run()
+        summary = build_trainer(cfg, dist, device, DATASETS, MODELS).run()
         dist.barrier()  # rank 0 writes the summary and report last: the others wait, then all close
     except BadInput as e:
         tell(f"error: {e}")
@@ -73,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         if e.errno not in NO_ROOM or cfg is None:  # anything else is a bug to see in full
             raise
-        tell(f"error: {no_room(e, {'run.out_dir': cfg.run.out_dir, 'data.cache_dir': cfg.data.cache_dir})}")
+        tell(f"error: {no_room(e, directories(cfg))}")
         return EXIT_GAVE_UP
     except KeyboardInterrupt:  # Ctrl-C: the user knows where it stopped; a traceback adds nothing
         tell(f"interrupted: {lost(cfg)}")

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, append_result, command, device_label, sync_device
+from data import DATASETS
 from loop import build, determinism
 from loop.checkpoint import state, store
 from loop.checkpoint.async_save import AsyncSaver
@@ -35,14 +36,15 @@ from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.observe.metrics import NullLog
 from loop.trainer import Trainer
+from model import MODELS
 
 
 def build_trainer(config: str, overrides: list[str]) -> Trainer:
     """train.py's wiring, then two real optimizer steps so AdamW's moments are in the state."""
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, DATASETS, MODELS)
     if cfg.run.deterministic:
         determinism.enable()
-    t = build.build_trainer(cfg, Dist(), pick_device(cfg.train.device))
+    t = build.build_trainer(cfg, Dist(), pick_device(cfg.train.device), DATASETS, MODELS)
     t.log = NullLog()
     t.feed.start()
     for _ in range(2):

@@ -36,7 +36,8 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, append_result, command, device_label, sync_device
-from data import build_data
+from data import DATASETS
+from loop.build import build_data, build_model
 from loop.config.fields import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
 from loop.data.sampler import collate
@@ -46,7 +47,7 @@ from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
 from loop.schedule import build_scheduler
-from model import build_model
+from model import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,8 +63,8 @@ class Bare:
         self.cfg, self.device = cfg, pick_device(cfg.train.device)
         use_tf32(self.device, cfg.train.tf32)
         seed_everything(cfg.run.seed)
-        self.data = build_data(cfg.data)
-        self.model = build_model(cfg.model, self.data).to(self.device)
+        self.data = build_data(cfg.data, DATASETS)
+        self.model = build_model(cfg.model, self.data, MODELS).to(self.device)
         if cfg.train.compile:
             self.model.compile()
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
@@ -92,7 +93,7 @@ class Bare:
 
 def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     """The bare loop in this process; tokens/s over `steps` steps after `warmup`."""
-    cfg = load_config(config, overrides)
+    cfg = load_config(config, overrides, DATASETS, MODELS)
     b, k = cfg.data.batch_size, cfg.train.grad_accum
     loop = Bare(cfg, warmup + steps)
     train = loop.data.train
@@ -175,9 +176,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.bare:
         print(json.dumps(bare(args.config, args.overrides, args.warmup, args.steps)))
         return 0
-    cfg = load_config(args.config, args.overrides)  # bad input fails here, before any run
+    cfg = load_config(args.config, args.overrides, DATASETS, MODELS)  # bad input fails here, before any run
     for v in args.variant:
-        load_config(args.config, [*args.overrides, v])
+        load_config(args.config, [*args.overrides, v], DATASETS, MODELS)
     arms = {"scaffold": [], "bare": [], **{v: [v] for v in args.variant}}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)

@@ -12,14 +12,24 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from loop.checkpoint.atomic import fsync_dir, write_synced
+from loop.config.fields import opt
 from loop.config.paths import writable_dir
+from loop.config.schema import DataSection
 from loop.errors import BadInput
 
+
+@dataclass
+class CorpusOptions(DataSection):
+    """The options of a data set prepared into token files in a cache (text, markov, random, shakespeare)."""
+    cache_dir: str = opt("data/cache", path="dir")  # prepared corpora, and downloads
+    seq_len: int = opt(128, min=1)  # tokens of context: targets per sample
+    val_fraction: float = opt(0.1, min=0.0)  # the last part of the tokens, held out for validation
 
 def embedded_text() -> str:
     """The CPython reference docs (`pydoc_data.topics`): ~460k characters, present everywhere."""

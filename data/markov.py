@@ -3,14 +3,20 @@
 A model that sees the previous token can do no better than the chain's entropy rate
 H = -sum_s pi(s) sum_t P(s,t) log P(s,t) (nats per token), so "did it learn?" has a number to
 hit. The chain always contains the cycle s -> s+1, so it is irreducible and pi is unique.
+
+    python train.py data.name=markov data.markov.vocab_size=64
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from data.corpus import write_tokens
+from data.corpus import CorpusOptions, write_tokens
+from data.tokens import token_data
+from loop.config.fields import opt
+from loop.data.bundle import Data
 
 
 def transition_matrix(vocab: int, branching: int, seed: int) -> np.ndarray:
@@ -46,3 +52,25 @@ def prepare_markov(vocab: int, branching: int, tokens: int, seed: int, cache_dir
     meta = {"kind": "markov", "source": f"markov(vocab={vocab}, branching={branching}, seed={seed})",
             "vocab_size": vocab, "optimal_loss": entropy_rate(P)}
     return write_tokens(out, ids, val_fraction, meta)
+
+
+@dataclass
+class MarkovConfig:
+    """The chain: a random Markov chain whose entropy rate is the best loss."""
+    # A dense vocab x vocab matrix: 1024 takes ~20 s to prepare on a laptop core, and beyond a few
+    # thousand minutes and gigabytes (100000 was numpy's ValueError, after the checks).
+    vocab_size: int = opt(32, min=2, max=1024)
+    branching: int = opt(4, min=1)  # next-token support per state
+    tokens: int = opt(200_000, min=1000)
+    seed: int = opt(0, min=0)
+
+
+@dataclass
+class MarkovOptions(CorpusOptions):
+    markov: MarkovConfig = field(default_factory=MarkovConfig)
+
+
+def build_markov(cfg: MarkovOptions) -> Data:
+    m = cfg.markov
+    root = prepare_markov(m.vocab_size, m.branching, m.tokens, m.seed, cfg.cache_dir, cfg.val_fraction)
+    return token_data(root, cfg.seq_len)

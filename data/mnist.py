@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gzip
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,9 @@ import torch
 from torch.utils.data import Dataset
 
 from data.download import fetch
+from loop.config.fields import opt
+from loop.config.schema import DataSection
+from loop.data.bundle import Data
 from loop.errors import BadInput
 
 FILES = {  # name -> sha256 of the canonical file (9,912,422, 28,881, 1,648,877 and 4,542 bytes)
@@ -91,7 +95,20 @@ def load_split(root: Path, images_name: str, labels_name: str) -> Digits:
     return Digits(images, labels)
 
 
-def mnist_splits(cfg) -> tuple[Digits, Digits, dict]:
+@dataclass
+class MnistOptions(DataSection):
+    path: str = opt("", path=True)  # a directory of your own four IDX files; empty: the canonical ones
+    url: str = ""  # a mirror's base URL to download from instead
+    cache_dir: str = opt("data/cache", path="dir")  # downloads go to its mnist/
+
+
+def build_mnist(cfg: MnistOptions) -> Data:
+    """Digit images and their labels: one target per sample, 10 classes, nothing to decode."""
+    train, val, meta = mnist_splits(cfg)
+    return Data(train, val, vocab_size=CLASSES, seq_len=1, decode=None, meta=meta)
+
+
+def mnist_splits(cfg: MnistOptions) -> tuple[Digits, Digits, dict]:
     """(train, val, meta) from data.path's own files, or from the verified download in the cache."""
     if cfg.path:
         if cfg.url:  # ignored, it trained on data.path's files as if it had read the URL's

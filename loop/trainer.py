@@ -23,7 +23,8 @@ from torch.profiler import record_function
 from loop.checkpoint import resume, runlock, state, store
 from loop.checkpoint.atomic import atomic_write
 from loop.checkpoint.saver import Saver
-from loop.config.load import config_hash, save as save_config, to_dict
+from loop.config.load import config_hash, to_dict
+from loop.config.load import save as save_config
 from loop.data.feed import Feed
 from loop.data.sampler import split_batch
 from loop.distributed import fsdp

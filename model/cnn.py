@@ -12,11 +12,38 @@ target count, giving val_loss and val_accuracy.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loop.data.bundle import IGNORE_INDEX
+from loop.config.fields import opt
+from loop.config.schema import ModelSection
+from loop.data.bundle import IGNORE_INDEX, Data
+from loop.errors import BadInput
+
+
+@dataclass
+class CnnConfig:
+    """Two conv blocks (channels, then 2 x channels) and a hidden layer."""
+    channels: int = opt(16, min=1)
+    hidden: int = opt(64, min=1)
+
+
+@dataclass
+class CNNOptions(ModelSection):
+    dropout: float = opt(0.1, min=0.0, max=1.0)
+    cnn: CnnConfig = field(default_factory=CnnConfig)
+
+
+def build_cnn(cfg: CNNOptions, data: Data) -> "CNN":
+    shape = tuple(data.train[0]["x"].shape)  # one sample's (channels, height, width)
+    if len(shape) != 3 or min(shape[1:]) < 4:
+        raise BadInput(f"config key model.name=cnn: expected data whose samples are images (channels, "
+                       f"height, width), height and width at least 4 (two 2x poolings); got x of "
+                       f"shape {shape}.")
+    return CNN(shape, data.vocab_size, cfg.cnn.channels, cfg.cnn.hidden, cfg.dropout)
 
 
 class CNN(nn.Module):

@@ -1,19 +1,44 @@
-"""A small GPT: causal self-attention through `scaled_dot_product_attention`, tied embeddings.
+"""A small GPT (model.name=gpt): causal self-attention through `scaled_dot_product_attention`, tied
+embeddings. Its options: model.n_layer, n_head, n_embd, dropout, bias.
 
 `forward(batch)` returns the *summed* cross-entropy over the batch's real targets (targets equal to
 -100 are ignored). The loop divides by the target count of the whole optimizer step, so gradient
 accumulation is exact even when micro-batches hold different numbers of targets.
-With `activation_checkpointing` each block keeps only its input for backward and recomputes the
-rest (`torch.utils.checkpoint`, non-reentrant): less memory, about one more forward of compute.
+With activation checkpointing (model.activation_checkpointing, through `set_activation_checkpointing`)
+each block keeps only its input for backward and recomputes the rest (`torch.utils.checkpoint`,
+non-reentrant): less memory, about one more forward of compute. `flops_per_token` gives the loop
+its MFU, `generate` its text samples.
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+from loop.config.fields import opt
+from loop.config.schema import ModelSection
+from loop.data.bundle import Data
+from loop.errors import BadInput
+
+
+@dataclass
+class GPTOptions(ModelSection):
+    n_layer: int = opt(4, min=1)
+    n_head: int = opt(4, min=1)
+    n_embd: int = opt(128, min=1)
+    dropout: float = opt(0.1, min=0.0, max=1.0)
+    bias: bool = False
+
+
+def build_gpt(cfg: GPTOptions, data: Data) -> "GPT":
+    if cfg.n_embd % cfg.n_head:
+        raise BadInput(f"config key model.n_embd: expected a multiple of model.n_head="
+                       f"{cfg.n_head}; got {cfg.n_embd}.")
+    return GPT(data.vocab_size, data.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
 
 
 class SelfAttention(nn.Module):
@@ -48,9 +73,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float, bias: bool, activation_checkpointing: bool = False):
+                 dropout: float, bias: bool):
         super().__init__()
-        self.seq_len, self.activation_checkpointing = seq_len, activation_checkpointing
+        self.seq_len, self.activation_checkpointing = seq_len, False
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(seq_len, n_embd)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))

@@ -73,9 +73,79 @@ def augment(i: int, item: dict) -> dict:
     return item
 
 
+def load_config(path, overrides=()):
+    """loop.config.load.load_config with this project's data sets and models (train.py's)."""
+    from data import DATASETS
+    from loop.config.load import load_config as load
+    from model import MODELS
+
+    return load(path, list(overrides), DATASETS, MODELS)
+
+
+def build_trainer(cfg, dist, device):
+    """loop.build.build_trainer with this project's data sets and models (train.py's)."""
+    from data import DATASETS
+    from loop.build import build_trainer as build
+    from model import MODELS
+
+    return build(cfg, dist, device, DATASETS, MODELS)
+
+
+def data_options(name: str, **keys):
+    """The options of data set `name` (its builder's dataclass), `keys` set."""
+    from data import DATASETS
+    from loop.config.builders import options_of
+
+    return options_of("data", name, DATASETS[name])(name=name, **keys)
+
+
+def model_options(name: str, **keys):
+    """The options of model `name` (its builder's dataclass), `keys` set."""
+    from loop.config.builders import options_of
+    from model import MODELS
+
+    return options_of("model", name, MODELS[name])(name=name, **keys)
+
+
+def gpt_then(change):
+    """A model builder: the GPT's, then `change(model)` (which returns the model to train); it reads
+    the GPT's keys (model.n_layer, ...), as a model of yours built on it would."""
+    from model.gpt import GPTOptions, build_gpt
+
+    def build(cfg: GPTOptions, data):
+        return change(build_gpt(cfg, data))
+
+    build.__annotations__["cfg"] = GPTOptions  # the class, not its name: imported here, not at the top
+    return build
+
+
+def build_data(opts):
+    """loop.build.build_data with this project's data sets."""
+    from data import DATASETS
+    from loop.build import build_data as build
+
+    return build(opts, DATASETS)
+
+
+def build_model(opts, data):
+    """loop.build.build_model with this project's models."""
+    from loop.build import build_model as build
+    from model import MODELS
+
+    return build(opts, data, MODELS)
+
+
+def tiny(overrides) -> list[str]:
+    """TINY, but for a run with a config file of its own (--config): the keys of the default's
+    model and data set go, which another data set or model need not read."""
+    if "--config" not in overrides:
+        return TINY
+    return [k for k in TINY if not k.startswith(("model.", "data.seq_len"))]
+
+
 def train_cmd(out: Path, *overrides: str, nproc: int = 0, restarts: int = 0) -> list[str]:
     """python train.py ...; or, with nproc, the same under torchrun with nproc processes."""
-    return jobs.train_cmd([f"run.out_dir={out}", *TINY, *overrides], nproc, restarts)
+    return jobs.train_cmd([f"run.out_dir={out}", *tiny(overrides), *overrides], nproc, restarts)
 
 
 # Multi-process test runs; data.log_ids: each step's global sample ids, to compare process layouts.
@@ -109,7 +179,7 @@ def train_here(out: Path, *overrides: str, check: bool = True) -> subprocess.Com
 
     import train
 
-    argv = [f"run.out_dir={out}", *TINY, *overrides]
+    argv = [f"run.out_dir={out}", *tiny(overrides), *overrides]
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
         code = train.main(argv)

@@ -18,23 +18,25 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import model  # noqa: E402
+from conftest import (
+    build_trainer,  # noqa: E402
+    load_config,  # noqa: E402
+)
 from loop import build  # noqa: E402
-from loop.build import build_trainer  # noqa: E402
-from loop.config.load import DEFAULT_CONFIG, load_config  # noqa: E402
+from loop.config.load import DEFAULT_CONFIG
 from loop.distributed import fsdp, group
 from loop.evaluate import loss_and_sums  # noqa: E402
+from model import MODELS  # noqa: E402
+from model.gpt import GPTOptions, build_gpt  # noqa: E402
 
-gpt = model.BUILDERS["gpt"]
 
-
-def gpt_with_buffer(cfg, data):
-    m = gpt(cfg, data)
+def gpt_with_buffer(cfg: GPTOptions, data):
+    m = build_gpt(cfg, data)
     m.register_buffer("probe", torch.arange(1.0, 5.0), persistent=False)  # meta on meta ranks
     return m
 
 
-model.BUILDERS["gpt"] = gpt_with_buffer
+MODELS["gpt"] = gpt_with_buffer
 EMA, ema_built_on = build.EMA, []
 
 

@@ -21,10 +21,13 @@ import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import data  # noqa: E402
-import model  # noqa: E402
 import train  # noqa: E402
 from conftest import Mapped, augment  # noqa: E402 (this file's directory is on sys.path)
+from data import DATASETS  # noqa: E402
+from data.text import TextOptions, build_text  # noqa: E402
+from loop.data.bundle import Data  # noqa: E402
+from model import MODELS  # noqa: E402
+from model.gpt import GPTOptions, build_gpt  # noqa: E402
 
 
 def broken(i: int, item: dict) -> dict:
@@ -33,8 +36,8 @@ def broken(i: int, item: dict) -> dict:
     return item
 
 
-def text_broken(cfg) -> data.Data:
-    d = data.BUILDERS["text"](cfg)
+def text_broken(cfg: TextOptions) -> Data:
+    d = build_text(cfg)
     d.train = Mapped(d.train, broken)
     return d
 
@@ -45,14 +48,14 @@ def mask_some(i: int, item: dict) -> dict:
     return {**item, "y": y}
 
 
-def text_masked(cfg) -> data.Data:
-    d = data.BUILDERS["text"](cfg)
+def text_masked(cfg: TextOptions) -> Data:
+    d = build_text(cfg)
     d.train = Mapped(d.train, mask_some)
     return d
 
 
-def text_augmented(cfg) -> data.Data:
-    d = data.BUILDERS["text"](cfg)
+def text_augmented(cfg: TextOptions) -> Data:
+    d = build_text(cfg)
     d.train = Mapped(d.train, augment)
     return d
 
@@ -62,42 +65,42 @@ class TokenNorm(nn.BatchNorm1d):
         return super().forward(x.transpose(1, 2)).transpose(1, 2)
 
 
-def gpt_spare(cfg, data) -> nn.Module:
-    m = model.BUILDERS["gpt"](cfg, data)
+def gpt_spare(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = build_gpt(cfg, data)
     m.spare = nn.Linear(cfg.n_embd, 2)
     return m
 
 
-def gpt_bn(cfg, data) -> nn.Module:
-    m = model.BUILDERS["gpt"](cfg, data)
+def gpt_bn(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = build_gpt(cfg, data)
     m.drop = nn.Sequential(TokenNorm(cfg.n_embd), m.drop)  # applied to the embeddings
     return m
 
 
-def gpt_wrong(cfg, data) -> nn.Module:
-    m = model.BUILDERS["gpt"](cfg, data)
+def gpt_wrong(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = build_gpt(cfg, data)
     m.drop = nn.Linear(cfg.n_embd, cfg.n_embd + 1)  # the blocks' first LayerNorm refuses its input
     return m
 
 
-def gpt_scalar(cfg, data) -> nn.Module:
-    m = model.BUILDERS["gpt"](cfg, data)
+def gpt_scalar(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = build_gpt(cfg, data)
     m.temperature = nn.Parameter(torch.tensor(1.0))
     return m
 
 
-def gpt_shared(cfg, data) -> nn.Module:
-    m = model.BUILDERS["gpt"](cfg, data)
+def gpt_shared(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = build_gpt(cfg, data)
     m.blocks[1] = m.blocks[0]
     return m
 
 
-def gpt_bf16(cfg, data) -> nn.Module:
-    return model.BUILDERS["gpt"](cfg, data).to(torch.bfloat16)
+def gpt_bf16(cfg: GPTOptions, data: Data) -> nn.Module:
+    return build_gpt(cfg, data).to(torch.bfloat16)
 
 
 if __name__ == "__main__":
-    model.BUILDERS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar,
-                          gpt_shared=gpt_shared, gpt_bf16=gpt_bf16)
-    data.BUILDERS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked)
+    MODELS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar,
+                  gpt_shared=gpt_shared, gpt_bf16=gpt_bf16)
+    DATASETS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked)
     sys.exit(train.main())

@@ -1,7 +1,6 @@
 """Gradient accumulation with the loop's rule (sum / step target count) equals one big batch, exactly."""
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,10 +10,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
-import data
-from conftest import Mapped
-from data import build_data
-from loop.config.load import load_config
+from conftest import Mapped, build_data, build_model, load_config
+from data import DATASETS
+from data.markov import MarkovOptions, build_markov
 from loop.data.bundle import IGNORE_INDEX
 from loop.data.sampler import collate, train_loader
 from loop.device import pick_device
@@ -24,7 +22,6 @@ from loop.precision import Precision
 from loop.rng import seed_everything
 from loop.schedule import build_scheduler
 from loop.trainer import Trainer
-from model import build_model
 from model.gpt import GPT
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -244,8 +241,8 @@ def prompt_masked(i: int, item: dict) -> dict:
     return {**item, "y": y}
 
 
-def markov_prompted(cfg):
-    d = build_data(replace(cfg, name="markov"))
+def markov_prompted(cfg: MarkovOptions):
+    d = build_markov(cfg)
     d.train = Mapped(d.train, prompt_masked)
     return d
 
@@ -258,7 +255,7 @@ def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_
     # is there to catch divided 0 by 0: "no optimizer step was taken", pointing at the learning rate.
     from tools.audit_grads import gradient_audits
 
-    monkeypatch.setitem(data.BUILDERS, "markov_prompted", markov_prompted)
+    monkeypatch.setitem(DATASETS, "markov_prompted", markov_prompted)
     overrides = ["data.name=markov_prompted", f"data.cache_dir={tmp_path}", "data.markov.tokens=4000",
                  "data.seq_len=32", "data.batch_size=4", "train.grad_accum=2", "model.n_layer=1",
                  "model.n_head=2", "model.n_embd=16", "train.device=cpu", f"run.out_dir={tmp_path / 'run'}",

@@ -14,14 +14,14 @@ from fake_mnist import write_fake_mnist
 
 from bench import ckpt_stall, loop_vs_bare
 from bench.common import command
-from conftest import ROOT, TINY
-from loop import build
+from conftest import ROOT, TINY, build_trainer, load_config
 from loop.checkpoint import store
-from loop.config.load import DEFAULT_CONFIG, load_config
+from loop.config.load import DEFAULT_CONFIG
 from loop.distributed.group import Dist
 from loop.observe.metrics import NullLog
 
 
+@pytest.mark.slow
 def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
     results = tmp_path / "r.jsonl"
     args = ["--steps", "4", "--warmup", "2", "--reps", "2", "--results", str(results),
@@ -65,6 +65,7 @@ def test_scaffold_figures_use_only_the_timed_window():
     assert fig["tokens_per_s"] == pytest.approx(600 / 0.120)
 
 
+@pytest.mark.slow
 def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
     monkeypatch.chdir(tmp_path)  # its saves go under ./runs
     save = store.save
@@ -131,7 +132,7 @@ def test_the_bare_loop_trains_what_the_scaffold_trains(cache, more):
     # (dropout off: the bare loop does not seed per rank, and need not).
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.dropout=0", "train.grad_accum=2",
                                        "train.max_steps=2", "schedule.warmup_steps=2", *more])
-    t = build.build_trainer(cfg, Dist(), torch.device("cpu"))
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
     t.log = NullLog()
     t.feed.start()
     steps = [t.feed.draw() for _ in range(2)]

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import ROOT, TINY, metrics, run_and_kill, run_and_signal, run_train, summary, train_here
+from data.text import TextOptions, build_text
 from loop.checkpoint import store
 from loop.guards.preemption import EXIT_PREEMPTED
 
@@ -31,6 +32,7 @@ def same_run(ref, out) -> None:
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, repeat", [(signal.SIGTERM, 1), (signal.SIGUSR1, 1), (signal.SIGTERM, 3)])
 def test_preemption_saves_exits_143_and_resumes_exactly(tmp_path, cache, reference, sig, repeat):
     # Signalled like SLURM does it: the whole process group, DataLoader workers included.
@@ -49,6 +51,7 @@ def test_preemption_saves_exits_143_and_resumes_exactly(tmp_path, cache, referen
     same_run(reference, out)
 
 
+@pytest.mark.slow
 def test_a_closed_terminal_saves_and_exits_143(tmp_path, cache):
     # An ssh session that drops closes the run's terminal and sends SIGHUP, which ended the run at
     # once: every step since the newest checkpoint was lost. From then on each write to the
@@ -100,6 +103,7 @@ def test_a_stop_signal_the_launcher_ignores_stays_ignored():
         signal.signal(signal.SIGHUP, before)
 
 
+@pytest.mark.slow
 def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
     args = [cache, *STEPS, "ema.enabled=true", "ema.decay=0.9"]
     ref, out = tmp_path / "ref", tmp_path / "run"
@@ -115,6 +119,7 @@ def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
     assert not all(torch.equal(exported["ema"][k], exported["model"][k]) for k in exported["model"])
 
 
+@pytest.mark.slow
 def test_an_ema_turned_on_at_a_resume_starts_from_the_resumed_weights(tmp_path, cache, reference):
     # It started from the fresh model's random weights, and until its first update (or at once, in
     # a run resumed at its last step) validation and the export read those.
@@ -151,8 +156,8 @@ def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(
     # The trainer's average against the formula applied to the weights recorded after every step
     # (float64 here, float32 there: 1e-6). One updated before the optimizer step, a step behind,
     # passed every other test; so would an average of the wrong weights or a wrong warmup.
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
     from loop.evaluate import val_metrics
 
@@ -286,15 +291,15 @@ def test_evaluating_a_validation_set_that_augments_leaves_training_as_it_was(tmp
     # The text sample's prompt, fetched from the validation set at each evaluation, drew from the
     # global streams when that set augments (as the README says a Dataset may): the steps after an
     # evaluation trained with other dropout masks than a run that did not evaluate there.
-    import data
     from conftest import Mapped, augment
+    from data import DATASETS
 
-    def text_val_augmented(cfg):
-        d = data.BUILDERS["text"](cfg)
+    def text_val_augmented(cfg: TextOptions):
+        d = build_text(cfg)
         d.val = Mapped(d.val, augment)
         return d
 
-    monkeypatch.setitem(data.BUILDERS, "text_val_augmented", text_val_augmented)
+    monkeypatch.setitem(DATASETS, "text_val_augmented", text_val_augmented)
     losses = {}
     for every in (2, 0):
         out = tmp_path / f"every{every}"
@@ -355,6 +360,7 @@ def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
     assert not (tmp_path / "best").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("gone", ["checkpoints", "run.out_dir"])
 def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, reference, gone):
     # run.out_dir gone too (a new machine): the fetch made a directory holding checkpoints that
@@ -375,6 +381,7 @@ def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, ref
         assert summary(out)["params_sha256"] == summary(reference)["params_sha256"]
 
 
+@pytest.mark.slow
 def test_init_from_loads_weights_only(tmp_path, cache, reference):
     ckpt = reference / "checkpoints" / "step_00000040"
     zero = tmp_path / "zero"
@@ -392,6 +399,7 @@ def test_init_from_loads_weights_only(tmp_path, cache, reference):
     assert first["loss"] < metrics(reference)[0]["loss"] - 0.3  # but trained weights
 
 
+@pytest.mark.slow
 def test_init_from_on_a_run_that_resumes_says_it_is_not_used(tmp_path, cache, reference):
     # A run with checkpoints resumes from them; run.init_from only starts fresh runs. The note said
     # "config differs in: run.init_from; this run's values apply from here on": they did not.
@@ -407,6 +415,7 @@ def test_init_from_on_a_run_that_resumes_says_it_is_not_used(tmp_path, cache, re
     assert "another run.seed" not in rerun.stdout
 
 
+@pytest.mark.slow
 def test_a_resume_with_another_seed_says_what_it_does_to_the_epoch(tmp_path, cache, reference):
     # The data order is a function of (seed, epoch, index): the epoch goes on in another
     # permutation from the same position, and validation draws other batches.
@@ -425,6 +434,7 @@ def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
     assert "holds checkpoints" not in proc.stderr  # nothing near it to suggest
 
 
+@pytest.mark.slow
 def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
     # The export is what a finished run (or someone else) hands on: it was refused, naming the
     # checkpoints beside it, and a model.pt alone could not be fine-tuned at all.
@@ -472,6 +482,7 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
         "checkpoint).\n"), shorter.stderr
 
 
+@pytest.mark.slow
 def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, reference):
     # checkpoints/latest and /best are what one sees in a run directory, and what one names: they
     # were read as checkpoint files (an IndexError traceback from the unpickler for init_from, and
@@ -506,6 +517,7 @@ def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, re
                                   f"checkpoints: the newest is {copy / 'step_00000040'}"), proc.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("named", ["", "checkpoints"])
 def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache, reference, named):
     # A finished run is what one warm-starts from, and its directory what one names. The error
@@ -520,13 +532,11 @@ def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache
 
 
 def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
-    from data import build_data
-    from loop.config.load import load_config
+    from conftest import build_data, build_model, load_config
     from loop.optim import build_optimizer
     from loop.precision import Precision
     from loop.schedule import build_scheduler
     from loop.trainer import Trainer
-    from model import build_model
 
     cfg = load_config(ROOT / "configs" / "default.yaml", [
         "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.tokens=4000",

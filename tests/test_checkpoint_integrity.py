@@ -110,6 +110,7 @@ CORRUPTIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(CORRUPTIONS))
 def test_corrupt_newest_checkpoint_is_skipped_and_run_ends_identical(tmp_path, cache, reference,
                                                                      killed, kind):
@@ -154,6 +155,7 @@ def test_a_manifest_of_another_shape_is_a_reason_to_skip_not_a_traceback(tmp_pat
     assert store.verify(tmp_path) == f"{store.MANIFEST} lists no state.pt"
 
 
+@pytest.mark.slow
 def test_all_checkpoints_invalid_exits_2_and_changes_nothing(tmp_path, cache, base10):
     out = tmp_path / "run"
     shutil.copytree(base10, out, symlinks=True)
@@ -206,6 +208,7 @@ def evil_checkpoint(src: Path, dst: Path, marker: Path, fmt: str) -> Path:
     return dst
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["torch.save", "pickle"])
 def test_code_running_pickle_is_refused_in_process(tmp_path, base10, fmt):
     from loop.checkpoint import store
@@ -228,6 +231,7 @@ def test_code_running_pickle_is_refused_in_process(tmp_path, base10, fmt):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_code_running_pickle_is_refused_by_train_py(tmp_path, cache, base10):
     marker = tmp_path / "marker"
     d = evil_checkpoint(base10 / "checkpoints" / "step_00000010",
@@ -244,6 +248,7 @@ def test_code_running_pickle_is_refused_by_train_py(tmp_path, cache, base10):
 
 
 # ---------------------------------------------------------------------------- 4. shape mismatch
+@pytest.mark.slow
 def test_shape_mismatch_exits_2_lists_keys_and_changes_nothing(tmp_path, cache, base10):
     out = tmp_path / "run"
     shutil.copytree(base10, out, symlinks=True)
@@ -260,6 +265,7 @@ def test_shape_mismatch_exits_2_lists_keys_and_changes_nothing(tmp_path, cache, 
 
 
 # ---------------------------------------------------------------------------- 5. resume modes
+@pytest.mark.slow
 def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cache, base10):
     out = tmp_path / "run"
     shutil.copytree(base10, out, symlinks=True)
@@ -376,6 +382,7 @@ def test_a_refused_file_write_keeps_the_old_file_and_leaves_no_part(tmp_path, ki
     assert sorted(os.listdir(tmp_path)) == ["model.pt"], "no temp file or dir is left"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True])
 def test_a_checkpoint_that_cannot_be_written_exits_3_and_keeps_the_earlier_ones(
         tmp_path, cache, killed, reference, async_save):
@@ -395,6 +402,7 @@ def test_a_checkpoint_that_cannot_be_written_exits_3_and_keeps_the_earlier_ones(
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
 
 
+@pytest.mark.slow
 def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identical(
         tmp_path, cache, killed, reference):
     # The resumed run rewrites metrics.jsonl up to step 30, then its step-31 record meets a limit
@@ -420,6 +428,7 @@ def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identica
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(reference)]
 
 
+@pytest.mark.slow
 def test_a_tensorboard_write_refused_exits_3_in_one_line_naming_its_directory(tmp_path, cache, reference):
     # TensorBoard's event file grows faster than metrics.jsonl (550 vs 330 bytes a step here), so
     # it meets the limit first, on TensorBoard's own writer thread. That thread's traceback was

@@ -8,13 +8,17 @@ from pathlib import Path
 
 import pytest
 
+from conftest import load_config
+from data import DATASETS
 from loop.config.fields import to_dict
-from loop.config.load import changed_keys, config_hash, flat, load_config, parse_args, save
+from loop.config.load import changed_keys, config_hash, flat, parse_args, save
 from loop.config.schema import Config
 from loop.errors import EXIT_BAD_INPUT, BadInput
+from model import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT = ROOT / "configs" / "default.yaml"
+NAMES = "data:\n  name: text\nmodel:\n  name: gpt\n"  # what a config file chooses, beside the keys tested
 
 
 def bad(overrides=(), path=DEFAULT) -> str:
@@ -33,21 +37,21 @@ def bad(overrides=(), path=DEFAULT) -> str:
     ("data.markov.vocab=3", "data.markov.vocab", "data.markov.vocab_size"),
 ])
 def test_unknown_cli_key_names_it_and_suggests(item, key, suggestion):
-    msg = bad([item])
+    msg = bad(["data.name=markov", item])
     assert f"'{key}'" in msg
     assert f"Did you mean '{suggestion}'?" in msg
 
 
 def test_unknown_yaml_key_names_it_and_suggests(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("optim:\n  lr: 0.1\n  lrr: 1\n")
+    f.write_text(NAMES + "optim:\n  lr: 0.1\n  lrr: 1\n")
     msg = bad(path=f)
     assert "'optim.lrr'" in msg and "Did you mean 'optim.lr'?" in msg
 
-    f.write_text("train:\n  lr: 0.1\n")
+    f.write_text(NAMES + "train:\n  lr: 0.1\n")
     assert "Did you mean 'optim.lr'?" in bad(path=f)
 
-    f.write_text("trian:\n  max_steps: 1\n")
+    f.write_text(NAMES + "trian:\n  max_steps: 1\n")
     msg = bad(path=f)  # a misspelt section: named, and the sections are listed
     assert "'trian'" in msg and "Did you mean 'train'?" in msg
     assert "Known sections: run, data, model, optim, schedule, train" in msg
@@ -70,15 +74,15 @@ def test_nested_path_below_a_leaf_is_unknown():
     ("data.markov=3", "data.markov", "expected MarkovConfig", "got 3 (int)"),
 ])
 def test_wrong_type_names_key_expected_and_given(item, key, expected, given):
-    msg = bad([item])
+    msg = bad(["data.name=markov", item])
     assert msg == f"config key {key}: {expected}, {given}."
 
 
 def test_wrong_type_in_yaml(tmp_path):
     f = tmp_path / "c.yaml"
-    f.write_text("train:\n  max_steps: abc\n")
+    f.write_text(NAMES + "train:\n  max_steps: abc\n")
     assert bad(path=f) == "config key train.max_steps: expected int, got 'abc' (str)."
-    f.write_text("train: 3\n")
+    f.write_text(NAMES + "train: 3\n")
     msg = bad(path=f)
     assert "config train in" in msg and str(f) in msg and "expected a mapping" in msg
 
@@ -86,7 +90,7 @@ def test_wrong_type_in_yaml(tmp_path):
 def test_out_of_range_and_bad_choice():
     assert bad(["train.grad_accum=0"]) == "config key train.grad_accum: expected a value >= 1, got 0."
     assert bad(["optim.lr=-1e-3"]) == "config key optim.lr: expected a value >= 0.0, got -0.001."
-    assert bad(["data.markov.tokens=999"]) == \
+    assert bad(["data.name=markov", "data.markov.tokens=999"]) == \
         "config key data.markov.tokens: expected a value >= 1000, got 999."
     assert bad(["train.precision=fp8"]) == \
         "config key train.precision: expected one of auto, bf16, fp16, fp32; got 'fp8'."
@@ -94,7 +98,7 @@ def test_out_of_range_and_bad_choice():
     assert bad(["run.seed=-1"]) == "config key run.seed: expected a value >= 0, got -1."
     assert bad(["run.seed=4294967296"]) == \
         "config key run.seed: expected a value <= 4294967295, got 4294967296."
-    assert bad(["data.synthetic.seed=-1"]) == "config key data.synthetic.seed: expected a value >= 0, got -1."
+    assert bad(["data.name=random", "data.synthetic.seed=-1"]) == "config key data.synthetic.seed: expected a value >= 0, got -1."
     # A fault's rank: -1 is every rank; below it, no rank at all (a drill that never fires).
     assert bad(["faults.nan_rank=-2"]) == "config key faults.nan_rank: expected a value >= -1, got -2."
     assert bad(["faults.oom_at_step=-5"]) == "config key faults.oom_at_step: expected a value >= -1, got -5."
@@ -108,7 +112,7 @@ def test_a_float_key_refuses_nan_and_infinity(tmp_path):
             f"config key train.clip_grad: expected a finite number, got '{text}'."
     assert bad(["optim.betas.1=nan"]) == "config key optim.betas.1: expected a finite number, got 'nan'."
     f = tmp_path / "c.yaml"
-    f.write_text("ema:\n  decay: .nan\noptim:\n  lr: .inf\n")  # YAML's own spellings
+    f.write_text(NAMES + "ema:\n  decay: .nan\noptim:\n  lr: .inf\n")  # YAML's own spellings
     assert bad(path=f) == "config key ema.decay: expected a finite number, got nan."
 
 
@@ -129,7 +133,7 @@ def test_upper_bounds_and_list_elements():
         "config key optim.betas: expected a list of 2 values, got [0.9] (list)."
     cfg = load_config(DEFAULT, ["model.dropout=1", "ema.decay=1", "optim.betas=[0, 0.999]", "optim.eps=1e-30"])
     # The Markov chain is a dense vocab x vocab matrix: 10**20 was numpy's ValueError after the checks.
-    assert bad(["data.markov.vocab_size=99999999999999999999"]) == \
+    assert bad(["data.name=markov", "data.markov.vocab_size=99999999999999999999"]) == \
         "config key data.markov.vocab_size: expected a value <= 1024, got 99999999999999999999."
     assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas, cfg.optim.eps) == (1.0, 1.0, [0.0, 0.999], 1e-30)
 
@@ -140,7 +144,7 @@ def test_integers_are_decimal_in_files_and_overrides(tmp_path):
     for text in ("010", "1:30", "0x10"):
         assert bad([f"train.max_steps={text}"]) == f"config key train.max_steps: expected int, got '{text}' (str)."
     f = tmp_path / "c.yaml"
-    f.write_text("run:\n  seed: 0042\n")
+    f.write_text(NAMES + "run:\n  seed: 0042\n")
     assert bad(path=f) == "config key run.seed: expected int, got '0042' (str)."
     cfg = load_config(DEFAULT, ["train.max_steps=1_000", "run.seed=0", "optim.lr=1e-3"])
     assert (cfg.train.max_steps, cfg.run.seed, cfg.optim.lr) == (1000, 0, 1e-3)
@@ -150,7 +154,7 @@ def test_none_words_for_a_key_whose_none_is_empty_are_refused():
     # run.mirror=none mirrored into ./none, and the next run on that "mirror" continued from it.
     for key in ("run.mirror", "run.init_from", "data.path", "data.url"):
         for word in ("none", "None", "null", "off", "false"):
-            assert bad([f"{key}={word}"]) == (f"config key {key}: {word!r} would be taken as a path called "
+            assert bad(["data.name=mnist", f"{key}={word}"]) == (f"config key {key}: {word!r} would be taken as a path called "
                                               f"{word}; expected a path, or {key}= (empty) for none.")
     assert load_config(DEFAULT, ["run.mirror="]).run.mirror == ""
 
@@ -213,14 +217,14 @@ def test_a_key_given_twice_in_yaml_names_both_lines(tmp_path):
     # YAML keeps the last of two equal keys without a word: a second `train:` section dropped
     # every key of the first (here max_steps: 3 became the default).
     f = tmp_path / "twice.yaml"
-    f.write_text("train:\n  max_steps: 3\noptim:\n  lr: 0.01\ntrain:\n  grad_accum: 2\n")
-    assert bad(path=f) == (f"config file {f} line 5, column 1: malformed YAML (key 'train' given "
-                           f"twice, first on line 1; YAML would keep the second and drop the first "
+    f.write_text(NAMES + "train:\n  max_steps: 3\noptim:\n  lr: 0.01\ntrain:\n  grad_accum: 2\n")
+    assert bad(path=f) == (f"config file {f} line 9, column 1: malformed YAML (key 'train' given "
+                           f"twice, first on line 5; YAML would keep the second and drop the first "
                            f"without a word).")
-    f.write_text("optim:\n  lr: 0.01\n  lr: 0.02\n")  # within a section too
-    assert "line 3, column 3: malformed YAML (key 'lr' given twice, first on line 2;" in bad(path=f)
+    f.write_text(NAMES + "optim:\n  lr: 0.01\n  lr: 0.02\n")  # within a section too
+    assert "line 7, column 3: malformed YAML (key 'lr' given twice, first on line 6;" in bad(path=f)
     # A merge key (<<) is not a duplicate: the explicit key overrides the merged one, as YAML says.
-    f.write_text("train:\n  <<: {max_steps: 3, grad_accum: 2}\n  max_steps: 5\n")
+    f.write_text(NAMES + "train:\n  <<: {max_steps: 3, grad_accum: 2}\n  max_steps: 5\n")
     assert (load_config(f).train.max_steps, load_config(f).train.grad_accum) == (5, 2)
 
 
@@ -238,7 +242,7 @@ def test_the_default_config_is_found_from_any_directory(tmp_path, monkeypatch):
     # python ~/proj/train.py from another directory: the default is the project's, the run's
     # relative paths stay relative to where it was started.
     monkeypatch.chdir(tmp_path)
-    path, _ = parse_args([])
+    path, _ = parse_args([], DATASETS, MODELS)
     assert load_config(path) == load_config(DEFAULT)
     assert not Path(load_config(path).run.out_dir).is_absolute()
 
@@ -259,39 +263,57 @@ def test_a_key_with_nothing_after_the_equals_sign_says_so():
     assert load_config(DEFAULT, ["data.path="]).data.path == ""
 
 
-def test_help_lists_every_key_with_its_default(capsys):
-    # The keys were in loop/config/schema.py only; --help showed --config and "overrides".
+def test_help_lists_every_key_with_what_python_train_py_uses(capsys):
+    # The keys were in loop/config/schema.py only; --help showed --config and "overrides". Then it
+    # showed the dataclasses' defaults while the default config file set others (optim.lr).
     with pytest.raises(SystemExit) as e:
-        parse_args(["--help"])
+        parse_args(["--help"], DATASETS, MODELS)
     out = capsys.readouterr().out
     assert e.value.code == 0 and "config keys, as section.key=value" in out
     words = set(out.split())
     assert {"out_dir=runs/default", "betas=[0.9,0.95]", "deterministic=false", "markov.vocab_size=32",
-            "break="} <= words, out
-    assert re.search(r"^  optim: lr=0.001 weight_decay=0.1 ", out, re.M), out
+            "break=", "name=text", "name=gpt"} <= words, out
+    default = load_config(DEFAULT)
+    assert re.search(rf"^  optim: lr={default.optim.lr} weight_decay=0.1 ", out, re.M), out
 
     listed, section = [], None
     for line in out.split("config keys")[1].splitlines()[1:]:
         head, sep, rest = line.partition(": ")
+        if head.strip().startswith("or "):  # another data set's or model's own keys
+            section = None
+            continue
         if sep and head.startswith("  ") and not head.startswith("   "):  # "  optim: lr=..."
             section, line = head.strip(), rest
-        listed += [f"{section}.{word.split('=')[0]}" for word in line.split()]
-    assert listed == list(flat(to_dict(Config())))  # every key, once, in order
+        listed += [f"{section}.{word.split('=')[0]}" for word in line.split()] if section else []
+    assert listed == list(flat(to_dict(default)))  # every key of the default run, once, in order
+
+
+def test_the_default_config_sets_nothing_but_the_data_set_and_the_model():
+    # One source of defaults: the dataclasses. The default config file set optim.lr=2e-3 where they
+    # said 1e-3, and --help showed the second while `python train.py` used the first.
+    from loop.config.builders import options_of
+    from loop.config.load import read
+
+    assert read(DEFAULT) == {"data": {"name": "text"}, "model": {"name": "gpt"}}
+    plain = {**to_dict(Config()), "data": to_dict(options_of("data", "text", DATASETS["text"])(name="text")),
+             "model": to_dict(options_of("model", "gpt", MODELS["gpt"])(name="gpt"))}
+    assert to_dict(load_config(DEFAULT)) == plain
 
 
 def test_config_given_twice_is_refused(capsys):
     # argparse kept the last --config and dropped the first without a word.
     with pytest.raises(SystemExit) as e:
-        parse_args(["--config", "a.yaml", "train.max_steps=3", "--config", "b.yaml"])
+        parse_args(["--config", "a.yaml", "train.max_steps=3", "--config", "b.yaml"], DATASETS, MODELS)
     assert e.value.code == 2
     assert "error: argument --config: given twice; expected one file" in capsys.readouterr().err
-    assert parse_args(["--config", "a.yaml"]) == ("a.yaml", [])
+    assert parse_args(["--config", "a.yaml"], DATASETS, MODELS) == ("a.yaml", [])
 
 
 # ------------------------------------------------------------------------------- overrides
 def test_nested_list_and_float_overrides():
-    base = load_config(DEFAULT)
-    cfg = load_config(DEFAULT, ["data.markov.vocab_size=7", "optim.betas=[0.8,0.9]", "optim.lr=3e-4"])
+    base = load_config(DEFAULT, ["data.name=markov"])
+    cfg = load_config(DEFAULT, ["data.name=markov", "data.markov.vocab_size=7", "optim.betas=[0.8,0.9]",
+                                "optim.lr=3e-4"])
     assert cfg.data.markov.vocab_size == 7 and type(cfg.data.markov.vocab_size) is int
     assert cfg.optim.betas == [0.8, 0.9]
     assert cfg.optim.lr == 0.0003 and type(cfg.optim.lr) is float  # PyYAML reads 3e-4 as a str
@@ -318,16 +340,20 @@ def test_yaml_values_are_loaded():
     assert cfg.model.bias is False and cfg.schedule.name == "warmup_cosine"
 
 
-def test_empty_yaml_and_empty_section_give_defaults(tmp_path):
+def test_an_empty_config_file_is_refused_and_an_empty_section_gives_defaults(tmp_path):
+    # An empty file (or `0`, `~`) ran on the defaults, and into an existing run directory, which it
+    # resumed and changed.
     f = tmp_path / "c.yaml"
-    f.write_text("")
-    assert load_config(f) == Config()
-    f.write_text("train:\n")
-    assert load_config(f) == Config()
+    for text, what in (("", "it is empty"), ("0\n", "it holds int '0'"), ("~\n", "it is empty"),
+                       ("- a\n", "it holds list")):
+        f.write_text(text)
+        assert bad(path=f).startswith(f"config file {f}: {what}"), text
+    f.write_text(NAMES + "train:\n")
+    assert load_config(f) == load_config(DEFAULT)
 
 
 def test_save_then_load_is_equal(tmp_path):
-    cfg = load_config(DEFAULT, ["optim.lr=3e-4", "optim.betas.1=0.99", "data.markov.vocab_size=7",
+    cfg = load_config(DEFAULT, ["optim.lr=3e-4", "optim.betas.1=0.99", "data.name=markov", "data.markov.vocab_size=7",
                                 "run.out_dir=007", "model.bias=true", "train.precision=bf16",
                                 "schedule.name=step", "optim.eps=1e-12", "data.val_fraction=0.25",
                                 "faults.nan_at_step=3"])
@@ -376,7 +402,7 @@ def test_train_py_missing_data_path_exits_2(tmp_path):
 
 def test_overrides_before_and_after_config():
     # `make train ARGS=...` and make verify put overrides on both sides of --config.
-    assert parse_args(["train.max_steps=3", "--config", "x.yaml", "optim.lr=0.1"]) == \
+    assert parse_args(["train.max_steps=3", "--config", "x.yaml", "optim.lr=0.1"], DATASETS, MODELS) == \
         ("x.yaml", ["train.max_steps=3", "optim.lr=0.1"])
 
 

@@ -33,6 +33,7 @@ def one_proc(tmp_path_factory, cache) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
     a, b = metrics(one_proc), metrics(two_proc)
     assert ids(one_proc) == ids(two_proc)  # the same samples per step, in the same order
@@ -55,6 +56,7 @@ def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
     assert not torch.equal(r0["numpy"]["keys"], r1["numpy"]["keys"])
 
 
+@pytest.mark.slow
 def test_ranks_holding_different_target_counts_still_equal_one_process(tmp_path, cache):
     # Each rank divides its summed loss by the step's target count over all ranks. With every
     # sample holding seq_len targets, its own count times the world size is the same number, and
@@ -75,6 +77,7 @@ def test_ranks_holding_different_target_counts_still_equal_one_process(tmp_path,
                                                pytest.approx(x["grad_norm"], rel=1e-5)), x["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_torchrun_with_one_process_runs_the_distributed_path_bit_for_bit(tmp_path, cache, one_proc,
                                                                         strategy):
@@ -87,6 +90,7 @@ def test_torchrun_with_one_process_runs_the_distributed_path_bit_for_bit(tmp_pat
     assert summary(out)["params_sha256"] == summary(one_proc)["params_sha256"]
 
 
+@pytest.mark.slow
 def test_one_process_under_torchrun_recovers_an_oom_in_backward_like_plain_python(tmp_path, cache):
     # Alone, no rank can be left in a collective: an OOM in the backward that reduces gradients is
     # retried with a fresh DDP (its reducer cannot resume a reduction left halfway), and the run
@@ -101,6 +105,7 @@ def test_one_process_under_torchrun_recovers_an_oom_in_backward_like_plain_pytho
     assert summary(one)["params_sha256"] == summary(plain)["params_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("async_save", [False, True])
 def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc, async_save):
     # With a mirror too: every rank takes part in deciding it, only rank 0 copies. Async: each
@@ -117,6 +122,7 @@ def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc, asyn
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
 
 
+@pytest.mark.slow
 def test_ddp_with_dropout_sigkill_then_rerun_is_bit_identical(tmp_path, cache):
     # Every rank gets its own random streams back. The runs above train without dropout (DIST), so
     # nothing draws from rank 1's streams: every rank restoring rank 0's passed them all.
@@ -131,6 +137,7 @@ def test_ddp_with_dropout_sigkill_then_rerun_is_bit_identical(tmp_path, cache):
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, first, then",
                          [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)])
 def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc, strategy, first, then):
@@ -158,6 +165,7 @@ def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc,
         assert "has no rng_rank1.pt" in proc.stdout + proc.stderr  # new rank: fresh streams
 
 
+@pytest.mark.slow
 def test_ddp_run_whose_last_step_is_not_an_eval_step_finishes(tmp_path, cache):
     # The final validation all-reduces over ranks, so every rank must run it, not rank 0 alone;
     # and a finished DDP run started again (resumed at its last step) validates the same way.
@@ -170,6 +178,7 @@ def test_ddp_run_whose_last_step_is_not_an_eval_step_finishes(tmp_path, cache):
     assert "at step 7" in rerun.stdout and summary(out)["val_loss"] == first["val_loss"]
 
 
+@pytest.mark.slow
 def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "faults.nan_at_step=7", "faults.nan_rank=1", nproc=2)
@@ -181,6 +190,7 @@ def test_nan_on_one_rank_is_skipped_by_every_rank(tmp_path, cache):
     assert "warning: rank 0: step 7: non-finite grad norm" in proc.stderr, proc.stderr
 
 
+@pytest.mark.slow
 def test_a_nan_on_one_rank_rolls_every_rank_back_past_the_global_window(tmp_path, cache, two_proc):
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13",
@@ -201,6 +211,7 @@ def children(pid: int) -> list[int]:
         return [int(c) for c in f.read().split()]
 
 
+@pytest.mark.slow
 def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     out = tmp_path / "run"
     cmd = train_cmd(out, cache, *STEPS, nproc=2, restarts=1)
@@ -233,6 +244,7 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
 
 
+@pytest.mark.slow
 def test_workers_whose_torchrun_is_gone_save_and_stop(tmp_path, cache, two_proc):
     # SIGUSR1 to torchrun itself (not its workers): torchrun does not handle it and dies at once.
     # Its workers used to train on to the end unsupervised, with nobody to stop or restart them or
@@ -251,6 +263,7 @@ def test_workers_whose_torchrun_is_gone_save_and_stop(tmp_path, cache, two_proc)
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
 
 
+@pytest.mark.slow
 def test_oom_on_one_rank_is_agreed_by_every_rank(tmp_path, cache, two_proc):
     # Rank 1 runs out of memory in the forward of micro-batch 0 of 2; rank 0 goes on through
     # micro-batch 1's forward, which sets DDP to reduce in the next backward. They agree before
@@ -266,6 +279,7 @@ def test_oom_on_one_rank_is_agreed_by_every_rank(tmp_path, cache, two_proc):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-4), x["step"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where, said", [
     (["train.grad_accum=1", "faults.oom_in=backward"], "in the last micro-batch's backward"),
     (["train.strategy=fsdp"], "in forward or backward under FSDP"),
@@ -288,6 +302,7 @@ LAUNCH = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127
           "MASTER_PORT": "29500"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env, named", [
     ({"RANK": "0"}, "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT are not"),
     ({**LAUNCH, "MASTER_ADDR": ""}, "MASTER_ADDR is not"),
@@ -305,6 +320,7 @@ def test_a_half_set_launch_environment_exits_2_naming_the_variables(tmp_path, en
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.slow
 def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(tmp_path, cache):
     # DDP without find_unused_parameters leaves the bucket of a parameter that got no gradient
     # unreduced, and its next forward raised a RuntimeError that names a keyword argument users
@@ -334,6 +350,7 @@ def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
     assert len(seeds) == 12 and 1337 not in seeds
 
 
+@pytest.mark.slow
 def test_processes_with_different_configs_exit_2_naming_the_keys(tmp_path, cache):
     # Each node reads its own config file, overrides and .env: with optim.lr apart the replicas
     # trained apart without a word (only rank 0's weights are saved), and with train.max_steps

@@ -17,9 +17,8 @@ import pytest
 import torch
 from fake_mnist import write_fake_mnist
 
-from conftest import run_train
-from data import build_data, mnist, shakespeare
-from data.config import DataConfig
+from conftest import build_data, data_options, run_train
+from data import mnist, shakespeare
 from data.download import fetch
 from loop.errors import BadInput
 
@@ -205,7 +204,7 @@ def test_mnist_download_good_path(server, tmp_path, monkeypatch):
     pins = {n: hashlib.sha256((src / n).read_bytes()).hexdigest() for n in mnist.FILES}
     monkeypatch.setattr(mnist, "FILES", pins)  # the generated files stand in for the real ones
     server.files.update({f"/mirror/{n}": (src / n).read_bytes() for n in pins})
-    cfg = DataConfig(name="mnist", url=f"{server.url}/mirror/", cache_dir=str(tmp_path / "cache"))
+    cfg = data_options("mnist", url=f"{server.url}/mirror/", cache_dir=str(tmp_path / "cache"))
     data = build_data(cfg)
     assert (len(data.train), len(data.val), data.vocab_size, data.seq_len) == (300, 100, 10, 1)
     item = data.val[7]
@@ -224,7 +223,7 @@ def test_shakespeare_download_good_path(server, tmp_path, monkeypatch):
     text = "First Citizen:\nBefore we proceed any further, hear me speak.\n" * 40
     monkeypatch.setattr(shakespeare, "SHA256", hashlib.sha256(text.encode()).hexdigest())
     server.files["/m/input.txt"] = text.encode()
-    data = build_data(DataConfig(name="shakespeare", url=f"{server.url}/m", seq_len=8,
+    data = build_data(data_options("shakespeare", url=f"{server.url}/m", seq_len=8,
                                  cache_dir=str(tmp_path)))
     assert server.requests == ["/m/input.txt"]  # <data.url>/input.txt
     assert data.vocab_size == len(set(text)) and data.decode(data.train[0]["x"].tolist()) == text[:8]
@@ -235,7 +234,7 @@ def test_shakespeare_download_good_path(server, tmp_path, monkeypatch):
 def test_train_py_mnist_wrong_bytes_exits_2(server, tmp_path):
     server.files.update({f"/{n}": b"not a gzip file" for n in mnist.FILES})
     out, cache = tmp_path / "run", tmp_path / "cache"
-    r = run_train(out, "data.name=mnist", "model.name=cnn", f"data.url={server.url}",
+    r = run_train(out, "--config", "configs/mnist.yaml", f"data.url={server.url}",
                   f"data.cache_dir={cache}", check=False)
     assert r.returncode == 2, r.stderr
     name = "train-images-idx3-ubyte.gz"

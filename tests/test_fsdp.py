@@ -20,18 +20,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DIST, ROOT, TINY, metrics, run_and_signal, run_train, summary
-from data import build_data
-from loop.build import build_trainer
+from conftest import (
+    DIST,
+    ROOT,
+    TINY,
+    build_data,
+    build_model,
+    build_trainer,
+    load_config,
+    metrics,
+    run_and_signal,
+    run_train,
+    summary,
+)
 from loop.checkpoint.store import params_sha256
-from loop.config.load import DEFAULT_CONFIG, load_config
+from loop.config.load import DEFAULT_CONFIG
 from loop.data.sampler import val_batches
 from loop.distributed.group import Dist
 from loop.distributed.wrap import check_supported
 from loop.errors import BadInput
 from loop.evaluate import val_metrics
 from loop.precision import Precision
-from model import build_model
 from tools import jobs, sample
 
 FSDP = [*DIST, "train.strategy=fsdp"]
@@ -45,6 +54,7 @@ def fsdp_run(tmp_path_factory, cache):
     return out
 
 
+@pytest.mark.slow
 def test_fsdp_trains_like_ddp(fsdp_run, two_proc):
     a, b = metrics(two_proc), metrics(fsdp_run)
     assert [r["samples"] for r in a] == [r["samples"] for r in b]
@@ -60,6 +70,7 @@ def test_fsdp_trains_like_ddp(fsdp_run, two_proc):
     assert state["sharded"] and state["model"] is None and state["optimizer"] is None
 
 
+@pytest.mark.slow
 def test_fsdp_draws_the_dropout_masks_ddp_draws(tmp_path, cache):
     # The ranks' streams are seeded after the model is built: under FSDP every rank but 0 builds on
     # the meta device and draws no initial weights, so rank 1's dropout masks differed from DDP's
@@ -85,6 +96,7 @@ def setup_ranks(cache, *overrides: str) -> dict[int, dict]:
     return ranks
 
 
+@pytest.mark.slow
 def test_only_rank_0_builds_whole_weights_in_host_memory(cache):
     # Rank 1 builds the model on the meta device and every rank builds the EMA copy there, so rank
     # 0's peak host memory after setup is above rank 1's by about one model (seen: 92 MB of 101),
@@ -104,6 +116,7 @@ def test_only_rank_0_builds_whole_weights_in_host_memory(cache):
         assert plain[rank]["probe"] == ema[rank]["probe"] == ema[rank]["ema_probe"] == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_no_gloo_thread_outlives_the_run(tmp_path, cache, strategy):
     # FSDP's DeviceMeshes hold their process groups and DTensor's caches hold the meshes, so the
@@ -126,6 +139,7 @@ def test_no_gloo_thread_outlives_the_run(tmp_path, cache, strategy):
         assert not [t for t in threads if "gloo" in t], threads
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("machine", ["same", "new"])
 def test_fsdp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_run, machine):
     # "new": run.out_dir gone, the checkpoint comes from run.mirror. Its DCP `.metadata` was
@@ -144,6 +158,7 @@ def test_fsdp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_run, mac
     assert summary(out)["params_sha256"] == summary(fsdp_run)["params_sha256"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt_bn", "gpt_spare", "gpt_bf16"])
 def test_fsdp_users_models_sigkill_then_rerun_is_bit_identical(tmp_path, cache, model):
     # gpt_bn: FSDP shards parameters only: each rank's BatchNorm running statistics drifted its
@@ -183,6 +198,7 @@ def test_fsdp_users_models_sigkill_then_rerun_is_bit_identical(tmp_path, cache, 
         assert {t.dtype for t in exported["ema"].values()} == {torch.float32}
 
 
+@pytest.mark.slow
 def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache):
     cfg = load_config(fsdp_run / "config.yaml")
     data = build_data(cfg.data)
@@ -196,6 +212,7 @@ def test_consolidated_export_loads_into_one_plain_process(fsdp_run, cache):
     assert got == pytest.approx(summary(fsdp_run)["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_sample_command_reads_the_sharded_checkpoint_and_the_export(fsdp_run, capsys):
     # python -m tools.sample in one plain process: the final sharded checkpoint and the consolidated
     # model.pt both draw the text the 2-process run drew at its end (same prompt, seed, length).
@@ -205,6 +222,7 @@ def test_the_sample_command_reads_the_sharded_checkpoint_and_the_export(fsdp_run
         assert capsys.readouterr().out == text + "\n", source
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_needs_fsdp_to_resume_but_warm_starts_anything(tmp_path, cache, fsdp_run):
     out = tmp_path / "run"
     shutil.copytree(fsdp_run, out)
@@ -239,6 +257,7 @@ def test_train_py_refuses_it_with_exit_2_before_writing(tmp_path, cache):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model, said", [
     ("gpt_scalar", "FSDP cannot shard a parameter of shape (): temperature; make it a tensor of shape (1,)"),
     ("gpt_shared", "the module blocks.1 is blocks.0 (one module at two places, its weights shared)")])
@@ -254,6 +273,7 @@ def test_what_fsdp_cannot_shard_is_exit_2_naming_it_before_writing(tmp_path, cac
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_compiled_fsdp_trains_like_uncompiled(tmp_path, cache, fsdp_run):
     # module.compile() before fully_shard: the compiled root traces FSDP2's hooks. Compiled kernels
     # fuse and order float operations differently, so agreement is to float32 rounding.
@@ -265,6 +285,7 @@ def test_compiled_fsdp_trains_like_uncompiled(tmp_path, cache, fsdp_run):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
 
 
+@pytest.mark.slow
 def test_fsdp_with_nan_policy_rollback_trains_like_fsdp_without_it(tmp_path, cache, fsdp_run):
     # rollback's checkpoint of step 0 made DCP build the optimizer's state with a step of its own
     # (lr 0, zero gradients), which AdamW counted: the losses parted from step 2 on, with no NaN.
@@ -274,6 +295,7 @@ def test_fsdp_with_nan_policy_rollback_trains_like_fsdp_without_it(tmp_path, cac
     assert summary(out)["params_sha256"] == summary(fsdp_run)["params_sha256"]
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_under_fsdp_changes_nothing_but_memory(tmp_path, cache, fsdp_run):
     # Each block's forward is recomputed in backward, its weights gathered again by FSDP's hooks:
     # the same operations on the same values, so the same bits (seen on CPU/gloo; dropout is off in
@@ -291,6 +313,7 @@ def fsdp_ema(tmp_path_factory, cache):
     return out
 
 
+@pytest.mark.slow
 def test_fsdp_ema_averages_like_ddp_ema(tmp_path, cache, fsdp_ema, fsdp_run):
     # The average only watches: training is the same as without it, bit for bit.
     assert [r["loss"] for r in metrics(fsdp_ema)] == [r["loss"] for r in metrics(fsdp_run)]
@@ -311,6 +334,7 @@ def test_fsdp_ema_averages_like_ddp_ema(tmp_path, cache, fsdp_ema, fsdp_run):
     assert state["ema"]["weights"] is None and state["ema"]["n_averaged"] == 20  # in the shards
 
 
+@pytest.mark.slow
 def test_fsdp_ema_async_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_ema):
     # Asynchronous: the synchronous write of the same shards is fsdp_ema's, compared below (and a
     # synchronous FSDP SIGKILL is test_fsdp_sigkill_then_rerun_is_bit_identical).
@@ -331,6 +355,7 @@ def test_fsdp_ema_async_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsd
             assert a[shard]["sha256"] == b[shard]["sha256"], (step, shard)
 
 
+@pytest.mark.slow
 def test_fsdp_ema_survives_evaluations_that_write_no_checkpoint(tmp_path, cache, fsdp_ema):
     # FSDP keeps the root module's weights unsharded after a forward (for the backward that
     # follows in training); the EMA copy has no backward, so after its evaluation they stayed
@@ -357,6 +382,7 @@ def fsdp_mixed(tmp_path_factory, cache):
     return out
 
 
+@pytest.mark.slow
 def test_fsdp_mixed_precision_computes_in_bf16_from_float32_weights(tmp_path, cache, fsdp_mixed):
     autocast = tmp_path / "autocast"  # bf16 autocast alone, weights float32 for compute
     run_train(autocast, cache, *FSDP, "train.precision=bf16", nproc=2)
@@ -372,6 +398,7 @@ def test_fsdp_mixed_precision_computes_in_bf16_from_float32_weights(tmp_path, ca
     assert {t.dtype for t in final.values()} == {torch.float32}  # the sharded weights stay float32
 
 
+@pytest.mark.slow
 def test_fsdp_mixed_precision_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_mixed):
     out = tmp_path / "run"
     code, printed = run_and_signal(out, 12, cache, *MIXED, nproc=2, group=True)
@@ -382,6 +409,7 @@ def test_fsdp_mixed_precision_sigkill_then_rerun_is_bit_identical(tmp_path, cach
     assert summary(out)["params_sha256"] == summary(fsdp_mixed)["params_sha256"]
 
 
+@pytest.mark.slow
 def test_fsdp_mixed_precision_reduces_the_gradients_in_float32(cache):
     # The policy computes in bf16, so each rank's gradients are bf16 values; summed over the ranks
     # in float32 they need more than bf16's 8 significant bits. Reduced in bf16 (reduce_dtype left

@@ -238,9 +238,8 @@ def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monk
     # run's energy. A CPU run reads no GPU at all (below).
     import torch
 
-    from conftest import TINY, metrics, summary
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, load_config, metrics, summary
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     class Counting(FakeNvml):
@@ -277,9 +276,8 @@ def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkey
 
     import torch
 
-    from conftest import TINY
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     fake = FakeNvml(n=1)

@@ -11,11 +11,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, Mapped, metrics, run_and_kill, run_train, summary, train_here
-from loop.build import check_with_world, idle_settings
+from conftest import ROOT, Mapped, load_config, metrics, run_and_kill, run_train, summary, train_here
 from loop.checkpoint import store
 from loop.config.load import DEFAULT_CONFIG as DEFAULT
-from loop.config.load import load_config
+from loop.config.runtime import check_with_world, idle_settings
 from loop.data.bundle import IGNORE_INDEX
 from loop.distributed.group import Dist
 from loop.errors import BadInput, GaveUp
@@ -60,8 +59,7 @@ def mask_even(i: int, item: dict) -> dict:
 def test_a_step_without_targets_is_skipped_and_nothing_moves(tmp_path, cache, capsys):
     # Its loss is 0/0: it was a ZeroDivisionError traceback (and, read as non-finite, it would
     # have met nan_policy=abort). A step with some masked samples trains on the rest as usual.
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     out = tmp_path / "run"
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=12",
@@ -94,8 +92,7 @@ def test_an_fp16_overflow_is_skipped_and_counted_apart_from_non_finite_steps(tmp
     # on the CPU (at the default scale it never does): steps 1, 4 and 11 of the seed's run. Each
     # is the scaler's to skip (nothing moves, the LR does not advance, the scale halves), is not
     # a non-finite step for train.nan_policy (abort here), and is counted as overflow_steps.
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     out = tmp_path / "run"
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.precision=fp16",
@@ -121,8 +118,7 @@ def test_a_non_finite_loss_under_fp16_meets_the_nan_policy_not_the_scaler(tmp_pa
     # Gradients that overflow fp16 are the GradScaler's to skip; a loss that is not finite is the
     # model's or the data's fault whatever the precision. It was counted as an overflow and
     # skipped, so train.nan_policy=abort never stopped an fp16 run diverging.
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.precision=fp16",
                                 "train.max_steps=4", "train.nan_policy=abort", "faults.nan_at_step=3"])
@@ -134,8 +130,7 @@ def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
     # The scaler had checked the bad step's gradients for infs; a rollback that did not finish
     # that step with it (update) left the check pending, and the next step raised "unscale_() has
     # already been called on this optimizer since the last update()".
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.precision=fp16",
                                 *STEPS, "train.max_steps=8", "train.nan_policy=rollback",
@@ -144,14 +139,14 @@ def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
     assert (s["rollbacks"], s["steps"], s["skipped_steps"]) == (1, 8, 0)
 
 
+@pytest.mark.slow
 def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache, monkeypatch, capsys):
     # train.async_save: step 10's checkpoint (on a disk made a second slower) is still being
     # written when step 12 turns out bad. The rollback waits for it; without the wait it went
     # back to step 5, replaying five steps more than needed.
     import time
 
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     save = store.save
     monkeypatch.setattr(store, "save", lambda *a, **k: (time.sleep(1), save(*a, **k))[1])
@@ -168,8 +163,7 @@ def test_the_stop_signals_are_the_callers_again_after_a_run(tmp_path, cache):
     # only raised a flag on a run that was over. Put back after a run that ends, or gives up.
     import signal
 
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     mine = {s: signal.signal(s, signal.default_int_handler) for s in preemption.STOP_SIGNALS}
     try:
@@ -199,6 +193,7 @@ def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, c
     assert s["sample"] is None and s["val_loss"] != s["val_loss"] and s["skipped_steps"] == 3
 
 
+@pytest.mark.slow
 def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache):
     args = [cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13", "train.keep_last=10"]
     ref, clean = tmp_path / "ref", tmp_path / "clean"
@@ -260,8 +255,7 @@ def trainer_with_bad_windows(out, cache, windows: set[int], *overrides):
     """An in-process trainer (TINY, 20 steps, a checkpoint every 5) whose training loss is NaN on
     the data windows starting at the sample positions in `windows`: bad data, bad again whenever
     its window is drawn again (unlike faults.nan_at_step, which fires once)."""
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", *STEPS, *overrides])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
@@ -363,8 +357,7 @@ def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
 def test_a_split_into_uneven_pieces_records_the_largest(tmp_path, cache, capsys):
     # 6 samples on a card that fits 2: halves of 3 fail, quarters are 2, 2, 1 and 1. The recorded
     # micro-batch (the log's and the summary's) is the largest piece, 2; rounded down it said 1.
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     out = tmp_path / "run"
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=2",
@@ -388,8 +381,7 @@ def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, 
     # A card that fits 2 samples at a time (a test double: the forward raises out of memory on
     # more). The contract probe before training ran the whole validation batch and its out of
     # memory was a traceback before any step: the recovery below never got its chance.
-    from conftest import TINY
-    from loop.build import build_trainer
+    from conftest import TINY, build_trainer
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=3",
                                 "data.batch_size=8", "train.grad_accum=1", "train.eval_every=0"])
@@ -442,14 +434,12 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     """Count every tensor -> Python conversion during three steps of 4 micro-batches each."""
     from types import SimpleNamespace
 
-    from data import build_data
-    from loop.config.load import load_config
+    from conftest import build_data, build_model, load_config
     from loop.data.sampler import train_loader
     from loop.ema import EMA
     from loop.optim import build_optimizer
     from loop.schedule import build_scheduler
     from loop.trainer import Trainer
-    from model import build_model
 
     cfg = load_config(ROOT / "configs" / "default.yaml", [
         "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.tokens=4000",
@@ -483,6 +473,7 @@ def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     assert reads == ["tolist", *(["ema"] if ema else [])] * 3, reads
 
 
+@pytest.mark.slow
 def test_determinism_mode_gives_identical_runs(tmp_path, cache):
     a, b = tmp_path / "a", tmp_path / "b"
     for out in (a, b):
@@ -578,18 +569,22 @@ def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
     assert oom.configure_allocator() == "expandable_segments:False"
 
 
-def test_activation_checkpointing_on_a_model_of_ones_own_says_it_is_the_gpt_s():
-    # Only build_gpt reads it: on another model it silently did nothing (and an out-of-memory
-    # message advised it to every model).
-    from model.cnn import CNN
-    from model.gpt import GPT
+def test_activation_checkpointing_needs_the_model_s_own_switch():
+    # On a model without one it silently did nothing (and an out-of-memory message advised it to
+    # every model): refused, naming the key and the method; the GPT's is switched on.
+    from types import SimpleNamespace
 
-    cfg = load_config(DEFAULT, ["model.activation_checkpointing=true", "model.name=cnn"])
-    fp32 = Precision("fp32", torch.device("cpu"))
-    assert idle_settings(cfg, fp32, CNN((1, 8, 8), 10, 2, 8, 0.0)) == [
-        "model.activation_checkpointing=true is the GPT's (model/gpt.py): model.name=cnn does what its "
-        "builder does with it, maybe nothing"]
-    assert idle_settings(cfg, fp32, GPT(8, 4, 1, 1, 8, 0.0, False, True)) == []
+    from conftest import build_model, model_options
+    from loop.errors import BadInput
+
+    images = SimpleNamespace(train=[{"x": torch.zeros(1, 8, 8)}], vocab_size=10, seq_len=1)
+    with pytest.raises(BadInput) as e:
+        build_model(model_options("cnn", activation_checkpointing=True), images)
+    assert str(e.value).startswith("config key model.activation_checkpointing=true: model.name=cnn has no "
+                                   "switch for it; expected a method set_activation_checkpointing(on)")
+    gpt = build_model(model_options("gpt", activation_checkpointing=True, n_layer=1, n_head=1, n_embd=8),
+                      SimpleNamespace(vocab_size=8, seq_len=4))
+    assert gpt.activation_checkpointing
 
 
 def test_an_early_stop_or_a_warmup_the_run_cannot_reach_says_so():

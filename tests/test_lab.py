@@ -11,6 +11,8 @@ from test_verify import rows, verify
 from conftest import TINY, metrics, run_train
 from loop.lab import SWITCHES, banner
 
+pytestmark = pytest.mark.slow  # every test here runs whole trainings
+
 
 @pytest.mark.parametrize("name", list(SWITCHES))
 def test_verify_names_the_check_each_switch_breaks(tmp_path, cache, name):

@@ -14,14 +14,19 @@ import torch.nn.functional as F
 from fake_mnist import IMAGES_MAGIC, LABELS_MAGIC, NAMES, idx_gz, images_and_labels, write_fake_mnist
 from test_verify import rows, verify
 
-from conftest import metrics, run_and_kill, run_train, summary
-from data import build_data
-from data.config import DataConfig
+from conftest import (
+    build_data,
+    build_model,
+    data_options,
+    metrics,
+    model_options,
+    run_and_kill,
+    run_train,
+    summary,
+)
 from loop.data.bundle import IGNORE_INDEX
 from loop.data.sampler import collate
 from loop.errors import BadInput
-from model import build_model
-from model.config import ModelConfig
 
 ACCURACY = 0.95  # val_accuracy the run below must reach (measured: 0.976 at step 100)
 TRAIN_IMAGES, TRAIN_LABELS = NAMES["train"]
@@ -35,14 +40,14 @@ def digits(tmp_path_factory):
 
 def cnn(data, channels=4, hidden=16, seed=0):
     torch.manual_seed(seed)
-    cfg = ModelConfig(name="cnn", dropout=0.0)
+    cfg = model_options("cnn", dropout=0.0)
     cfg.cnn.channels, cfg.cnn.hidden = channels, hidden
     return build_model(cfg, data)
 
 
 # ------------------------------------------------------------------------------- the model
 def test_cnn_sums_over_real_targets_only(digits):
-    data = build_data(DataConfig(name="mnist", path=str(digits)))
+    data = build_data(data_options("mnist", path=str(digits)))
     model = cnn(data).eval()
     batch = collate([data.train[i] for i in range(12)])
     assert batch["x"].shape == (12, 1, 28, 28) and batch["y"].shape == (12,) and batch["n_targets"] == 12
@@ -61,7 +66,7 @@ def test_cnn_sums_over_real_targets_only(digits):
 
 
 def test_cnn_parameters_and_accumulation(digits):
-    data = build_data(DataConfig(name="mnist", path=str(digits)))
+    data = build_data(data_options("mnist", path=str(digits)))
     c, h = 32, 128  # configs/mnist.yaml: conv 1->32, conv 32->64, 64*7*7 -> 128 -> 10
     n = (9 * c + c) + (9 * c * 2 * c + 2 * c) + (2 * c * 7 * 7 * h + h) + (h * 10 + 10)
     assert sum(p.numel() for p in cnn(data, c, h).parameters()) == n == 421_642
@@ -78,13 +83,13 @@ def test_cnn_parameters_and_accumulation(digits):
 
 
 def test_cnn_needs_images(tmp_path):
-    text = build_data(DataConfig(name="random", cache_dir=str(tmp_path), seq_len=8))
+    text = build_data(data_options("random", cache_dir=str(tmp_path), seq_len=8))
     with pytest.raises(BadInput, match=r"model.name=cnn: expected data whose samples are images.*\(8,\)"):
-        build_model(ModelConfig(name="cnn"), text)
+        build_model(model_options("cnn"), text)
 
 
 def test_items_are_normalised_images_with_labels(digits):
-    data = build_data(DataConfig(name="mnist", path=str(digits)))
+    data = build_data(data_options("mnist", path=str(digits)))
     assert (len(data.train), len(data.val), data.vocab_size, data.seq_len) == (2000, 500, 10, 1)
     assert data.decode is None
     raw = np.frombuffer(gzip.decompress((digits / TRAIN_IMAGES).read_bytes()), np.uint8, offset=16)
@@ -127,7 +132,7 @@ def malformed(root, case: str) -> str:
 def test_bad_idx_names_the_file(tmp_path, case, expected):
     name = malformed(tmp_path, case)
     with pytest.raises(BadInput) as e:
-        build_data(DataConfig(name="mnist", path=str(tmp_path)))
+        build_data(data_options("mnist", path=str(tmp_path)))
     msg = str(e.value)
     assert msg.startswith(f"data: {tmp_path / name}") and expected in msg, msg
 
@@ -137,7 +142,7 @@ def test_a_split_without_images_is_named(tmp_path):
     (tmp_path / TRAIN_IMAGES).write_bytes(idx_gz(IMAGES_MAGIC, np.zeros((0, 28, 28))))
     (tmp_path / TRAIN_LABELS).write_bytes(idx_gz(LABELS_MAGIC, np.zeros(0)))
     with pytest.raises(BadInput) as e:
-        build_data(DataConfig(name="mnist", path=str(tmp_path)))
+        build_data(data_options("mnist", path=str(tmp_path)))
     assert str(e.value) == (f"data: {tmp_path / TRAIN_LABELS} holds 0 labels and {tmp_path / TRAIN_IMAGES} "
                             f"0 images; expected one label per image, and at least one.")
 
@@ -146,13 +151,13 @@ def test_missing_files_in_data_path(tmp_path):
     write_fake_mnist(tmp_path, 20, 10, seed=0)
     (tmp_path / TRAIN_LABELS).unlink()
     with pytest.raises(BadInput, match=f"config key data.path: .*missing {TRAIN_LABELS}"):
-        build_data(DataConfig(name="mnist", path=str(tmp_path)))
+        build_data(data_options("mnist", path=str(tmp_path)))
 
 
 def test_a_url_beside_a_data_path_is_bad_input(digits, tmp_path):
     # data.path's files were read and data.url ignored without a word: not the data named.
     with pytest.raises(BadInput) as e:
-        build_data(DataConfig(name="mnist", path=str(digits), url="http://127.0.0.1:9/mnist/",
+        build_data(data_options("mnist", path=str(digits), url="http://127.0.0.1:9/mnist/",
                               cache_dir=str(tmp_path)))
     assert str(e.value) == (f"config keys data.path={digits} and data.url=http://127.0.0.1:9/mnist/ "
                             f"(data.name=mnist): data.path's own files are read, nothing is downloaded; "
@@ -169,6 +174,7 @@ def test_train_py_bad_idx_exits_2(tmp_path):
 
 
 # ------------------------------------------------------------------------------- training
+@pytest.mark.slow
 def test_mnist_trains_to_accuracy(digits, tmp_path):
     """configs/mnist.yaml, shrunk: 100 steps of 32 generated digits reach val_accuracy >= 0.95, and the
     best checkpoint is the one with the highest val_accuracy (best_mode=max from the preset)."""
@@ -189,6 +195,7 @@ def test_mnist_trains_to_accuracy(digits, tmp_path):
     assert f"val_accuracy {evals[best]:.4g} at step {best}" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_mnist_resume_is_exact(digits, tmp_path):
     """The loop's exact-resume claim holds for the second task too (dropout on: its RNG is restored)."""
     args = [f"data.path={digits}", "data.batch_size=32", "model.cnn.channels=8", "model.cnn.hidden=32",
@@ -201,6 +208,7 @@ def test_mnist_resume_is_exact(digits, tmp_path):
     assert (cut["val_accuracy"], cut["best"]) == (whole["val_accuracy"], whole["best"])
 
 
+@pytest.mark.slow
 def test_mnist_passes_make_verify(digits, tmp_path):
     """Every make verify check holds for the classifier too (dropout on, one target per sample: the
     accumulation check keeps 32 targets in one micro-batch and 1 in the other)."""

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from data import build_data
-from data.config import DataConfig, MarkovConfig
+from data import DATASETS
+from data.markov import MarkovConfig, MarkovOptions
+from loop.build import build_data, build_model
 from loop.config.schema import OptimConfig
 from loop.data.bundle import IGNORE_INDEX
 from loop.data.sampler import collate
@@ -16,15 +17,14 @@ from loop.device import pick_device
 from loop.errors import BadInput
 from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
-from model import BUILDERS, build_model
-from model.config import ModelConfig
-from model.gpt import GPT
+from model import MODELS
+from model.gpt import GPT, GPTOptions, build_gpt
 
 
 def gpt(V=16, T=8, L=2, H=2, C=32, dropout=0.0, bias=False, seed=0) -> GPT:
     torch.manual_seed(seed)
-    cfg = ModelConfig(n_layer=L, n_head=H, n_embd=C, dropout=dropout, bias=bias)
-    return build_model(cfg, SimpleNamespace(vocab_size=V, seq_len=T))
+    cfg = GPTOptions(name="gpt", n_layer=L, n_head=H, n_embd=C, dropout=dropout, bias=bias)
+    return build_model(cfg, SimpleNamespace(vocab_size=V, seq_len=T), MODELS)
 
 
 def random_batch(B, T, V, seed=1) -> dict:
@@ -137,16 +137,17 @@ def test_parameter_count_matches_formula(V, T, L, H, C, bias):
 
 def test_n_embd_not_divisible_by_n_head():
     with pytest.raises(BadInput) as e:
-        build_model(ModelConfig(n_head=3, n_embd=32), SimpleNamespace(vocab_size=8, seq_len=4))
+        build_model(GPTOptions(name="gpt", n_head=3, n_embd=32), SimpleNamespace(vocab_size=8, seq_len=4), MODELS)
     assert str(e.value) == "config key model.n_embd: expected a multiple of model.n_head=3; got 32."
 
 
 def test_a_model_with_nothing_to_train_is_named(monkeypatch):
     # Every parameter frozen (requires_grad_(False) on the whole model): the run stopped at its
     # first step blaming the model's loss for being detached from the weights.
-    monkeypatch.setitem(BUILDERS, "frozen", lambda cfg, data: BUILDERS["gpt"](cfg, data).requires_grad_(False))
+    monkeypatch.setitem(MODELS, "frozen", lambda cfg, data: build_gpt(cfg, data).requires_grad_(False))
     with pytest.raises(BadInput) as e:
-        build_model(ModelConfig(name="frozen", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4))
+        build_model(GPTOptions(name="frozen", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4),
+                    MODELS)
     assert str(e.value) == ("config key model.name=frozen: the model has no parameter to train (888 "
                             "parameters, none with requires_grad=True); expected at least one.")
 
@@ -174,15 +175,16 @@ def test_what_the_loop_cannot_keep_is_named_when_the_model_is_built(monkeypatch,
     # Valid PyTorch, each a traceback: a lazy parameter at the optimizer's build, sparse gradients at
     # the first clipping, extra state (a dict) after the last step, when hashing the weights (no
     # model.pt, no summary.json) and at every resume.
-    monkeypatch.setitem(BUILDERS, "mine", lambda cfg, data: (m := BUILDERS["gpt"](cfg, data), add(m))[0])
+    monkeypatch.setitem(MODELS, "mine", lambda cfg, data: (m := build_gpt(cfg, data), add(m))[0])
     with pytest.raises(BadInput) as e:
-        build_model(ModelConfig(name="mine", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4))
+        build_model(GPTOptions(name="mine", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4),
+                    MODELS)
     assert str(e.value) == f"config key model.name=mine: {said}"
 
 
 def test_unknown_model_name():
     with pytest.raises(BadInput, match="model.name"):
-        build_model(ModelConfig(name="rnn"), SimpleNamespace(vocab_size=8, seq_len=4))
+        build_model(GPTOptions(name="rnn"), SimpleNamespace(vocab_size=8, seq_len=4), MODELS)
 
 
 # ------------------------------------------------------------------------------- device
@@ -241,10 +243,10 @@ def test_pick_mps_without_mps():
 
 def test_model_and_batches_on_selected_device(tmp_path):
     device = pick_device("auto")
-    data = build_data(DataConfig(name="markov", cache_dir=str(tmp_path), seq_len=8,
-                                 markov=MarkovConfig(vocab_size=8, tokens=2000)))
+    data = build_data(MarkovOptions(name="markov", cache_dir=str(tmp_path), seq_len=8,
+                                    markov=MarkovConfig(vocab_size=8, tokens=2000)), DATASETS)
     torch.manual_seed(0)
-    model = build_model(ModelConfig(n_layer=1, n_head=2, n_embd=16, dropout=0.0), data).to(device)
+    model = build_model(GPTOptions(name="gpt", n_layer=1, n_head=2, n_embd=16, dropout=0.0), data, MODELS).to(device)
     assert {p.device.type for p in model.parameters()} == {device.type}
     batch = collate([data.train[i] for i in range(4)])
     assert batch["x"].shape == (4, 8) and batch["n_targets"] == 32
@@ -330,9 +332,8 @@ def test_the_contract_allows_count_sums_and_a_loss_without_graph_under_no_grad()
 
 
 def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache):
-    from conftest import TINY
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}"])
@@ -348,9 +349,8 @@ def test_validation_without_any_target_stops_the_run_before_anything_is_written(
     # Every y masked (a label mapping gone wrong): val_loss divided by a count of 0, a
     # ZeroDivisionError traceback. A first batch without targets alone is fine: the probe takes
     # one that has some.
-    from conftest import TINY
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     def trainer(out: str, masked: int | None):  # the first `masked` validation batches; None: all
@@ -369,9 +369,8 @@ def test_validation_without_any_target_stops_the_run_before_anything_is_written(
 
 
 def test_frozen_parameters_are_counted_apart_and_stay_unchanged(tmp_path, cache, capsys):
-    from conftest import TINY
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path}", "train.max_steps=3"])
@@ -403,12 +402,19 @@ def test_a_model_of_ones_own_trains_whatever_its_attributes_are_named(tmp_path, 
     # from the GPT's FLOP formula for a model it does not describe).
     from conftest import summary, train_here
 
-    monkeypatch.setitem(BUILDERS, "mine", lambda cfg, data: PositionsOfItsOwn(data.vocab_size, data.seq_len))
+    def mine(cfg: GPTOptions, data) -> PositionsOfItsOwn:  # takes the GPT's keys, which TINY sets
+        return PositionsOfItsOwn(data.vocab_size, data.seq_len)
+
+    def extra(cfg: GPTOptions, data) -> PositionsOfItsOwn:
+        m = PositionsOfItsOwn(data.vocab_size, data.seq_len)
+        m.extra = Extra()
+        return m
+
+    monkeypatch.setitem(MODELS, "mine", mine)
     out = tmp_path / "run"
     train_here(out, cache, "model.name=mine", "train.max_steps=2")
     assert summary(out)["steps"] == 2
     # Extra state is refused before anything is written.
-    monkeypatch.setitem(BUILDERS, "extra", lambda cfg, data: (m := PositionsOfItsOwn(data.vocab_size, data.seq_len),
-                                                              setattr(m, "extra", Extra()))[0])
+    monkeypatch.setitem(MODELS, "extra", extra)
     bad = train_here(tmp_path / "extra", cache, "model.name=extra", check=False)
     assert bad.returncode == 2 and "extra._extra_state, a dict" in bad.stderr and not (tmp_path / "extra").exists()

@@ -91,14 +91,13 @@ def test_grad_scaler_state_round_trips(tmp_path):
 def test_16_bit_weights_autocast_cannot_train_are_refused(tmp_path, cache, monkeypatch, weights, precision, said):
     # Tracebacks: fp16's GradScaler at the first step, after the run directory was written
     # ("Attempting to unscale FP16 gradients."), the two mixes from LayerNorm in the first forward.
-    import model
-    from conftest import TINY
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, gpt_then, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
     from loop.errors import BadInput
+    from model import MODELS
 
-    monkeypatch.setitem(model.BUILDERS, "gpt16", lambda cfg, data: model.build_gpt(cfg, data).to(weights))
+    monkeypatch.setitem(MODELS, "gpt16", gpt_then(lambda m: m.to(weights)))
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt16", f"train.precision={precision}",
                                        f"run.out_dir={tmp_path / 'run'}"])
     with pytest.raises(BadInput) as e:
@@ -110,13 +109,12 @@ def test_16_bit_weights_autocast_cannot_train_are_refused(tmp_path, cache, monke
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_weights_kept_in_bf16_train_under_fp32_and_bf16(tmp_path, cache, monkeypatch, precision):
     # The weights' own dtype (fp32: no autocast), or bf16 autocast over bf16 weights: nothing to cast.
-    import model
-    from conftest import TINY
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, gpt_then, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
+    from model import MODELS
 
-    monkeypatch.setitem(model.BUILDERS, "gpt16", lambda cfg, data: model.build_gpt(cfg, data).bfloat16())
+    monkeypatch.setitem(MODELS, "gpt16", gpt_then(lambda m: m.bfloat16()))
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt16", f"train.precision={precision}",
                                        f"run.out_dir={tmp_path / 'run'}", "train.max_steps=3"])
     t = build_trainer(cfg, Dist(), CPU)
@@ -129,11 +127,10 @@ def test_micro_batch_losses_a_model_gives_in_bf16_are_added_in_float32(tmp_path,
     # A model of yours may return its loss in bf16 (computed in bf16, no .float()). The step's loss
     # adds its micro-batches' losses in float32: added in bf16, the sum was rounded to 8 bits again
     # (4 micro-batches of ~590 here: steps of 16 instead of 4; seen: 4.59375 logged for 4.5859375).
-    import model
-    from conftest import TINY, metrics
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, gpt_then, load_config, metrics
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
+    from model import MODELS
 
     seen = []  # every training micro-batch's bf16 loss, in order (not the no-grad evaluations)
 
@@ -148,7 +145,7 @@ def test_micro_batch_losses_a_model_gives_in_bf16_are_added_in_float32(tmp_path,
                 seen.append(loss.item())
             return loss
 
-    monkeypatch.setitem(model.BUILDERS, "gpt_bf16_loss", lambda c, d: Bf16Loss(model.build_gpt(c, d)))
+    monkeypatch.setitem(MODELS, "gpt_bf16_loss", gpt_then(Bf16Loss))
     out = tmp_path / "run"
     cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_bf16_loss", f"run.out_dir={out}",
                                        "train.max_steps=4", "train.grad_accum=4", "train.eval_every=0",

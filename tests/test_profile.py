@@ -9,6 +9,7 @@ from conftest import run_train
 from loop.observe.profile import REGIONS, breakdown
 
 
+@pytest.mark.slow
 def test_profile_breakdown_names_every_region_and_sums_to_one(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, "train.max_steps=10", "train.profile=true")
@@ -37,6 +38,7 @@ def test_breakdown_is_each_region_s_share_of_the_steps_and_other_never_below_zer
     assert breakdown(prof(**steps, data=20.0, forward=450.0, backward=550.0, optimizer=0.0))["other"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cache):
     # It printed a breakdown of "other 100.0%" (3 steps: no profiled step) or one whose "other"
     # held the run's final evaluation and checkpoint (7 steps), as if measured.

@@ -48,6 +48,7 @@ def assert_png(path: Path) -> None:
     assert len(data) > 5000, (path, len(data))  # axes, ticks and lines, not a blank canvas
 
 
+@pytest.mark.slow
 def test_finished_run(runs, tmp_path):
     fin = runs["finished"]
     md = write_report([fin], tmp_path, price_per_hour=PRICE).read_text()
@@ -70,6 +71,7 @@ def test_finished_run(runs, tmp_path):
     assert not (tmp_path / "gpu_memory.png").exists()  # no cuda_max_alloc_gb on CPU
 
 
+@pytest.mark.slow
 def test_interrupted_run(runs, tmp_path):
     cut = runs["interrupted"]
     md = write_report([cut], tmp_path, price_per_hour=PRICE).read_text()
@@ -93,6 +95,7 @@ def test_interrupted_run(runs, tmp_path):
     assert_png(tmp_path / "loss_vs_step.png")
 
 
+@pytest.mark.slow
 def test_two_runs_overlaid(runs, tmp_path):
     single, both = tmp_path / "single", tmp_path / "both"
     write_report([runs["finished"]], single)
@@ -106,6 +109,7 @@ def test_two_runs_overlaid(runs, tmp_path):
     assert (both / "loss_vs_step.png").read_bytes() != (single / "loss_vs_step.png").read_bytes()
 
 
+@pytest.mark.slow
 def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     """GPU-only fields, written into a copy of the finished run: energy over two sessions, peak
     memory, MFU, world size 2 and a per-device price."""
@@ -133,6 +137,7 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     assert_png(tmp_path / "out" / "gpu_memory.png")
 
 
+@pytest.mark.slow
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,
     # "finished"; that was the report's row, though the log goes on to step 25.
@@ -159,6 +164,7 @@ def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     assert "**resumed**, step 25:\n\n```\nthe resumed session's\n```" in md and "first end" not in md
 
 
+@pytest.mark.slow
 def test_the_best_the_peak_and_the_newest_are_reported(runs, tmp_path):
     """A copy of the finished run whose values are not in order: the best validation loss and the
     peak memory are not the last ones (a resume restarts CUDA's peak), a wall time over an hour,
@@ -185,6 +191,7 @@ def test_the_best_the_peak_and_the_newest_are_reported(runs, tmp_path):
     assert rows(write_report([run], tmp_path / "out").read_text())["run"]["device"] == "cpu x1"
 
 
+@pytest.mark.slow
 def test_cli(runs, tmp_path):
     ok = subprocess.run([sys.executable, "-m", "tools.report", str(runs["finished"]), "--out", str(tmp_path / "r"),
                          "--price-per-hour", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -198,6 +205,7 @@ def test_cli(runs, tmp_path):
     assert str(empty) in bad.stderr and "metrics.jsonl" in bad.stderr
 
 
+@pytest.mark.slow
 def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
     # `python -m tools.report RUN` redraws a run's report: it used the CLI's defaults ($0, 400 g/kWh)
     # over the run's report.price_per_hour and co2_g_per_kwh, and the cost column went n/a.
@@ -214,6 +222,7 @@ def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
         assert rows(md)["priced"]["cost $"] == f"{wall / 3600 * price:,.4f}", flags
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_price_edited_into_the_run_s_config(runs, tmp_path, capsys):
     # The run's config.yaml edited by hand: a text price was a ValueError traceback, null a
     # TypeError, a negative one a negative cost. The options still override it.
@@ -230,6 +239,7 @@ def test_cli_refuses_a_price_edited_into_the_run_s_config(runs, tmp_path, capsys
         assert report_main([str(run), "--out", str(tmp_path / "out"), flag, "1"]) == 0, (key, value)
 
 
+@pytest.mark.slow
 def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
     # A JSON list there was an AttributeError traceback; the device then comes from summary.json.
     run = tmp_path / "odd"
@@ -240,6 +250,7 @@ def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
     assert rows(write_report([run], tmp_path / "out").read_text())["odd"]["device"] == "cpu x1"
 
 
+@pytest.mark.slow
 def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     # In this process (interpreters take seconds to start). A negative price or a nan intensity made
     # a report with a negative or nan cost; an --out under a file was a NotADirectoryError traceback.
@@ -276,6 +287,7 @@ def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, cache, 
     assert summary(tmp_path / "run")["steps"] == 5 and (tmp_path / "run" / "model.pt").exists()
 
 
+@pytest.mark.slow
 def test_without_matplotlib(runs, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     md = write_report([runs["finished"], runs["interrupted"]], tmp_path).read_text()

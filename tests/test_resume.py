@@ -80,6 +80,7 @@ def reference(tmp_path_factory, cache):
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_kill_at_random_step_then_rerun(tmp_path, cache, reference, workers):
     # The reference ran with num_workers=0: the data order must not depend on the worker count.
@@ -93,6 +94,7 @@ def test_kill_at_random_step_then_rerun(tmp_path, cache, reference, workers):
     assert_wall_time_sums_the_steps(summary(out), metrics(out))  # both sessions' steps
 
 
+@pytest.mark.slow
 def test_a_dataset_that_augments_resumes_bit_for_bit_whatever_the_workers(tmp_path, cache):
     # Random augmentation in a user's Dataset (conftest.augment: torch, random and NumPy draws).
     # DataLoader workers' streams restarted at every iterator start, so a resumed run with
@@ -113,6 +115,7 @@ def test_a_dataset_that_augments_resumes_bit_for_bit_whatever_the_workers(tmp_pa
     assert_identical(ref, out, f"augmented, num_workers=2, killed at step {kill}")
 
 
+@pytest.mark.slow
 def test_async_save_kill_then_rerun(tmp_path, cache, reference):
     # Checkpoints written by a background thread: a kill lands before, during or after a write.
     kill = RNG.randint(12, 38)
@@ -122,6 +125,7 @@ def test_async_save_kill_then_rerun(tmp_path, cache, reference):
     assert_identical(reference, out, f"async_save, killed at step {kill}")
 
 
+@pytest.mark.slow
 def test_ctrl_c_exits_130_without_a_traceback_then_rerun(tmp_path, cache, reference):
     # Ctrl-C signals the whole foreground process group: DataLoader workers too. An async write in
     # flight is finished first (its thread is not a daemon), so the checkpoints stay whole.
@@ -137,6 +141,7 @@ def test_ctrl_c_exits_130_without_a_traceback_then_rerun(tmp_path, cache, refere
     assert_identical(reference, out, f"Ctrl-C at step {stop}")
 
 
+@pytest.mark.slow
 def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tmp_path, cache):
     # It said "the checkpoints are whole; rerun ... to continue from the newest": there was none.
     code, printed = run_and_signal(tmp_path / "run", 3, cache, "train.max_steps=200",
@@ -161,6 +166,7 @@ def test_a_console_is_gone_when_its_pipe_or_socket_has_no_reader():
         a.close()
 
 
+@pytest.mark.slow
 def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_path, cache, reference):
     # `python train.py | head`: the console's reader goes away mid-run. The run stops at its next
     # console line as a shell's SIGPIPE would stop it (141), with a line on stderr, not a
@@ -185,6 +191,7 @@ def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_p
     assert_identical(reference, out, f"console gone after step {stop}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("closed", ["stdout", "stderr"])
 def test_a_run_started_with_its_console_closed_trains(tmp_path, cache, closed):
     # Started with fd 1 or 2 closed (`>&-`, some daemons and cron setups), Python's sys.stdout or
@@ -229,6 +236,7 @@ def console_gone(out, *args: str, at: int, fds: str, then: str) -> subprocess.Co
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300, env=env)
 
 
+@pytest.mark.slow
 def test_ctrl_c_that_also_ends_a_tee_exits_130(tmp_path, cache, reference):
     # `python train.py 2>&1 | tee log`, then Ctrl-C: tee is gone first, and on the way out the run
     # prints the steps it has not logged yet (21-25: log_every is past the run's end) to a console
@@ -253,6 +261,7 @@ def test_a_stderr_whose_reader_goes_away_ends_the_run_with_141(tmp_path, cache):
     assert "done:" not in proc.stdout and proc.stderr == "", proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_two_kills_in_one_run(tmp_path, cache, reference):
     first, second = RNG.randint(11, 22), RNG.randint(25, 38)
     out = tmp_path / "run"
@@ -262,6 +271,7 @@ def test_two_kills_in_one_run(tmp_path, cache, reference):
     assert_identical(reference, out, f"killed at steps {first} and {second}")
 
 
+@pytest.mark.slow
 def test_kill_during_checkpoint_write(tmp_path, cache, reference):
     out = tmp_path / "run"
     proc = run_train(out, cache, *STEPS, "faults.kill_in_ckpt_at_step=20", check=False)
@@ -276,6 +286,7 @@ def test_kill_during_checkpoint_write(tmp_path, cache, reference):
     assert_identical(reference, out, "killed inside the step-20 checkpoint write")
 
 
+@pytest.mark.slow
 def test_kills_at_random_moments_with_a_checkpoint_every_step(tmp_path, cache, reference):
     # With a checkpoint after every step, a kill often lands inside a write.
     out = tmp_path / "run"
@@ -286,6 +297,7 @@ def test_kills_at_random_moments_with_a_checkpoint_every_step(tmp_path, cache, r
     assert_identical(reference, out, f"ckpt_every=1, killed at steps {kills}")
 
 
+@pytest.mark.slow
 def test_grad_accum_4(tmp_path, cache):
     ref, out = tmp_path / "ref", tmp_path / "run"
     run_train(ref, cache, *STEPS, "train.grad_accum=4")
@@ -295,6 +307,7 @@ def test_grad_accum_4(tmp_path, cache):
     assert_identical(ref, out, f"grad_accum=4, killed at step {kill}")
 
 
+@pytest.mark.slow
 def test_resume_across_epoch_boundary(tmp_path, cache):
     # 2,600 characters -> 73 training windows of 33 tokens: an epoch is ~9 steps of 8 samples, so
     # the run crosses four epoch boundaries and checkpoints fall mid-epoch.
@@ -313,6 +326,7 @@ def test_resume_across_epoch_boundary(tmp_path, cache):
     assert summary(ref)["tokens"] == 40 * 8 * 32  # 40 steps x 8 samples x 32 targets
 
 
+@pytest.mark.slow
 def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
     out = tmp_path / "run"
     run_train(out, cache, *STEPS)
@@ -326,6 +340,7 @@ def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
             "step 30, resume from an older checkpoint") in fewer.stdout
 
 
+@pytest.mark.slow
 def test_a_command_naming_run_resume_reruns_from_what_it_saved_since(tmp_path, cache, reference):
     # Branching off another directory's step 20 into a run.out_dir with newer checkpoints of its
     # own said nothing of them; and the same command rerun after a kill (or a preemption, a torchrun
@@ -348,6 +363,7 @@ def test_a_command_naming_run_resume_reruns_from_what_it_saved_since(tmp_path, c
     assert [r["step"] for r in metrics(out)] == list(range(1, 41))
 
 
+@pytest.mark.slow
 def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cache, reference):
     # Going back to step 30 with another optim.lr or weight_decay: they used to stay the
     # checkpoint's (load_state_dict restores each group's settings) while a changed schedule
@@ -378,14 +394,16 @@ def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cac
         summary(reference)["params_sha256"], "step 40 holds this run's weights"
 
 
+@pytest.mark.slow
 def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, reference):
     # data.batch_size is per process: with another process count (8 GPUs, then 4) or another
     # batch size the samples per step change, and the LR that suits them; the console said only
     # "global batch N" at the start. The ids still continue where they stopped.
     import shutil
 
+    from conftest import load_config
     from loop.checkpoint.notes import global_batch_change
-    from loop.config.load import DEFAULT_CONFIG, load_config, to_dict
+    from loop.config.load import DEFAULT_CONFIG, to_dict
 
     out = tmp_path / "run"
     shutil.copytree(reference, out)

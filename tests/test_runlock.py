@@ -18,6 +18,7 @@ def snapshot(out) -> dict:
     return {p.relative_to(out): (p.stat().st_mtime_ns, p.read_bytes()) for p in out.rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc", [0, 2])
 def test_a_second_run_on_an_out_dir_in_use_exits_2_and_changes_nothing(tmp_path, cache, nproc):
     out = tmp_path / "run"
@@ -43,6 +44,7 @@ def test_a_second_run_on_an_out_dir_in_use_exits_2_and_changes_nothing(tmp_path,
     assert "resumed from" in third.stdout and summary(out)["steps"] == 8
 
 
+@pytest.mark.slow
 def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_path, cache):
     # run.out_dir=. in a project, or a home directory: the run overwrote the user's model.pt.
     from loop.checkpoint.runlock import RUN_FILES

@@ -30,6 +30,7 @@ def drawn(capsys, *argv: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+@pytest.mark.slow
 def test_the_exported_ema_and_the_checkpoint_draw_the_runs_own_text(run, capsys):
     text = summary(run)["sample"]  # drawn from the EMA weights (validation's), after 8 prompt characters
     code, out, _ = drawn(capsys, run, "--ema", "--prompt", text[:8], *SAMPLE)
@@ -46,6 +47,7 @@ def test_the_exported_ema_and_the_checkpoint_draw_the_runs_own_text(run, capsys)
     assert drawn(capsys, run, *longer, "--temperature", "0.3")[1] != from_model
 
 
+@pytest.mark.slow
 def test_a_model_whose_generate_takes_no_temperature(run, capsys, monkeypatch):
     # The trainer's sample calls generate(prompt, n, generator), so a model of yours may have no
     # temperature; this command passed one always: a TypeError traceback for such a model.
@@ -60,6 +62,7 @@ def test_a_model_whose_generate_takes_no_temperature(run, capsys, monkeypatch):
                "leave the option out.\n")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("argv, says", [
     (["--prompt", "☃"], "error: option --prompt: '☃' not in the model's vocabulary (the 103 characters "
                         "of its training text).\n"),
@@ -69,6 +72,7 @@ def test_bad_input_is_exit_2_naming_it(run, capsys, argv, says):
     assert drawn(capsys, run, *argv) == (2, "", says)
 
 
+@pytest.mark.slow
 def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
     code, out, err = drawn(capsys, run / "checkpoints" / "latest", "--ema")
     assert (code, out) == (2, "") and "--ema reads a finished run's model.pt" in err
@@ -87,6 +91,7 @@ def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
     assert drawn(capsys, run, "--seed", str(2**64 - 1), "--tokens", "5")[0] == 0
 
 
+@pytest.mark.slow
 def test_weights_that_do_not_fit_their_own_config_blame_the_code(run, capsys, tmp_path):
     # Its config rebuilds the model; if the model code changed since, the shapes say so (exit 2).
     export = torch.load(run / "model.pt", weights_only=True)
@@ -98,6 +103,7 @@ def test_weights_that_do_not_fit_their_own_config_blame_the_code(run, capsys, tm
                         "vocabulary or the model code differs. Use the model code it was trained with.\n")
 
 
+@pytest.mark.slow
 def test_an_empty_prompt_starts_from_token_0(run, capsys):
     first = sample.load(run, False, torch.device("cpu"))[1].meta["chars"][0]  # "\n" in most texts
     code, out, _ = drawn(capsys, run, *SAMPLE)
@@ -106,9 +112,8 @@ def test_an_empty_prompt_starts_from_token_0(run, capsys):
 
 def test_a_token_file_model_takes_and_prints_token_ids(tmp_path, cache, capsys):
     # data.name=markov: token files (16 ids) with no characters to them, as a tokenizer's output.
-    from conftest import TINY
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     out = tmp_path / "run"

@@ -168,9 +168,8 @@ def test_the_trainer_steps_with_the_lr_it_logs(tmp_path, cache):
     # one metrics.jsonl shows. A scheduler stepped before the optimizer shifted every step's LR by
     # one while the log still showed the right one, and every other test passed. A skipped step
     # (the NaN at step 6) applies nothing and does not advance the schedule.
-    from conftest import TINY, metrics
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from conftest import TINY, build_trainer, load_config, metrics
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     out = tmp_path / "run"

@@ -105,6 +105,7 @@ def clean_env(*names: str, **values: str) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in names}, **values}
 
 
+@pytest.mark.slow
 def test_env_file_values_reach_no_file_of_the_run(tmp_path, cache):
     values = {"AWS_ACCESS_KEY_ID": "dotenv-akid-0q1w", "AWS_SECRET_ACCESS_KEY": "dotenv-secret-9e8r",
               "AWS_DEFAULT_REGION": "dotenv-region-2t3y", "NCCL_SOCKET_IFNAME": "dotenv-ifname-6u7i",
@@ -146,6 +147,7 @@ def test_env_file_variables_reach_train_py(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow
 def test_a_malformed_env_file_exits_2_and_writes_nothing(tmp_path):
     out = tmp_path / "run"
     proc = run_in(tmp_path / "work", "GOOD=1\n\nAWS_SECRET_ACCESS_KEY dotenv-secret-missing-equals\n",

@@ -17,7 +17,8 @@ from model.gpt import GPT
 def grads(activation_checkpointing: bool) -> tuple[list[torch.Tensor], int]:
     """Gradients of one batch, and how many times block 0 ran forward."""
     torch.manual_seed(0)
-    model = GPT(16, 8, 2, 2, 32, 0.1, True, activation_checkpointing)
+    model = GPT(16, 8, 2, 2, 32, 0.1, True)
+    model.set_activation_checkpointing(activation_checkpointing)
     calls = []
     # A pre-hook: the recomputation stops early, once it has what backward needs, so a forward
     # hook (run when forward returns) would not see it.
@@ -34,6 +35,7 @@ def test_activation_checkpointing_gives_the_same_gradients_bit_for_bit():
     assert len(plain) == len(ckpt) and all(torch.equal(a, b) for a, b in zip(plain, ckpt))
 
 
+@pytest.mark.slow
 def test_compiled_and_plain_runs_share_checkpoints(tmp_path, cache):
     steps = ["train.max_steps=6", "train.ckpt_every=3", "model.dropout=0", "train.eval_every=0"]
     plain, mixed = tmp_path / "plain", tmp_path / "mixed"
@@ -51,6 +53,7 @@ def test_compiled_and_plain_runs_share_checkpoints(tmp_path, cache):
     assert summary(mixed)["val_loss"] == pytest.approx(summary(plain)["val_loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_compile_that_cannot_build_the_model_is_bad_input(tmp_path, cache):
     # No C++ compiler for inductor on the CPU (no C compiler for Triton on CUDA, as in CUDA runtime
     # images): a traceback of torch internals, exit 1. Now exit 2 at the first forward, before
@@ -65,6 +68,7 @@ def test_a_compile_that_cannot_build_the_model_is_bad_input(tmp_path, cache):
     assert proc.stderr.rstrip().endswith("or set train.compile=false.") and not out.exists()
 
 
+@pytest.mark.slow
 def test_a_bug_in_the_model_under_compile_is_its_own_error(tmp_path, cache):
     # A forward that is wrong whatever compiles it (a LayerNorm handed one feature too many) fails
     # in Dynamo's tracing; it used to be reported as "torch.compile could not build this model ...

@@ -5,16 +5,25 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from conftest import assert_wall_time_sums_the_steps, metrics, run_and_kill, run_train, summary, train_here
-from loop.config.load import load_config
+from conftest import (
+    assert_wall_time_sums_the_steps,
+    load_config,
+    metrics,
+    run_and_kill,
+    run_train,
+    summary,
+    train_here,
+)
 
 MARKOV = ["data.name=markov", "model.n_embd=64", "model.dropout=0", "data.batch_size=16",
           "train.log_every=50", "train.eval_every=50", "train.eval_batches=4"]
 
 
+@pytest.mark.slow
 def test_run_directory_contract(tmp_path, cache):
     out = tmp_path / "run"
     run_train(out, cache, "train.max_steps=20", "train.ckpt_every=10", "optim.betas.1=0.99")
@@ -51,6 +60,7 @@ def test_run_directory_contract(tmp_path, cache):
     assert "## Samples" in report and s["sample"] in report
 
 
+@pytest.mark.slow
 def test_markov_reaches_its_entropy_rate(tmp_path, cache):
     out = tmp_path / "run"
     train_here(out, cache, *MARKOV, "train.max_steps=300")
@@ -69,6 +79,7 @@ def test_bf16_autocast_on_cpu_learns(tmp_path, cache):
     assert s["val_loss"] < s["optimal_loss"] + 0.35, s
 
 
+@pytest.mark.slow
 def test_fp16_grad_scaler_state_survives_resume(tmp_path, cache):
     args = [cache, "train.precision=fp16", "train.max_steps=20", "train.ckpt_every=10"]
     ref, out = tmp_path / "ref", tmp_path / "run"

@@ -8,6 +8,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT, TINY, run_train
 
 VERIFY = [sys.executable, "-m", "tools.verify"]
@@ -28,6 +30,7 @@ def rows(stdout: str) -> dict[str, tuple[str, str]]:
     return out
 
 
+@pytest.mark.slow
 def test_verify_passes_on_the_default_config(tmp_path, cache):
     # The default config (dropout 0.1, grad_accum 2) shrunk as in every end-to-end test; the full
     # size passes too (README: make verify, 95 s on 2 cores), but would take a minute here.
@@ -43,6 +46,7 @@ def test_verify_passes_on_the_default_config(tmp_path, cache):
     assert not list((tmp_path / "verify").iterdir()), "runs are deleted when every check passes"
 
 
+@pytest.mark.slow
 def test_verify_compares_two_processes_with_one(tmp_path, cache):
     proc = verify(tmp_path, "--nproc", "2", "--checks", "ddp", "--keep", *TINY, cache)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -99,6 +103,7 @@ def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, c
     assert "runs kept in" in out and (next((tmp_path / "verify").iterdir()) / "A.log").exists()
 
 
+@pytest.mark.slow
 def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cache, monkeypatch):
     # With train.async_save=true the checkpoint of step 2 may still be in flight when step 3 is
     # reported: a kill there left nothing to resume from, and the check failed with "the rerun did
@@ -138,11 +143,12 @@ def test_a_model_kept_in_bf16_is_held_to_bf16_tolerances(cache, monkeypatch):
     # 3.6e-3 against 1e-4), with a "usual cause" of a per-micro-batch mean that was not there.
     import torch
 
-    import model
+    from conftest import gpt_then
     from loop.config.load import DEFAULT_CONFIG
+    from model import MODELS
     from tools.audit_grads import gradient_audits
 
-    monkeypatch.setitem(model.BUILDERS, "gpt_bf16", lambda cfg, data: model.build_gpt(cfg, data).to(torch.bfloat16))
+    monkeypatch.setitem(MODELS, "gpt_bf16", gpt_then(lambda m: m.to(torch.bfloat16)))
     results = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_bf16", "train.precision=fp32"],
                               {"accumulation", "clipping"})
     assert [(r.check, r.ok) for r in results] == [("accumulation", True), ("clipping", True)], results
@@ -157,20 +163,21 @@ def test_a_model_whose_forward_casts_to_its_16_bit_layer_is_audited_in_its_own_d
     # layer's dtype then failed in it: a traceback (dtype mismatch), no table.
     import torch
 
-    import model
+    from conftest import gpt_then
     from loop.config.load import DEFAULT_CONFIG
+    from model import MODELS
     from tools.audit_grads import gradient_audits
 
     class Bf16Linear(torch.nn.Linear):
         def forward(self, x):
             return super().forward(x.to(torch.bfloat16)).to(x.dtype)
 
-    def gpt_mixed(cfg, data):
-        m = model.build_gpt(cfg, data)
-        m.drop = torch.nn.Sequential(Bf16Linear(cfg.n_embd, cfg.n_embd).to(torch.bfloat16), m.drop)
+    def mixed(m):
+        n_embd = m.wte.embedding_dim
+        m.drop = torch.nn.Sequential(Bf16Linear(n_embd, n_embd).to(torch.bfloat16), m.drop)
         return m
 
-    monkeypatch.setitem(model.BUILDERS, "gpt_mixed", gpt_mixed)
+    monkeypatch.setitem(MODELS, "gpt_mixed", gpt_then(mixed))
     results = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_mixed", "train.precision=fp32"],
                               {"accumulation", "clipping"})
     assert [(r.check, r.ok) for r in results] == [("accumulation", True), ("clipping", True)], results
@@ -263,6 +270,7 @@ def test_the_accumulation_check_says_when_equal_target_counts_cannot_tell(cache)
     assert result.numbers.endswith("; equal target counts, so a per-micro-batch mean would go unnoticed")
 
 
+@pytest.mark.slow
 def test_verify_leaves_the_configs_mirror_alone(tmp_path, cache):
     # A config that mirrors its checkpoints (run.mirror, a bucket) made every audit run use that
     # bucket: run A, with no checkpoint of its own, resumed from the newest one there (another run's),

@@ -18,6 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
+from data import DATASETS
 from loop.build import build_trainer
 from loop.config.load import load_config
 from loop.data.bundle import IGNORE_INDEX
@@ -26,6 +27,7 @@ from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.evaluate import loss_and_sums
 from loop.precision import DTYPES
+from model import MODELS
 
 # Relative L2 difference allowed between two gradients of the same step that were summed in a
 # different order (float32: ~1e-7 seen) or rounded differently by autocast (bf16 keeps 8 bits of
@@ -56,8 +58,9 @@ class Probe:
 
     def __init__(self, config: str, overrides: list[str], accum: int, batch: int):
         cfg = load_config(config, [*overrides, f"train.grad_accum={accum}", f"data.batch_size={batch}",
-                                   "train.nan_policy=skip", "ema.enabled=false", "train.async_save=false"])
-        self.trainer = build_trainer(cfg, Dist(), pick_device(cfg.train.device))
+                                   "train.nan_policy=skip", "ema.enabled=false", "train.async_save=false"],
+                          DATASETS, MODELS)
+        self.trainer = build_trainer(cfg, Dist(), pick_device(cfg.train.device), DATASETS, MODELS)
         self.trainer.model.eval()
         self.norms: list[torch.Tensor] = []
         self.trainer.log = SimpleNamespace(record=lambda fields, loss, grad_norm: self.norms.append(grad_norm))
@@ -133,7 +136,7 @@ def reference(model: torch.nn.Module, batch: dict, device, clip: float):
 def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list[Result]:
     if not {"accumulation", "clipping"} & checks:
         return []
-    probe = load_config(config, overrides)
+    probe = load_config(config, overrides, DATASETS, MODELS)
     b, k = probe.data.batch_size, max(probe.train.grad_accum, 2)
     accum, whole = Probe(config, overrides, k, b), Probe(config, overrides, 1, k * b)
     micro = step_batches(accum.trainer.data.train, probe.run.seed, k, b)

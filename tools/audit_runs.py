@@ -205,18 +205,19 @@ def batch_norms(model: torch.nn.Module) -> list[str]:
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
 
 
-def ddp(plan: Plan, batch: int, tolerance: float, norms: list[str]) -> Result:
-    """`norms`: the model's batch_norms, which the hint names: the usual cause is then the model's."""
+def ddp(plan: Plan, batch: int, tolerance: float, norms: list[str], quiet: list[str]) -> Result:
+    """`norms`: the model's batch_norms, which the hint names: the usual cause is then the model's.
+    `quiet`: the overrides that take the model's randomness away (model.dropout=0, if it has one)."""
     n = plan.nproc
-    why = run(plan, "P", "model.dropout=0", f"data.batch_size={batch}", nproc=n) or \
-        run(plan, "P1", "model.dropout=0", f"data.batch_size={n * batch}")
+    why = run(plan, "P", *quiet, f"data.batch_size={batch}", nproc=n) or \
+        run(plan, "P1", *quiet, f"data.batch_size={n * batch}")
     if why:
         return Result("ddp", False, why)
     a, b = _records(plan, "P1"), _records(plan, "P")
     same_ids = [r["ids"] for r in a] == [r["ids"] for r in b]
     worst = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))
     ok = same_ids and len(a) == len(b) == plan.steps and worst <= tolerance
-    return Result("ddp", ok, f"{n} processes x micro-batch {batch} vs 1 x {n * batch} (dropout 0): "
+    return Result("ddp", ok, f"{n} processes x micro-batch {batch} vs 1 x {n * batch} ({' '.join(quiet) or 'as configured'}): "
                   f"per-step losses within rel. {worst:.1e} (tolerance {tolerance:g}, sums over ranks "
                   f"add in another order); sample ids {'identical' if same_ids else 'DIFFER'}",
                   f"the model's batch norm ({', '.join(norms)}) normalises by each rank's micro-batch in "

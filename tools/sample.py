@@ -24,13 +24,14 @@ from pathlib import Path
 
 import torch
 
-from data import build_data
+from data import DATASETS
+from loop.build import build_data, build_model
 from loop.checkpoint import resume, store, weights
-from loop.config.fields import at_least, from_dict, positive
-from loop.config.schema import Config
+from loop.config.fields import at_least, positive
+from loop.config.load import build
 from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, BadInput
-from model import build_model
+from model import MODELS
 
 CODE = "Use the model code it was trained with."  # the config is its own: only the code can differ
 
@@ -50,12 +51,12 @@ def load(path: Path, ema: bool, device: torch.device):
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         raise BadInput(f"{path}: no config saved with these weights (a bare state_dict?); expected a "
                        f"model.pt or checkpoint that train.py wrote.")
-    cfg = from_dict(Config, saved["config"], "", str(path))
-    data = build_data(cfg.data)
+    cfg = build(saved["config"], str(path), [], DATASETS, MODELS)
+    data = build_data(cfg.data, DATASETS)
     if path.is_file() and "data" not in saved:  # a model.pt exported before it held its "data"
         saved["data"] = (_json(path.parent / "metadata.json") or {}).get("data")
     check_corpus(data, saved["data"] if path.is_file() else (saved.get("metadata") or {}).get("data"), path)
-    model = build_model(cfg.model, data)
+    model = build_model(cfg.model, data, MODELS)
     if not hasattr(model, "generate") or data.decode is None:
         raise BadInput(f"{path}: model.name={cfg.model.name} on data.name={cfg.data.name} does not "
                        f"generate text (no generate method, or data without a decoder).")

@@ -32,17 +32,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from data import build_data
+from data import DATASETS
 from loop import determinism
-from loop.build import check_with_world
+from loop.build import build_data, build_model
 from loop.config.load import DEFAULT_CONFIG, load_config
 from loop.config.paths import writable_dir
+from loop.config.runtime import check_with_world
 from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.lab import banner
 from loop.precision import resolve
-from model import build_model
+from model import MODELS
 from tools import audit_runs
 from tools.audit_grads import TOLERANCE, Result, arithmetic, gradient_audits
 
@@ -91,7 +92,7 @@ def ckpt_every(steps: int) -> int:
 
 
 def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
-    cfg = load_config(a.config, a.overrides)  # bad input stops here, before anything runs
+    cfg = load_config(a.config, a.overrides, DATASETS, MODELS)  # bad input stops here, before anything runs
     check_with_world(cfg, Dist())  # every check runs one process (a fault on rank 1: exit 2, not a FAIL)
     if cfg.lab.break_:
         print(banner(cfg.lab.break_), flush=True)
@@ -104,9 +105,10 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     results += single_process_runs(plan, cfg, checks)
     if "ddp" in checks:  # its own runs: it does not need run A
         precision = resolve(cfg.train.precision, pick_device(cfg.train.device))
-        model = build_model(cfg.model, build_data(cfg.data))
+        model = build_model(cfg.model, build_data(cfg.data, DATASETS), MODELS)
+        quiet = ["model.dropout=0"] if hasattr(cfg.model, "dropout") else []  # each rank draws its own masks
         results.append(audit_runs.ddp(plan, cfg.data.batch_size, TOLERANCE[arithmetic(precision, model)],
-                                      audit_runs.batch_norms(model)))
+                                      audit_runs.batch_norms(model), quiet))
     return sorted(results, key=lambda r: CHECKS.index(r.check))
 
 
@@ -122,7 +124,7 @@ def single_process_runs(plan: audit_runs.Plan, cfg, checks: list[str]) -> list[R
         resumed = audit_runs.resume(plan)
         results += [resumed] if "resume" in wanted else []
         if "data" in wanted:
-            results.append(audit_runs.data(plan, len(build_data(cfg.data).train))
+            results.append(audit_runs.data(plan, len(build_data(cfg.data, DATASETS).train))
                            if (plan.root / "R" / "summary.json").exists() else  # R ran to its end
                            Result("data", False, f"no resumed run to compare: {resumed.numbers}"))
     if "determinism" in wanted:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 from loop.checkpoint import runlock, store
 from loop.errors import BadInput
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import keyword
 import math
 import re
@@ -21,11 +20,12 @@ import yaml
 from loop.errors import BadInput
 
 
-def opt(default, *, min=None, max=None, above=None, below=None, choices=None):
+def opt(default, *, min=None, max=None, above=None, below=None, choices=None, path=None):
     """A field with optional bounds (`min` and `max` inclusive, `above` and `below` exclusive) or a set of
     allowed values, checked at load time. A list keeps its default's length, and the bounds apply
-    to each element."""
-    meta = {"min": min, "max": max, "above": above, "below": below, "choices": choices}
+    to each element. `path`: the value is a path (`~` expanded); "dir": a directory the run reads
+    or writes (data sets' caches), checked before anything is written (loop/config/paths.py)."""
+    meta = {"min": min, "max": max, "above": above, "below": below, "choices": choices, "path": path}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -45,18 +45,30 @@ def to_dict(obj) -> dict:
             else (list(v) if isinstance(v, list) else v) for f in dataclasses.fields(obj)}
 
 
-def from_dict(cls, raw, prefix: str, source: str):
+class UnknownKey(BadInput):
+    """A key no field has; loop/config/load.py says which keys there are (`key`: dotted)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"unknown config key '{key}'.")
+        self.key = key
+
+
+def from_dict(cls, raw, prefix: str, source: str, sections: dict[str, type] | None = None):
+    """`sections`: the class of a section where it is not the field's own (a builder's options)."""
     raw = {} if raw is None else raw  # an empty section in YAML reads as None
     if not isinstance(raw, dict):
         raise BadInput(f"config {prefix.rstrip('.') or 'file'} in {source}: expected a mapping of "
-                       f"keys, got {raw!r}.")
+                       f"keys, got {shown(raw)}.")
     hints, obj = typing.get_type_hints(cls), cls()
+    for name, section in (sections or {}).items():
+        setattr(obj, name, section())
     for key_name, value in raw.items():
         key, name = f"{prefix}{key_name}", field_of(str(key_name))
         if name not in hints:
-            raise BadInput(_unknown(key))
+            raise UnknownKey(key)
         if dataclasses.is_dataclass(hints[name]):
-            setattr(obj, name, from_dict(hints[name], value, key + ".", source))
+            section = (sections or {}).get(name, hints[name])
+            setattr(obj, name, from_dict(section, value, key + ".", source))
         else:
             setattr(obj, name, _coerce(value, hints[name], key))
     return obj
@@ -66,7 +78,7 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
     name, rest = field_of(parts[0]), parts[1:]
     hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
     if name not in hints:
-        raise BadInput(_unknown(key))
+        raise UnknownKey(key)
     hint = hints[name]
     if dataclasses.is_dataclass(hint) and rest:
         return override(getattr(obj, name), rest, text, key)
@@ -77,7 +89,7 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
         items[int(rest[0])] = _coerce(_parse(text, elem), elem, key)
         return
     if rest:
-        raise BadInput(_unknown(key))
+        raise UnknownKey(key)
     f = next(f for f in dataclasses.fields(obj) if f.name == name)  # run.mirror=none made ./none:
     if hint is str and text.lower() in NONE_WORDS and f.default == "" and not f.metadata.get("choices"):
         raise BadInput(f"config key {key}: {text!r} would be taken as a path called {text}; expected "
@@ -95,6 +107,18 @@ DecimalLoader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 DecimalLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"),
                                     list("-+0123456789"))
+
+
+def _int_or_text(loader: yaml.SafeLoader, node: yaml.ScalarNode):
+    """An integer, or its text where it has more digits than Python reads as int (4,300): a key that
+    takes an int then refuses it by name, one that takes a float reads it as inf and refuses that."""
+    try:
+        return loader.construct_yaml_int(node)
+    except ValueError:
+        return node.value
+
+
+DecimalLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 NONE_WORDS = {"none", "null", "~", "off", "false", "no"}  # meant as "none" for a key whose none is ''
 
 
@@ -119,9 +143,13 @@ def _coerce(value, hint, key: str):
         return value
     if hint is int and isinstance(value, int) and not isinstance(value, bool):
         return value
+    if hint is int and isinstance(value, str) and len(value.lstrip("+-").replace("_", "")) > 4300 \
+            and value.lstrip("+-").replace("_", "").isdigit():
+        raise BadInput(f"config key {key}: expected an integer of at most 4,300 digits (Python reads no "
+                       f"longer one); got one of {len(value.lstrip('+-')):,} digits.")
     if hint is float and not isinstance(value, bool) and (number := _float(value)) is not None:
         if not math.isfinite(number):  # nan slips past every bound (nan < 0 is False)
-            raise BadInput(f"config key {key}: expected a finite number, got {value!r}.")
+            raise BadInput(f"config key {key}: expected a finite number, got {shown(value)}.")
         return number
     if hint is str and isinstance(value, str):
         return value
@@ -137,8 +165,14 @@ def _float(value) -> float | None:
         return None
 
 
+def shown(value) -> str:
+    """A value for a message: its repr, cut short past 60 characters (a number of 100,000 digits)."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:40]}... ({len(text):,} characters)"
+
+
 def _wrong(key: str, expected: str, value) -> BadInput:
-    got = "an empty value" if value is None else f"{value!r} ({type(value).__name__})"  # key= or key:
+    got = "an empty value" if value is None else f"{shown(value)} ({type(value).__name__})"  # key= or key:
     return BadInput(f"config key {key}: expected {expected}, got {got}.")
 
 
@@ -158,9 +192,9 @@ def check(obj, prefix: str = "") -> None:
             _bounds(value, f.metadata, key)
         choices = f.metadata.get("choices")
         if choices and value not in choices:
-            shown = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
-            raise BadInput(f"config key {key}: expected one of {shown}; "
-                           f"got {value!r}.")
+            allowed = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
+            raise BadInput(f"config key {key}: expected one of {allowed}; "
+                           f"got {shown(value)}.")
 
 
 def _finite(text: str, ok, says: str) -> float:
@@ -199,30 +233,4 @@ def _bounds(value, meta, key: str) -> None:
                               ("above", lambda v, b: v <= b, ">"), ("below", lambda v, b: v >= b, "<")):
         bound = meta.get(name)
         if bound is not None and fails(value, bound):
-            raise BadInput(f"config key {key}: expected a value {says} {bound}, got {value!r}.")
-
-
-def all_keys(cls, prefix: str = "") -> list[str]:
-    out = []
-    for name, hint in typing.get_type_hints(cls).items():
-        if dataclasses.is_dataclass(hint):
-            out += all_keys(hint, f"{prefix}{key_of(name)}.")
-        else:
-            out.append(f"{prefix}{key_of(name)}")
-    return out
-
-
-def _unknown(key: str) -> str:
-    from loop.config.schema import Config
-
-    keys = all_keys(Config)
-    section, _, leaf = key.rpartition(".")
-    # A near spelling in the same section, then the same name in another section
-    # (train.lr -> optim.lr), then a near spelling anywhere.
-    parent = f"{section}." if section else ""
-    siblings = {k[len(parent):].split(".")[0] for k in keys if k.startswith(parent)}
-    guess = [parent + g for g in difflib.get_close_matches(leaf, siblings, 1, 0.6)]
-    guess = guess or [k for k in keys if k.rpartition(".")[2] == leaf][:1]
-    guess = guess or difflib.get_close_matches(key, keys, n=1, cutoff=0.6)
-    hint = f" Did you mean '{guess[0]}'?" if guess else ""
-    return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."
+            raise BadInput(f"config key {key}: expected a value {says} {bound}, got {shown(value)}.")

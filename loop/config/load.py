@@ -1,12 +1,15 @@
-"""Typed configuration: dataclasses per section, loaded from YAML, with dotted CLI overrides.
+"""Typed configuration: dataclass sections, loaded from YAML, with dotted command-line overrides.
 
     python train.py --config configs/default.yaml optim.lr=3e-4 optim.betas.1=0.99 train.max_steps=100
 
-The `data` and `model` sections are defined next to their builders (data/config.py,
-model/config.py), so a new task adds its options there. Every key is checked before anything runs: an unknown key gets a did-you-mean, a wrong type or an
-out-of-range value names the key, the expected type and the value given, malformed YAML (a key
-given twice included) names the file and line. All of these raise `BadInput` (exit code 2, nothing written). `save` writes the
-resolved config; `load_config` on that file gives back an equal object.
+The defaults are the dataclasses' (loop/config/schema.py): a file sets only what differs, and
+`--help` lists every key with the value `python train.py` uses. The `data` and `model` sections
+hold the loop's keys and those of the builder their `name` chooses (loop/config/builders.py), so
+load_config takes the project's DATASETS and MODELS. Every key is checked before anything runs: an
+unknown key gets a did-you-mean (or the builders that read it), a wrong type or an out-of-range
+value names the key, the expected type and the value given, malformed YAML (a key given twice
+included) names the file and line. All of these raise `BadInput` (exit code 2, nothing written).
+`save` writes the resolved config; `load_config` on that file gives back an equal object.
 """
 from __future__ import annotations
 
@@ -19,7 +22,8 @@ from pathlib import Path
 import yaml
 
 from loop.checkpoint.atomic import atomic_write
-from loop.config.fields import DecimalLoader, check, from_dict, override, to_dict
+from loop.config.builders import BASES, options_of, unknown
+from loop.config.fields import DecimalLoader, UnknownKey, check, from_dict, override, to_dict
 from loop.config.paths import check_paths
 from loop.config.schema import Config
 from loop.errors import BadInput
@@ -29,27 +33,68 @@ from loop.errors import BadInput
 DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "default.yaml")
 
 
+def load_config(path: str | Path, overrides: list[str], datasets: dict, models: dict) -> Config:
+    """YAML file + dotted overrides -> a checked Config. Raises BadInput on any problem."""
+    return build(read(Path(path)), str(path), overrides, datasets, models)
 
 
+def read(path: Path) -> dict:
+    """A config file's mapping of sections."""
+    try:
+        raw = yaml.load(path.read_text(), Loader=_Loader)
+    except OSError as e:
+        where = "" if path.is_absolute() else f", looked for in {Path.cwd()}"
+        raise BadInput(f"config file {path}: cannot read it ({e.strerror}{where}); expected a YAML file.")
+    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
+        raise BadInput(f"config file {path}: byte {e.start} is not UTF-8 text; expected a YAML file.")
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise BadInput(f"config file {path}{where}: malformed YAML ({getattr(e, 'problem', e)}).")
+    if not isinstance(raw, dict):  # empty (None), `0`, `~`: it ran on the defaults, into any out_dir
+        what = "is empty" if raw is None else f"holds {type(raw).__name__} {str(raw)[:40]!r}"
+        raise BadInput(f"config file {path}: it {what}; expected a mapping of sections (run:, data:, "
+                       f"model:, ...), each setting only the keys that differ from the defaults.")
+    return raw
 
 
+def build(raw: dict, source: str, overrides: list[str], datasets: dict, models: dict) -> Config:
+    """A Config from a mapping (a file's, or a checkpoint's) and dotted overrides."""
+    registries = {"data": datasets, "model": models}
+    names = chosen(raw, overrides, registries)
+    sections = {s: options_of(s, name, registries[s][name]) for s, name in names.items()}
+    try:
+        cfg = from_dict(Config, raw, "", source, sections)
+        for item in overrides:
+            key, sep, value = item.partition("=")
+            if not sep or not key:
+                file = " (a config file is given as --config PATH)" if item.endswith((".yaml", ".yml")) else ""
+                raise BadInput(f"override '{item}': expected the form section.key=value{file}.")
+            override(cfg, key.split("."), value, key)
+    except UnknownKey as e:
+        raise BadInput(unknown(e.key, names, registries)) from None
+    check(cfg)
+    check_paths(cfg)
+    return cfg
 
 
+def chosen(raw: dict, overrides: list[str], registries: dict[str, dict]) -> dict[str, str]:
+    """data.name and model.name: the last override that sets one, else the file's."""
+    names = {}
+    for section, registry in registries.items():
+        given = raw.get(section)
+        name = given.get("name", BASES[section].name) if isinstance(given, dict) else BASES[section].name
+        for item in overrides:
+            key, _, value = item.partition("=")
+            name = value if key == f"{section}.name" else name
+        if name not in registry:
+            raise BadInput(f"config key {section}.name: expected one of {', '.join(registry)}; got {name!r}.")
+        names[section] = name
+    return names
 
 
-
-
-
-
-
-
-
-
-
-
-# ---------------------------------------------------------------------------------------- loading
-def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
-    p = argparse.ArgumentParser(description="Train with the honest loop.", epilog=keys_help(),
+def parse_args(argv: list[str] | None, datasets: dict, models: dict) -> tuple[str, list[str]]:
+    p = argparse.ArgumentParser(description="Train with the honest loop.", epilog=keys_help(datasets, models),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once,
                    help="YAML preset (default: %(default)s)")
@@ -58,17 +103,31 @@ def parse_args(argv: list[str] | None = None) -> tuple[str, list[str]]:
     return args.config, args.overrides
 
 
-def keys_help() -> str:
-    """Every key with its default (what applies when the config file does not set it), a line per
-    section, for --help: the keys without opening loop/config/schema.py."""
+def keys_help(datasets: dict, models: dict) -> str:
+    """Every key with the value `python train.py` uses (the defaults, and the data set and model its
+    config file, configs/default.yaml, chooses), and each other builder's own keys: the keys without
+    opening the code."""
     def shown(v) -> str:  # as YAML and the command line take them: true, [0.9,0.95]
         return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, bool)) else str(v)
 
-    lines = ["config keys, as section.key=value (the default where the config file sets none):"]
-    for section, values in to_dict(Config()).items():
-        keys = " ".join(f"{k}={shown(v)}" for k, v in flat(values).items())
-        lines += textwrap.wrap(keys, 96, initial_indent=f"  {section}: ",
-                               subsequent_indent=" " * (len(section) + 4), break_on_hyphens=False)
+    def line(label: str, values: dict) -> list[str]:
+        text = " ".join(f"{k}={shown(v)}" for k, v in flat(values).items()) or "(none of its own)"
+        return textwrap.wrap(text, 96, initial_indent=f"  {label}: ", subsequent_indent=" " * (len(label) + 4),
+                             break_on_hyphens=False)
+
+    try:
+        cfg = load_config(DEFAULT_CONFIG, [], datasets, models)
+    except BadInput:  # a default config edited wrong: train.py says so when it runs
+        cfg = Config()
+    lines = [f"config keys, as section.key=value, with what `python train.py` uses ({DEFAULT_CONFIG}"
+             f" and the defaults):"]
+    for section, values in to_dict(cfg).items():
+        lines += line(section, values)
+        for name, builder in {"data": datasets, "model": models}.get(section, {}).items():
+            if name != values["name"]:
+                opts = to_dict(options_of(section, name, builder)())
+                lines += line(f"  or {section}.name={name}", {k: v for k, v in opts.items() if k not in
+                                                               to_dict(BASES[section]())})
     return "\n".join(lines)
 
 
@@ -106,32 +165,6 @@ class _Loader(DecimalLoader):
                         problem_mark=key.start_mark)
                 first[key.value] = key.start_mark.line
         return super().construct_mapping(node, deep)
-
-
-def load_config(path: str | Path, overrides: list[str] = ()) -> Config:
-    """YAML file + dotted overrides -> a checked Config. Raises BadInput on any problem."""
-    path = Path(path)
-    try:
-        raw = yaml.load(path.read_text(), Loader=_Loader) or {}
-    except OSError as e:
-        where = "" if path.is_absolute() else f", looked for in {Path.cwd()}"
-        raise BadInput(f"config file {path}: cannot read it ({e.strerror}{where}); expected a YAML file.")
-    except UnicodeDecodeError as e:  # a binary file, or text in another encoding
-        raise BadInput(f"config file {path}: byte {e.start} is not UTF-8 text; expected a YAML file.")
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise BadInput(f"config file {path}{where}: malformed YAML ({getattr(e, 'problem', e)}).")
-    cfg = from_dict(Config, raw, "", str(path))
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            file = " (a config file is given as --config PATH)" if item.endswith((".yaml", ".yml")) else ""
-            raise BadInput(f"override '{item}': expected the form section.key=value{file}.")
-        override(cfg, key.split("."), value, key)
-    check(cfg)
-    check_paths(cfg)
-    return cfg
 
 
 # ---------------------------------------------------------------------------------------- output

@@ -1,25 +1,45 @@
 """Where a run reads and writes, checked before anything is written: `~` expanded, directories
-that can be made, and no run.out_dir or local run.mirror inside what another run writes."""
+that can be made, and no run.out_dir or local run.mirror inside what another run writes. A key
+holds a path when its field says so (`opt(..., path=True)`, loop/config/fields.py): the loop's and
+any builder's; `path="dir"` marks a directory a data set reads or writes (its cache).
+"""
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
 from loop.checkpoint.runlock import refuse_nested
+from loop.config.fields import key_of
 from loop.errors import BadInput
 
-# Keys that hold a path. A shell expands ~ only at the start of a word: in `make ARGS="run.out_dir=~/x"`
-# or a YAML file it reached the run as text, and made a directory named ~ here.
-PATHS = [("run", "out_dir"), ("run", "resume"), ("run", "init_from"), ("run", "mirror"),
-         ("data", "cache_dir"), ("data", "path")]
+
+def path_keys(obj, kind=None, prefix: str = ""):
+    """(dotted key, section object, field name) of every path field (of `kind`, if given)."""
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{key_of(f.name)}"
+        if dataclasses.is_dataclass(value):
+            yield from path_keys(value, kind, key + ".")
+        elif f.metadata.get("path") and kind in (None, f.metadata["path"]):
+            yield key, obj, f.name
+
+
+def directories(cfg) -> dict[str, str]:
+    """The directories a run writes, by key (run.out_dir, the data set's cache): where a full disk
+    needs room."""
+    return {"run.out_dir": cfg.run.out_dir,
+            **{key: getattr(obj, name) for key, obj, name in path_keys(cfg, "dir")}}
 
 
 def check_paths(cfg) -> None:
-    for section, key in PATHS:
-        if (value := getattr(getattr(cfg, section), key)).startswith("~"):
-            setattr(getattr(cfg, section), key, os.path.expanduser(value))
+    # A shell expands ~ only at the start of a word: in `make ARGS="run.out_dir=~/x"` or a YAML
+    # file it reached the run as text, and made a directory named ~ here.
+    for key, obj, name in path_keys(cfg):
+        if (value := getattr(obj, name)).startswith("~"):
+            setattr(obj, name, os.path.expanduser(value))
     writable_dir("config key run.out_dir", cfg.run.out_dir)
-    writable_dir("config key data.cache_dir", cfg.data.cache_dir, write=False)  # read-only if prepared
+    for key, obj, name in path_keys(cfg, "dir"):
+        writable_dir(f"config key {key}", getattr(obj, name), write=False)  # read-only if prepared
     refuse_nested("run.out_dir", Path(cfg.run.out_dir))
     if cfg.run.mirror:
         from fsspec.core import split_protocol

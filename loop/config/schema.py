@@ -1,29 +1,50 @@
-"""The loop's config sections: every key, its default, and its bounds or choices (checked at
-load time by loop/config/fields.py). The `data` and `model` sections live with their builders.
+"""The config's sections: every key, its default, and its bounds or choices (checked at load time by
+loop/config/fields.py). These defaults are the embedded default run's: `python train.py` uses
+them, and `--help` lists them. The `data` and `model` sections are the loop's keys here
+(DataSection, ModelSection) plus those of the chosen data set's or model's builder: its options,
+a dataclass that extends the section (loop/config/builders.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from data.config import DataConfig
 from loop.config.fields import opt
 from loop.lab import SWITCHES
-from model.config import ModelConfig
+
+
+@dataclass
+class DataSection:
+    """The loop's keys of `data`; data.name's builder reads the rest (data/__init__.py)."""
+    name: str = ""  # which data set: a name in the project's DATASETS
+    batch_size: int = opt(16, min=1)  # per micro-step, per process
+    num_workers: int = opt(0, min=0)
+    prefetch_factor: int = opt(2, min=1)
+    pin_memory: bool = True  # only takes effect on CUDA
+    log_ids: bool = False  # write each step's sample ids into metrics.jsonl (make verify's data audit)
+
+
+@dataclass
+class ModelSection:
+    """The loop's keys of `model`; model.name's builder reads the rest (model/__init__.py)."""
+    name: str = ""  # which model: a name in the project's MODELS
+    # Recompute activations in backward (less memory, one more forward of compute), through the
+    # model's own switch: a `set_activation_checkpointing(on)` method.
+    activation_checkpointing: bool = False
 
 
 @dataclass
 class RunConfig:
-    out_dir: str = "runs/default"
+    out_dir: str = opt("runs/default", path=True)
     seed: int = opt(1337, min=0, max=2**32 - 1)  # NumPy's global generator takes 32 bits
-    resume: str = "auto"  # auto | never | path to a checkpoint directory
-    init_from: str = ""  # a checkpoint dir or a model.pt: its model weights only (a fresh run)
-    mirror: str = ""  # also copy each checkpoint here: a directory or an fsspec URL
+    resume: str = opt("auto", path=True)  # auto | never | path to a checkpoint directory
+    init_from: str = opt("", path=True)  # a checkpoint dir or a model.pt: its weights only (a fresh run)
+    mirror: str = opt("", path=True)  # also copy each checkpoint here: a directory or an fsspec URL
     deterministic: bool = False  # deterministic kernels only (see loop/determinism.py)
 
 
 @dataclass
 class OptimConfig:
-    lr: float = opt(1e-3, min=0.0)
+    lr: float = opt(2e-3, min=0.0)
     weight_decay: float = opt(0.1, min=0.0)
     betas: list[float] = opt([0.9, 0.95], min=0.0, below=1.0)
     eps: float = opt(1e-8, above=0.0)  # AdamW divides by sqrt(v) + eps: 0 turns a zero gradient into NaN
@@ -106,8 +127,8 @@ class LabConfig:
 @dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataSection = field(default_factory=DataSection)
+    model: ModelSection = field(default_factory=ModelSection)
     optim: OptimConfig = field(default_factory=OptimConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -30,7 +30,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from data.config import DataConfig
 from loop.config import dotenv
 from loop.config.load import config_hash
 from loop.config.schema import FaultsConfig
@@ -71,7 +70,7 @@ def code_hash(root: Path = ROOT) -> str:
             yield root / name
             return
         for d, dirs, names in os.walk(root / name):
-            dirs[:] = [x for x in dirs if Path(d, x) != root / DataConfig.cache_dir and x != "__pycache__"]
+            dirs[:] = [x for x in dirs if x not in ("__pycache__", "cache")]  # data/cache: not code
             yield from (Path(d, n) for n in names if n.endswith(".py"))
 
     h = hashlib.sha256()

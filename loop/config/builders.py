@@ -1,0 +1,96 @@
+"""Options that belong to a builder. The project names its data sets and models in two dicts,
+DATASETS (data/__init__.py) and MODELS (model/__init__.py), name -> builder, which train.py hands to
+the loop. A builder's first parameter is annotated with its options: a dataclass that extends the
+loop's section, whose keys it adds to `data` (or `model`):
+
+    @dataclass
+    class MineOptions(DataSection):        # data.name=mine: these keys beside the loop's
+        path: str = opt("", path=True)
+        seq_len: int = opt(64, min=1)
+
+    def build_mine(opts: MineOptions) -> Data: ...                     # a data set
+    def build_mlp(opts: MLPOptions, data: Data) -> nn.Module: ...      # a model
+
+A builder without one reads the loop's keys only. The config's `data` section is then the chosen
+builder's dataclass, so a key it does not read is refused, naming the keys it reads and the
+builders that read that key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import typing
+from typing import Callable
+
+from loop.config.fields import key_of
+from loop.config.schema import Config, DataSection, ModelSection
+from loop.errors import BadInput
+
+BASES = {"data": DataSection, "model": ModelSection}
+
+
+def options_of(section: str, name: str, builder: Callable) -> type:
+    """The options class of `builder`, registered as `section`.name=`name`."""
+    first = next(iter(inspect.signature(builder).parameters), None)
+    try:
+        hint = typing.get_type_hints(builder).get(first) if first else None
+    except NameError as e:  # an annotation naming a class its module does not have at the top level
+        raise BadInput(f"config key {section}.name={name}: its builder {builder.__name__}'s annotations "
+                       f"cannot be read ({e}); expected its options class defined or imported at the "
+                       f"top of its module.") from None
+    base = BASES[section]
+    if hint is None:
+        return base
+    if not (isinstance(hint, type) and dataclasses.is_dataclass(hint) and issubclass(hint, base)):
+        raise BadInput(f"config key {section}.name={name}: its builder {builder.__name__} takes "
+                       f"{hint!r} as its first parameter; expected a dataclass that extends "
+                       f"loop.config.schema.{base.__name__} (the options it reads), or no annotation.")
+    return hint
+
+
+def keys(cls: type, prefix: str = "") -> list[str]:
+    """The dotted keys of a section class, nested sections spelled out."""
+    out = []
+    for name, hint in typing.get_type_hints(cls).items():
+        key = f"{prefix}{key_of(name)}"
+        out += keys(hint, key + ".") if dataclasses.is_dataclass(hint) else [key]
+    return out
+
+
+def own(cls: type, section: str) -> list[str]:
+    """The names a builder's options add to the section (a nested section by its name)."""
+    base = {f.name for f in dataclasses.fields(BASES[section])}
+    return [key_of(f.name) for f in dataclasses.fields(cls) if f.name not in base]
+
+
+def unknown(key: str, names: dict[str, str], registries: dict[str, dict]) -> str:
+    """The message for a key no field has: in `data` or `model` (`names`: the builders chosen), what
+    the chosen builder reads and which builders read that key; elsewhere, or below a key it reads,
+    a near spelling, or the same name in another section."""
+    section, _, rest = key.partition(".")
+    if section in names:
+        registry, name = registries[section], names[section]
+        cls = options_of(section, name, registry[name])
+        mine = ", ".join(f"{section}.{k}" for k in own(cls, section)) or "none of its own"
+        reads = f"{section}.name={name} reads {mine}"
+        first = rest.split(".")[0]
+        others = [n for n, b in registry.items() if first in own(options_of(section, n, b), section)]
+        if others and first not in [key_of(f.name) for f in dataclasses.fields(cls)]:
+            return (f"config key {key}: {reads}, not this one; {section}.{first} is for {section}.name="
+                    f"{', '.join(others)}. Set {section}.name to the one it is for, or leave the key out "
+                    f"(a config file written for another {section}.name sets keys this one does not read).")
+        guess = difflib.get_close_matches(rest, keys(cls), n=1, cutoff=0.6)
+        hint = f" Did you mean '{section}.{guess[0]}'?" if guess else ""
+        return f"unknown config key '{key}'.{hint} {reads}, beside the loop's {section} keys."
+    known = keys(Config)
+    parent, _, leaf = key.rpartition(".")
+    # A near spelling in the same section, then the same name in another section (train.lr ->
+    # optim.lr), then a near spelling anywhere.
+    prefix = f"{parent}." if parent else ""
+    siblings = {k[len(prefix):].split(".")[0] for k in known if k.startswith(prefix)}
+    guess = [prefix + g for g in difflib.get_close_matches(leaf, siblings, 1, 0.6)]
+    guess = guess or [k for k in known if k.rpartition(".")[2] == leaf][:1]
+    guess = guess or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    hint = f" Did you mean '{guess[0]}'?" if guess else ""
+    return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."

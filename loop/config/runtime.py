@@ -1,0 +1,68 @@
+"""Config checks that need the run: one config on every process, keys whose range is the run's
+ranks (both refused), and settings that cannot act in this run (said as notes).
+"""
+from __future__ import annotations
+
+from loop.config.load import flat, to_dict
+from loop.distributed.group import Dist
+from loop.errors import BadInput
+from loop.precision import Precision
+
+
+def idle_settings(cfg, precision: Precision) -> list[str]:
+    """Settings that cannot act in this run: said, not refused (a later run may extend
+    train.max_steps, or evaluate more often)."""
+    t, notes = cfg.train, []
+    if t.early_stop_patience and not t.eval_every:
+        notes.append("train.early_stop_patience has no effect with train.eval_every=0: it counts "
+                     "evaluations, and this run evaluates once, at its end")
+    elif t.early_stop_patience >= (n := -(-t.max_steps // t.eval_every) if t.eval_every else 0) > 0:
+        notes.append(f"train.early_stop_patience={t.early_stop_patience} cannot stop this run: it "
+                     f"evaluates {n} time(s) (train.eval_every={t.eval_every} of train.max_steps="
+                     f"{t.max_steps}), and stopping takes {t.early_stop_patience} after the first")
+    if (w := cfg.schedule.warmup_steps) > t.max_steps > 0:
+        notes.append(f"schedule.warmup_steps={w} is longer than train.max_steps={t.max_steps}: the "
+                     f"learning rate never reaches optim.lr (the run ends at {t.max_steps / w:.0%} of it)")
+    if t.fsdp_mixed_precision and (precision.dtype is None or t.strategy != "fsdp"):
+        notes.append(f"train.fsdp_mixed_precision=true has no effect with train.strategy="
+                     f"{t.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
+    for key in ("nan_at_step", "oom_at_step", "kill_in_ckpt_at_step"):
+        step = getattr(cfg.faults, key)
+        if step == 0 or step > t.max_steps:  # steps count from 1
+            notes.append(f"faults.{key}={step} will not fire: this run's steps are 1 to "
+                         f"train.max_steps={t.max_steps}")
+    k = cfg.faults.kill_in_ckpt_at_step
+    if 0 < k < t.max_steps and not (t.ckpt_every and k % t.ckpt_every == 0):  # loop/trainer.py saves
+        best = " its evaluation is a new best or" if t.eval_every and k % t.eval_every == 0 else ""
+        which = (f"is neither a multiple of train.ckpt_every={t.ckpt_every} nor the last step"
+                 if t.ckpt_every else "is not the last step (train.ckpt_every=0: at the end only)")
+        notes.append(f"faults.kill_in_ckpt_at_step={k} may not fire: step {k} {which}, so it writes "
+                     f"a checkpoint only if{best} the run stops there (early stopping, a preemption "
+                     f"signal)")
+    return notes
+
+
+def check_same_config(cfg, dist: Dist) -> None:
+    """One config on every process: each node reads its own files, overrides and .env, and a
+    train.max_steps apart hung the run at its end, an optim.lr apart trained replicas that parted
+    without a word. Every rank raises, so none waits for the others in a collective."""
+    if dist.world == 1:
+        return
+    main, mine = flat(dist.from_main(to_dict(cfg))), flat(to_dict(cfg))
+    differ = sorted(k for k in main.keys() | mine.keys() if main.get(k) != mine.get(k))
+    if n := int(dist.sum_host([float(bool(differ))])[0]):
+        here = (f"rank {dist.rank} has {', '.join(f'{k}={mine.get(k)}' for k in differ)} where rank 0 "
+                f"has {', '.join(f'{k}={main.get(k)}' for k in differ)}" if differ else
+                f"{n} process(es) have another one than rank 0 (their messages name the keys)")
+        raise BadInput(f"the config differs between processes: {here}; expected the same config on "
+                       f"every process (the same config file, overrides and .env on every node).")
+
+
+def check_with_world(cfg, dist: Dist) -> None:
+    """Keys whose range is the run's ranks. A fault aimed at a rank the run does not have never
+    fires, and a fire drill that passes because nothing happened proves nothing."""
+    for key in ("nan_rank", "oom_rank"):
+        rank = getattr(cfg.faults, key)
+        if rank >= dist.world:
+            raise BadInput(f"config key faults.{key}: rank {rank}, but this run has {dist.world} "
+                           f"process(es); expected -1 (every rank) or a rank below {dist.world}.")
