@@ -89,7 +89,7 @@ def build_model(cfg, data: Data, models: dict) -> nn.Module:
         if not hasattr(model, "set_activation_checkpointing"):
             raise BadInput(f"config key model.activation_checkpointing=true: model.name={cfg.name} has no "
                            f"switch for it; expected a method set_activation_checkpointing(on) on the "
-                           f"model (model/gpt.py has one), or false.")
+                           f"model (the example GPT has one), or false.")
         model.set_activation_checkpointing(True)
     return model
 

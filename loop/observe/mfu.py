@@ -1,6 +1,6 @@
 """MFU (model FLOPs utilisation): achieved model FLOP/s over the device's peak dense FLOP/s.
 
-A model that can count its training FLOPs per token has a `flops_per_token()` method (model/gpt.py
+A model that can count its training FLOPs per token has a `flops_per_token()` method (the example GPT
 counts PaLM's 6N + attention); for others no MFU is reported. Peaks are vendor datasheet numbers,
 dense (the "with sparsity" figures halved), per GPU, TFLOPS. Use per-GPU tokens/s with a per-GPU
 peak (or global tokens/s with peak * world size).
