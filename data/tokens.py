@@ -75,7 +75,7 @@ def token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
         decode = lambda ids: "".join(chars[i] for i in ids)  # noqa: E731
     else:
         decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
-    return Data(train, val, meta["vocab_size"], seq_len, decode, meta)
+    return Data(train, val, meta["vocab_size"], seq_len, decode, meta, unit="tokens")
 
 
 def check_files(root: Path, meta: dict, again: str) -> None:

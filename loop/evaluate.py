@@ -144,15 +144,15 @@ class Evaluator:
 
     def check_model(self, raw: nn.Module, best_metric: str, compiled: bool) -> None:
         """Before anything is written, probe one validation batch through the trained model `raw`
-        (eval mode, no gradients, no random draws): it keeps its contract (`loss_and_sums`), and
-        train.best_metric is one it reports."""
+        (eval mode, no gradients, no random draws): it keeps its contract (`loss_and_sums`, a loss
+        summed over the targets), and train.best_metric is one it reports."""
         if not self.dist.sum_host([sum(b["n_targets"] for b in self.batches)])[0]:
             raise BadInput("data: the validation batches hold no targets (every y is -100, the ignored "
                            "index); expected some to measure val_loss on.")
         # A batch with targets where this rank has one: the probe divides by the count over ranks.
         probe = next((b for b in self.batches if b["n_targets"]), self.batches[0])
         try:  # a compiled model is built here, at its first forward
-            names = self._probe(raw, probe)
+            names, split = self._probe(raw, probe)
         except Exception as e:
             if not (compiled and _cannot_compile(e)):
                 raise
@@ -163,16 +163,44 @@ class Evaluator:
         if best_metric not in names:
             raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
                            f"model reports ({', '.join(names)}); got {best_metric!r}.")
+        self._sums_add_up(raw, split_batch(probe, split)[0])
 
-    def _probe(self, raw: nn.Module, batch: dict) -> dict[str, float]:
+    @torch.no_grad()
+    def _sums_add_up(self, raw: nn.Module, batch: dict) -> None:
+        """A loss summed over the targets is the sum of its halves' losses; a mean is about half that
+        (HF's `.loss`, reduction="mean"), and a prediction broadcast against its targets ((B,) and
+        (B, 1): a B x B matrix of errors) more. Either trains without a word, on gradients the loop
+        divides by the wrong count. One more forward of this batch, in two halves; every rank takes
+        part (under FSDP each forward is a collective)."""
+        halves = split_batch(batch, 2)
+        if self.dist.sum_host([float(len(halves) < 2 or not all(h["n_targets"] for h in halves))])[0]:
+            return  # a batch of one sample, or a half without targets, on some rank: nothing to compare
+        was_training = raw.training
+        raw.eval()
+        with self.precision.autocast():
+            whole, *parts = (loss_and_sums(raw({k: v.to(self.device) if torch.is_tensor(v) else v
+                                                for k, v in b.items()}))[0].float().item() for b in (batch, *halves))
+        raw.train(was_training)
+        fsdp.reshard(raw)
+        adds_up = math.isclose(whole, sum(parts), rel_tol=1e-2, abs_tol=1e-6)
+        if self.dist.sum_host([float(not adds_up)])[0]:
+            raise BadInput(f"the model's loss is not a sum over the batch's targets: on a validation batch "
+                           f"of {batch['n_targets']} targets it gave {whole:.6g}, on its two halves "
+                           f"{parts[0]:.6g} + {parts[1]:.6g} = {sum(parts):.6g}. Expected the loss summed over "
+                           f"the real targets (reduction=\"sum\", not the mean: the loop divides by the whole "
+                           f"step's target count), and a prediction of the targets' shape (one of shape (B,) "
+                           f"against targets of (B, 1) broadcasts to a B x B matrix of errors).")
+
+    def _probe(self, raw: nn.Module, batch: dict) -> tuple[dict[str, float], int]:
         """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch
         too big for the card must reach training, whose recovery (train.oom_policy) splits it. Ranks
         need not agree first: the one collective comes after every forward. Under FSDP, whose
-        forward gathers weights from every rank, an out-of-memory cannot be retried."""
+        forward gathers weights from every rank, an out-of-memory cannot be retried. Returns the
+        metrics and the split that fitted."""
         split, n = 1, len(batch["idx"])
         while True:
             try:
-                return val_metrics(raw, [batch], self.precision, self.device, self.dist, split)
+                return val_metrics(raw, [batch], self.precision, self.device, self.dist, split), split
             except torch.OutOfMemoryError:
                 pass  # retried outside the except block: its traceback pins the tensors
             if self.sharded:

@@ -77,7 +77,7 @@ class Trainer:
         path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
         if self.dist.main:  # before the restore, which compares it with the checkpoint's
             self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
-                                             self.data.meta, path)
+                                             {**self.data.meta, "unit": self.data.unit}, path)
         self.run_facts = {"config": to_dict(cfg), "config_sha256": config_hash(cfg),
                           "world_size": self.dist.world, "metadata": self.metadata}
         if path:
@@ -92,8 +92,8 @@ class Trainer:
             save_config(cfg, self.out / "config.yaml")
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
             # Metrics from rank 0 (the values are global), from the resumed step on.
-            self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, telemetry=Telemetry(
-                self.raw, self.device, self.precision.name, self.dist.world))
+            self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, unit=self.data.unit,
+                                  telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world))
         preemption, profiler, ended = Preemption(), None, False
         try:  # from the log's opening on: an error anywhere closes what is open (the finally below)
             self.dist.say(summary.start_line(self.raw, self.model, self.sharded, self.device, self.precision.name,

@@ -345,6 +345,29 @@ def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.parametrize("loss, said", [
+    # A mean over the targets (HF's .loss, reduction="mean"): the first loss was 0.009 where
+    # ln(103) = 4.6 was due, and only make verify noticed.
+    (lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX),
+     "not a sum over the batch's targets"),
+    # A prediction broadcast against its targets: (B*T,) against (B*T, 1), a matrix of errors.
+    (lambda logits, y: ((logits.flatten(0, 1)[:, 0] - y.flatten()[:, None].float()) ** 2).sum(),
+     "not a sum over the batch's targets"),
+])
+def test_a_loss_that_is_not_a_sum_over_the_targets_stops_the_run_before_anything_is_written(tmp_path, cache, loss, said):
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    t.raw.forward = lambda batch: loss(t.raw.logits(batch["x"]), batch["y"])
+    with pytest.raises(BadInput) as e:
+        t.run()
+    assert said in str(e.value) and 'reduction=\"sum\"' in str(e.value), e.value
+    assert not (tmp_path / "run").exists()
+
+
 def test_validation_without_any_target_stops_the_run_before_anything_is_written(tmp_path, cache):
     # Every y masked (a label mapping gone wrong): val_loss divided by a count of 0, a
     # ZeroDivisionError traceback. A first batch without targets alone is fine: the probe takes

@@ -1,5 +1,5 @@
 """The end-of-run report renders for a finished run, an interrupted run and both overlaid, with the
-numbers from their files (steps, tokens, status, cost by hand, energy n/a on CPU), real PNG plots,
+numbers from their files (steps, tokens, status, cost by hand, no energy column on CPU), real PNG plots,
 a CLI that exits 0 / 2, and tables (with the reason for no plots) when matplotlib is missing."""
 from __future__ import annotations
 
@@ -60,7 +60,8 @@ def test_finished_run(runs, tmp_path):
     assert row["wall time"] == hms(s["wall_s"])
     assert row["mean tokens/s"] == f"{s['tokens_per_s']:,.0f}"
     assert row["cost $"] == f"{s['wall_s'] / 3600 * 1 * PRICE:,.4f}" != "0.0000"  # world size 1
-    assert row["energy kWh"] == row["CO2 kg"] == row["peak memory GB"] == "n/a"  # CPU: no NVML, no CUDA
+    # CPU: no NVML, no CUDA, so no column of n/a for them; a priced run has its cost.
+    assert not {"energy kWh", "CO2 kg", "peak memory GB", "MFU"} & row.keys(), row
     assert row["final train loss"] == f"{s['final_loss']:.4f}"
     assert row["best val loss"] == f"{min(r['val_loss'] for r in recs if 'val_loss' in r):.4f}"
     best = s["best"]  # the monitored metric (val_loss here), at the step it was best
@@ -87,7 +88,7 @@ def test_interrupted_run(runs, tmp_path):
     assert row["cost $"] == f"{wall / 3600 * PRICE:,.4f}" != "0.0000"
     assert row["mean tokens/s"] == f"{last['tokens'] / wall:,.0f}"
     assert row["final train loss"] == f"{last['loss']:.4f}"
-    assert row["energy kWh"] == "n/a"
+    assert "energy kWh" not in row
     # Its best checkpoint is the one checkpoints/best names, at its logged value (was "n/a").
     step = int((cut / "checkpoints" / "best").read_text().removeprefix("step_"))
     val = next(r["val_loss"] for r in recs if r["step"] == step)
@@ -103,7 +104,7 @@ def test_two_runs_overlaid(runs, tmp_path):
     table = rows(md)
     assert list(table) == ["finished", "interrupted"]
     assert table["finished"]["steps"] == "20" and table["interrupted"]["status"].startswith("interrupted at step")
-    assert table["finished"]["cost $"] == "n/a"  # no price given
+    assert "cost $" not in table["finished"]  # no price given: no cost column
     for name in ("loss_vs_step", "loss_vs_tokens", "lr", "tokens_per_s"):
         assert_png(both / f"{name}.png")
     assert (both / "loss_vs_step.png").read_bytes() != (single / "loss_vs_step.png").read_bytes()
@@ -131,9 +132,9 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     assert row["peak memory GB"] == "2.00" and row["MFU"] == "25.0%"
     assert row["cost $"] == f"{s['wall_s'] / 3600 * 2 * 2.0:,.4f}"
     for prices, cost in (({"H100": 9.0, "default": 3.0}, f"{s['wall_s'] / 3600 * 2 * 3.0:,.4f}"),
-                         ({"H100": 9.0}, "n/a")):  # a device the prices do not name
+                         ({"H100": 9.0}, None)):  # a device the prices do not name: no cost
         got = rows(write_report([run], tmp_path / "out2", price_per_hour=prices).read_text())["gpu_run"]
-        assert got["cost $"] == cost, prices
+        assert got.get("cost $") == cost, prices
     assert_png(tmp_path / "out" / "gpu_memory.png")
 
 
@@ -294,3 +295,28 @@ def test_without_matplotlib(runs, tmp_path, monkeypatch):
     assert "matplotlib is not installed" in md and "pip install '.[report]'" in md
     assert rows(md)["finished"]["steps"] == "20"
     assert not list(tmp_path.glob("*.png"))
+
+
+def test_the_loss_is_drawn_on_a_log_axis_where_every_value_is_positive(tmp_path, monkeypatch):
+    # On a linear axis a regression run's curve was flat after its first 150 steps.
+    from matplotlib.figure import Figure
+
+    from loop.observe.plots import plot
+
+    scales = {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path: scales.update({Path(path).stem: fig.axes[0].get_yscale()}))
+    recs = [{"step": s, "tokens": 8 * s, "loss": 1 / s, "lr": 1e-3} for s in range(1, 200)]
+    plot([{"name": "run", "recs": recs}], tmp_path)
+    assert scales == {"loss_vs_step": "log", "loss_vs_tokens": "log", "lr": "linear"}
+    plot([{"name": "run", "recs": [*recs, {"step": 200, "tokens": 1600, "loss": 0.0, "lr": 1e-3}]}], tmp_path)
+    assert scales["loss_vs_step"] == "linear"  # a loss of 0 has no place on a log axis
+
+
+@pytest.mark.slow
+def test_a_run_whose_targets_are_not_tokens_says_targets(runs, tmp_path):
+    run = tmp_path / "regression"
+    shutil.copytree(runs["finished"], run)
+    meta = json.loads((run / "metadata.json").read_text())
+    (run / "metadata.json").write_text(json.dumps({**meta, "data": {**meta["data"], "unit": "targets"}}))
+    md = write_report([run], tmp_path / "out").read_text()
+    assert {"targets", "mean targets/s"} <= rows(md)["regression"].keys() and "tokens" not in md.split("\n")[2]

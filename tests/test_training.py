@@ -26,7 +26,7 @@ MARKOV = ["data.name=markov", "model.n_embd=64", "model.dropout=0", "data.batch_
 @pytest.mark.slow
 def test_run_directory_contract(tmp_path, cache):
     out = tmp_path / "run"
-    run_train(out, cache, "train.max_steps=20", "train.ckpt_every=10", "optim.betas.1=0.99")
+    proc = run_train(out, cache, "train.max_steps=20", "train.ckpt_every=10", "optim.betas.1=0.99")
     assert load_config(out / "config.yaml").optim.betas == [0.9, 0.99]
     meta = json.loads((out / "metadata.json").read_text())
     assert len(meta["git"]["commit"]) == 40 and meta["versions"]["torch"] == torch.__version__
@@ -47,6 +47,12 @@ def test_run_directory_contract(tmp_path, cache):
     ea.Reload()
     assert [(e.step, e.value) for e in ea.Scalars("train/loss")] == [(r["step"], r["loss"]) for r in recs]
     assert "sample/text_summary" in ea.Tags()["tensors"]  # the samples, in TensorBoard's text tab
+    val = [r["val_loss"] for r in recs if "val_loss" in r]
+    assert [e.value for e in ea.Scalars("val/loss")] == pytest.approx(val, rel=1e-6)  # float32 there
+    assert not [t for t in ea.Tags()["scalars"] if t.startswith("train/val")]  # one tag for each value
+    # The console says every evaluation's metrics, beside the step lines.
+    assert [line.split("|")[1].strip() for line in proc.stdout.splitlines() if line.startswith("eval ")] == \
+        [f"val_loss {v:.4f}" for v in val], proc.stdout
 
     # Checkpoints: manifest, only tensors and primitives (weights_only load), the final weights.
     ckpt = out / "checkpoints" / "step_00000020"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import ROOT, TINY, run_train
 
@@ -267,7 +268,7 @@ def test_the_accumulation_check_says_when_equal_target_counts_cannot_tell(cache)
     [result] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "data.batch_size=1", "data.seq_len=1"],
                                {"accumulation"})
     assert result.ok and "(targets per micro-batch [1, 1])" in result.numbers, result
-    assert result.numbers.endswith("; equal target counts, so a per-micro-batch mean would go unnoticed")
+    assert result.numbers.endswith("; equal target counts, so a per-micro-batch mean would pass too")
 
 
 @pytest.mark.slow
@@ -282,3 +283,70 @@ def test_verify_leaves_the_configs_mirror_alone(tmp_path, cache):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "resumed from" not in proc.stdout + proc.stderr
     assert {p.relative_to(bucket): p.read_bytes() for p in bucket.rglob("*") if p.is_file()} == before
+
+
+class Points(torch.utils.data.Dataset):
+    """x: 3 features, y: one float target of shape (1,), y = x's sum."""
+
+    def __init__(self, n: int):
+        self.x = torch.randn(n, 3, generator=torch.Generator().manual_seed(n))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"x": self.x[i], "y": self.x[i].sum(0, keepdim=True), "idx": i}
+
+
+class Broadcasting(torch.nn.Module):
+    """Predicts (B,) against targets (B, 1): the squared errors broadcast to a (B, B) matrix."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(3, 1)
+
+    def forward(self, batch):
+        return ((self.w(batch["x"]).squeeze(-1) - batch["y"]) ** 2).sum()
+
+
+def test_an_accumulation_failure_with_equal_target_counts_names_a_loss_that_does_not_grow_with_the_batch(monkeypatch):
+    # One float target per sample: every micro-batch holds as many, so a per-micro-batch mean is not
+    # the cause; the row said it "would go unnoticed" and blamed the mean all the same.
+    from data import DATASETS
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.data.bundle import Data
+    from model import MODELS
+    from tools.audit_grads import gradient_audits
+
+    monkeypatch.setitem(DATASETS, "points", lambda cfg: Data(Points(64), Points(16), vocab_size=1, seq_len=1))
+    monkeypatch.setitem(MODELS, "broadcasting", lambda cfg, data: Broadcasting())
+    [result] = gradient_audits(DEFAULT_CONFIG, ["data.name=points", "model.name=broadcasting", "train.device=cpu",
+                                                "data.batch_size=4", "train.grad_accum=2"], {"accumulation"})
+    assert not result.ok and "(targets per micro-batch [4, 4])" in result.numbers, result
+    assert "unnoticed" not in result.numbers and "would pass" not in result.numbers, result
+    assert "a prediction of shape (B,) broadcast against targets of shape (B, 1)" in result.hint, result
+
+
+def test_a_loss_that_is_not_finite_in_an_audit_is_its_fail_row_naming_the_usual_causes(cache, monkeypatch):
+    # A library causal LM given labels= shifts the targets again: a micro-batch the audit leaves a
+    # single target is left none, and its mean over none is NaN. It was a GaveUp traceback advising
+    # a lower learning rate.
+    import torch.nn.functional as F
+
+    from conftest import gpt_then
+    from loop.config.load import DEFAULT_CONFIG
+    from model import MODELS
+    from tools.audit_grads import gradient_audits
+
+    class ShiftingAgain(torch.nn.Module):
+        def __init__(self, gpt):
+            super().__init__()
+            self.gpt = gpt
+
+        def forward(self, batch):
+            logits, y = self.gpt.logits(batch["x"])[:, :-1], batch["y"][:, 1:]  # as labels= does
+            return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)  # a mean
+
+    monkeypatch.setitem(MODELS, "gpt_shifting", gpt_then(ShiftingAgain))
+    [r] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_shifting"], {"accumulation"})
+    assert not r.ok and r.numbers.endswith("the loss was nan") and "labels=" in r.hint, r

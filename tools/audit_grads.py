@@ -13,6 +13,7 @@ target counts: the case where only dividing by the whole step's target count is 
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -58,17 +59,19 @@ class Probe:
 
     def __init__(self, config: str, overrides: list[str], accum: int, batch: int):
         cfg = load_config(config, [*overrides, f"train.grad_accum={accum}", f"data.batch_size={batch}",
-                                   "train.nan_policy=skip", "ema.enabled=false", "train.async_save=false"],
+                                   "train.nan_policy=skip", "train.max_bad_steps=8", "ema.enabled=false",
+                                   "train.async_save=false"],
                           DATASETS, MODELS)
         self.trainer = build_trainer(cfg, Dist(), pick_device(cfg.train.device), DATASETS, MODELS)
         self.trainer.model.eval()
-        self.norms: list[torch.Tensor] = []
-        self.trainer.log = SimpleNamespace(record=lambda fields, loss, grad_norm: self.norms.append(grad_norm))
+        self.logged: list[tuple[float, float]] = []  # (loss, grad norm) of each step tried
+        self.trainer.log = SimpleNamespace(
+            record=lambda fields, loss, grad_norm: self.logged.append((float(loss), float(grad_norm))))
 
-    def applied(self, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float]:
+    def applied(self, micro: list[dict]) -> tuple[dict[str, torch.Tensor], float, float]:
         """Run optimizer steps on these batches until one is taken (fp16 may overflow first and
-        back off its scale); return the gradients handed to the optimizer, by name, and the
-        logged norm."""
+        back off its scale); return the gradients handed to the optimizer, by name (none if no step
+        was taken), and the last logged norm and loss."""
         t, seen = self.trainer, {}
 
         def capture(_opt, _args, _kwargs) -> None:
@@ -82,7 +85,8 @@ class Probe:
             if seen:
                 break
         hook.remove()
-        return seen, float(self.norms[-1])
+        loss, norm = self.logged[-1]
+        return seen, norm, loss
 
 
 def step_batches(ds, seed: int, k: int, b: int) -> list[dict]:
@@ -105,6 +109,20 @@ def _join(micro: list[dict]) -> dict:
     """The micro-batches as one batch (targets recounted by summing)."""
     out = {k: torch.cat([m[k] for m in micro]) for k, v in micro[0].items() if torch.is_tensor(v)}
     return {**out, "n_targets": sum(m["n_targets"] for m in micro)}
+
+
+def no_step(check: str, loss: float) -> Result:
+    """A check whose step was never taken: the loss was not finite (the model's doing, on these
+    batches: one micro-batch holds a single target), or the gradients were not (fp16 overflow, a
+    learning rate too high)."""
+    if not math.isfinite(loss):
+        return Result(check, False, f"no optimizer step was taken in 8 tries: the loss was {loss}",
+                      "a model that shifts its targets itself (a library model given labels=, whose "
+                      "targets the loop has shifted already: one left per micro-batch is none after a "
+                      "second shift), or a mean over a micro-batch without targets (0/0); return the "
+                      "loss summed over batch[\"y\"]'s real targets")
+    return Result(check, False, "no optimizer step was taken in 8 tries (non-finite gradients every time)",
+                  "lower optim.lr or check the data")
 
 
 def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -145,29 +163,31 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
     kind = arithmetic(w.precision.name, w.raw)
     tol, kind = TOLERANCE[kind], kind if kind == w.precision.name else f"{kind} weights"
     start = copy.deepcopy(w.raw)  # the weights before the step, for the reference
-    g_whole, norm_whole = whole.applied([_join(micro)])
+    g_whole, norm_whole, loss_whole = whole.applied([_join(micro)])
     out = []
     if "accumulation" in checks:
-        g_accum, _ = accum.applied(micro)
+        g_accum, _, loss_accum = accum.applied(micro)
         if not (g_accum and g_whole):
-            out.append(Result("accumulation", False, "no optimizer step was taken in 8 tries "
-                              "(non-finite gradients every time)", "lower optim.lr or check the data"))
+            out.append(no_step("accumulation", loss_accum if not g_accum else loss_whole))
         else:
             diff = _rel(_flat(g_accum), _flat(g_whole))
-            same = "" if len(set(counts)) > 1 else "; equal target counts, so a per-micro-batch " \
-                "mean would go unnoticed"
-            out.append(Result("accumulation", diff <= tol,
-                              f"{k} x {b} vs 1 x {k * b} (targets per micro-batch {counts}): gradient "
-                              f"rel. difference {diff:.1e} (tolerance {tol:g}, {kind}){same}",
-                              "each micro-batch's loss must be divided by the target count of the whole "
-                              "step (not averaged per micro-batch), so the model's forward must return "
-                              "the loss summed over its targets (reduction=\"sum\"), not their mean"))
+            ok, equal = diff <= tol, len(set(counts)) == 1
+            note = "; equal target counts, so a per-micro-batch mean would pass too" if ok and equal else ""
+            hint = ("with equal target counts a per-micro-batch mean divides right, so the usual cause is "
+                    "a loss that does not grow with the batch: a prediction of shape (B,) broadcast "
+                    "against targets of shape (B, 1) (a (B, B) matrix of errors); check the shapes "
+                    "the model's loss compares") if equal else (
+                    "each micro-batch's loss must be divided by the target count of the whole step (not "
+                    "averaged per micro-batch), so the model's forward must return the loss summed over "
+                    "its targets (reduction=\"sum\"), not their mean")
+            out.append(Result("accumulation", ok, f"{k} x {b} vs 1 x {k * b} (targets per micro-batch "
+                              f"{counts}): gradient rel. difference {diff:.1e} (tolerance {tol:g}, {kind}){note}",
+                              hint))
     if "clipping" in checks:
-        want, norm, what = reference(start, _join(micro), w.device, w.cfg.train.clip_grad)
         if not g_whole:
-            out.append(Result("clipping", False, "no optimizer step was taken in 8 tries",
-                              "lower optim.lr or check the data"))
+            out.append(no_step("clipping", loss_whole))
         else:
+            want, norm, what = reference(start, _join(micro), w.device, w.cfg.train.clip_grad)
             diff = _rel(_flat(g_whole), _flat(want))
             ok = diff <= tol and abs(norm_whole - norm) <= max(tol * norm, 1e-6)
             out.append(Result("clipping", ok,

@@ -33,6 +33,7 @@ class Data:
     seq_len: int  # targets per sample: a text window's length, 1 for a classifier
     decode: Callable[[list[int]], str] | None = None  # token ids -> text, for text samples
     meta: dict = field(default_factory=dict)  # e.g. optimal_loss of a synthetic task
+    unit: str = "targets"  # what the console and report.md call a target: "tokens" for a language model
 
 
 def check_samples(data: Data, name: str) -> None:

@@ -29,10 +29,11 @@ from loop.observe.report import hms
 
 class MetricsLog:
     def __init__(self, out_dir: Path, start_step: int, start_tokens: int, start_samples: int,
-                 max_steps: int, tensorboard: bool = True, telemetry=None):
-        """`telemetry`: loop/observe/telemetry.py's readings and MFU, closed with the log."""
+                 max_steps: int, tensorboard: bool = True, telemetry=None, unit: str = "tokens"):
+        """`telemetry`: loop/observe/telemetry.py's readings and MFU, closed with the log; `unit`:
+        what the console calls a target (loop/data/bundle.py::Data.unit)."""
         self.out_dir, self.path, self.max_steps = out_dir, out_dir / "metrics.jsonl", max_steps
-        self.tensorboard, self.telemetry = tensorboard, telemetry
+        self.tensorboard, self.telemetry, self.unit = tensorboard, telemetry, unit
         self.last_event = None  # CUDA event at the end of the last logged step
         self._open(start_step, start_tokens, start_samples)
 
@@ -103,10 +104,14 @@ class MetricsLog:
             self.file.flush()
         for rec in recs if self.tb else []:
             with naming(self.tb.log_dir):
-                for k, v in rec.items():
-                    if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+                for k, v in rec.items():  # val_ metrics are under val/ already (`scalar`)
+                    if k != "step" and not k.startswith("val_") and isinstance(v, (int, float)) \
+                            and not isinstance(v, bool):
                         self.tb.add_scalar(f"train/{k}", v, rec["step"])
         self._console(recs[-1])
+        for rec in recs:  # the validation metrics of every evaluation in the interval
+            if evals := [f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_")]:
+                print(f"eval {rec['step']:>6}/{self.max_steps} | {' | '.join(evals)}", flush=True)
         self.last_loss = recs[-1]["loss"]
 
     def _interval(self, recs: list[dict]) -> dict:
@@ -129,7 +134,8 @@ class MetricsLog:
         extra += f" | mem {rec['cuda_max_alloc_gb']:.1f} GB" if "cuda_max_alloc_gb" in rec else ""
         print(f"step {rec['step']:>6}/{self.max_steps} ({100 * rec['step'] / max(self.max_steps, 1):3.0f}%)"
               f" | loss {rec['loss']:.4f} | lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f}"
-              f" | {rec['tokens_per_s']:,.0f} tok/s | {rec['ms_per_step']:.1f} ms/step"
+              f" | {rec['tokens_per_s']:,.0f} {'tok' if self.unit == 'tokens' else self.unit}/s"
+              f" | {rec['ms_per_step']:.1f} ms/step"
               f" | data {rec['data_wait_pct']:.1f}%{extra}"
               f" | ETA {hms(eta)}", flush=True)  # strftime's %H wrapped at a day
 

@@ -20,8 +20,9 @@ def plot(runs: list[dict], out_dir: Path) -> list[str]:
         return [p[0] for p in pts], [p[1] for p in pts]
 
     figures = {  # name: (x key, [(y key, style suffix)], x label, y label, log y)
-        "loss_vs_step": ("step", [("loss", "train"), ("val_loss", "val")], "step", "loss", False),
-        "loss_vs_tokens": ("tokens", [("loss", "train"), ("val_loss", "val")], "tokens", "loss", False),
+        # Loss on a log axis: late progress is a small change of a small number, flat on a linear one.
+        "loss_vs_step": ("step", [("loss", "train"), ("val_loss", "val")], "step", "loss", True),
+        "loss_vs_tokens": ("tokens", [("loss", "train"), ("val_loss", "val")], "tokens", "loss", True),
         "lr": ("step", [("lr", "")], "step", "learning rate", False),
         "tokens_per_s": ("step", [("tokens_per_s", "")], "step", "tokens/s (per log interval)", True),
         "gpu_memory": ("step", [("cuda_max_alloc_gb", "")], "step", "peak CUDA memory allocated (GB)", False),
@@ -40,7 +41,8 @@ def plot(runs: list[dict], out_dir: Path) -> list[str]:
                 if vs:
                     ax.plot(xs, vs, color=color, label=r["name"] + (f" {kind}" if kind else ""), **style)
         ax.set(xlabel=xlabel, ylabel=ylabel, title=f"{ylabel} vs {xlabel}")
-        ax.set_yscale("log" if logy else "linear")
+        positive = all(v > 0 for r in runs for y, _ in ys for v in series(r["recs"], x, y)[1])
+        ax.set_yscale("log" if logy and positive else "linear")  # a loss of 0 or below has no log
         ax.xaxis.get_major_locator().set_params(integer=True)  # steps and tokens are counts
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")

@@ -94,6 +94,7 @@ def load_run(run_dir: Path) -> dict:
         "best": summ.get("best") or _best_so_far(run_dir, cfg, recs),  # train.best_metric's pick
         "device": meta.get("gpu") or meta.get("device") or summ.get("device")
         or (cfg.get("train") or {}).get("device") or "unknown",
+        "unit": (meta.get("data") or {}).get("unit") or "tokens",  # what a target is: tokens or targets
     }
 
 
@@ -133,7 +134,10 @@ def _best(best: dict | None) -> str:
 
 
 def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_kwh: float) -> str:
-    head = ["run", "status", "device", "steps", "tokens", "wall time", "mean tokens/s", "peak memory GB",
+    """One row per run; a column no run has a value for (no NVML, no CUDA, no price: a run on a
+    CPU) is left out rather than shown as a column of n/a."""
+    unit = "tokens" if all(r["unit"] == "tokens" for r in runs) else "targets"
+    head = ["run", "status", "device", "steps", unit, "wall time", f"mean {unit}/s", "peak memory GB",
             "MFU", "energy kWh", "CO2 kg", "cost $", "final train loss", "best val loss", "best checkpoint"]
     rows = []
     for r in runs:
@@ -146,8 +150,9 @@ def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_
                      _fmt(r["peak_gb"], ".2f"), "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%",
                      _fmt(r["kwh"], ".4f"), _fmt(co2, ".4f"), _fmt(cost, ",.4f"),
                      _fmt(r["final_loss"], ".4f"), _fmt(r["best_val"], ".4f"), _best(r["best"])])
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+    kept = [i for i in range(len(head)) if any(row[i] != "n/a" for row in rows)]
+    lines = ["| " + " | ".join(head[i] for i in kept) + " |", "|" + "---|" * len(kept)]
+    return "\n".join(lines + ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows])
 
 
 def write_report(run_dirs: list[Path], out_dir: Path,
