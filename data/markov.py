@@ -58,7 +58,7 @@ def prepare_markov(vocab: int, branching: int, tokens: int, seed: int, cache_dir
 class MarkovConfig:
     """The chain: a random Markov chain whose entropy rate is the best loss."""
     # A dense vocab x vocab matrix: 1024 takes ~20 s to prepare on a laptop core, and beyond a few
-    # thousand minutes and gigabytes (100000 was numpy's ValueError, after the checks).
+    # thousand minutes and gigabytes (100000 is numpy's ValueError, after the checks).
     vocab_size: int = opt(32, min=2, max=1024)
     branching: int = opt(4, min=1)  # next-token support per state
     tokens: int = opt(200_000, min=1000)

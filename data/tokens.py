@@ -79,7 +79,7 @@ def token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
 
 
 def check_files(root: Path, meta: dict, again: str) -> None:
-    """The token files against their meta.json. A prepared cache cut short trained on what was left
+    """The token files against their meta.json. A prepared cache cut short would train on what is left
     without a word, and one overwritten (or another tokenizer's files) held an id past the
     vocabulary: an IndexError traceback at whichever step drew it (on CUDA, a device-side assert);
     one edited in place (same size, valid ids) trained on other tokens: where meta.json holds the

@@ -95,7 +95,7 @@ def build_model(cfg, data: Data, models: dict) -> nn.Module:
 
 
 def refuse_what_the_loop_cannot_keep(model: nn.Module, where: str) -> None:
-    """Valid PyTorch the loop cannot train or keep, named before anything is written: each was a
+    """Valid PyTorch the loop cannot train or keep, named before anything is written: each is a
     traceback, at the optimizer's build, the first clipping, or after the last step."""
     for name, p in model.named_parameters():
         if isinstance(p, UninitializedParameter):  # the optimizer, EMA and checkpoints need shapes

@@ -25,7 +25,7 @@ from loop.errors import BadInput
 def enable() -> Callable[[], None]:
     """Turn determinism mode on. Call before anything touches the GPU. Returns what puts every
     setting back as it was: the flags are the process's, so a notebook calling train.main again
-    with the mode off got it still on (math-only attention, and an error from any op without a
+    with the mode off would get it still on (math-only attention, and an error from any op without a
     deterministic kernel)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise BadInput("run.deterministic=true must be applied before CUDA initialises.")

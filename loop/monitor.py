@@ -30,7 +30,7 @@ class Monitor:
     def update(self, step: int, value: float) -> bool:
         s = self.state
         # A non-finite value is never the best: NaN compares false with everything, so one taken as
-        # the first best was never beaten, and `checkpoints/best` kept that evaluation's step.
+        # the first best would never be beaten, and `checkpoints/best` would keep its step.
         def beats(ref: float | None, delta: float) -> bool:
             return ref is None or (value < ref - delta if self.mode == "min" else value > ref + delta)
 

@@ -40,8 +40,8 @@ class Precision:
 
 def check_weights(model: torch.nn.Module, precision: Precision, asked: str) -> None:
     """Weights the model keeps in 16 bits, under autocast: bf16 ones under bf16 compute as they are;
-    any other pairing was a traceback: fp16's GradScaler refuses to unscale float16 gradients (at
-    the first step, after the run directory was written), and autocast to one 16-bit type over
+    any other pairing fails inside PyTorch: fp16's GradScaler refuses to unscale float16 gradients (at
+    the first step, after the run directory is written), and autocast to one 16-bit type over
     weights of the other breaks layers such as LayerNorm (on CPU, in the first forward)."""
     for name, p in model.named_parameters():
         if p.dtype in (torch.float16, torch.bfloat16) and precision.dtype is not None \

@@ -19,7 +19,7 @@ class Progress:
     skipped: int = 0  # steps dropped because the loss or gradients were not finite
     overflows: int = 0  # fp16 steps skipped by the GradScaler (scale backed off)
     empty: int = 0  # steps skipped because their batches held no target (every y -100)
-    train_s: float = 0.0  # wall time spent training, over every session
+    train_s: float = 0.0  # wall time spent training, over every start of the run (resumes too)
     micro_split: int = 1  # each loaded batch is cut in this many micro-batches (doubles on OOM)
     rollbacks: int = 0  # times training went back to a checkpoint after a non-finite step
     skip_windows: list[int] = field(default_factory=list)  # data positions never trained on

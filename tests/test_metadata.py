@@ -110,7 +110,7 @@ def test_the_data_is_recorded_and_a_resume_on_other_data_says_so(tmp_path, cache
     train_here(out, *args, "train.max_steps=5")
     data = json.loads((out / "metadata.json").read_text())["data"]
     assert data == {"kind": "chars", "source": str(corpus), "vocab_size": 28, "train_tokens": 16200,
-                    "val_tokens": 1800, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+                    "val_tokens": 1800, "sha256": hashlib.sha256(text.encode()).hexdigest(), "unit": "tokens"}
     same = train_here(out, *args, "train.max_steps=6")
     assert "resumed from" in same.stdout and "the data differs" not in same.stdout, same.stdout
     moved = tmp_path / "moved.txt"  # the same corpus by another path: only the config note

@@ -439,3 +439,28 @@ def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is
               "device": "cpu"}
     assert platform_change(here, 1, on_cpu, 1) == ""  # GPUs beside a run on the CPU do not count
     assert platform_change({}, 1, there, 1) == ""  # a checkpoint without metadata: nothing known
+
+
+def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_on_instead():
+    # Raising train.max_steps on a finished run stretched the cosine: the LR jumped from 2.44e-4 at
+    # step 30 to 1.74e-3 at step 31, and the note named the key only.
+    from conftest import load_config
+    from loop.checkpoint.notes import reshaped
+    from loop.config.load import DEFAULT_CONFIG, to_dict
+    from loop.schedule import warmup_cosine
+
+    was = to_dict(load_config(DEFAULT_CONFIG, ["train.max_steps=30"]))
+    state = {"config": was, "scheduler": {"last_epoch": 30}}
+    cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=60"])
+    before = warmup_cosine(30, cfg.schedule, 30) * cfg.optim.lr
+    after = warmup_cosine(30, cfg.schedule, 60) * cfg.optim.lr
+    note = reshaped(state, cfg)
+    assert note.startswith(f"train.max_steps 30 -> 60 reshapes schedule.name=warmup_cosine over the new "
+                           f"horizon: the learning rate at this step goes from {before:.3g} to {after:.3g}")
+    assert note.endswith(f"schedule.name=constant schedule.warmup_steps=0 optim.lr={before:.3g}")
+    cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant"])
+    assert reshaped({"config": to_dict(cfg), "scheduler": {"last_epoch": 30}}, cfg) is None
+    # Going on as the note says: the constant rate is the rate the schedule reached.
+    on = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant", "schedule.warmup_steps=0",
+                                      f"optim.lr={before:.3g}"])
+    assert f"{on.optim.lr:.3g}" == f"{before:.3g}"

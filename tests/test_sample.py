@@ -156,3 +156,19 @@ def test_a_corpus_edited_since_training_is_exit_2(tmp_path, cache, capsys):
     assert killed.returncode == -9 and "data differs" in killed.stdout, killed.stdout + killed.stderr
     code, printed, err = drawn(capsys, out, "--tokens", "5")
     assert (code, printed) == (2, "") and "now holds" in err, err
+
+
+@pytest.mark.slow
+def test_a_long_text_is_printed_as_it_comes_and_is_the_text_of_one_call(run, capsys):
+    # --tokens 100000000000000000000 was accepted and printed nothing for minutes: the text comes in
+    # chunks of 64 tokens, each printed as it is drawn, from one generator drawn in order.
+    from tools.sample import load, stream
+
+    model, data = load(run, False, torch.device("cpu"))
+    prompt = torch.tensor([[0]])
+    whole = model.generate(prompt, 150, torch.Generator().manual_seed(3))[0].tolist()
+    calls, generate = [], model.generate
+    model.generate = lambda ids, n, g, **o: calls.append(n) or generate(ids, n, g, **o)
+    stream(model, prompt, 150, torch.Generator().manual_seed(3), {}, data.decode)
+    assert calls == [64, 64, 22]
+    assert capsys.readouterr().out == data.decode(whole) + "\n"

@@ -30,7 +30,7 @@ from loop.checkpoint import resume, store, weights
 from loop.config.fields import at_least, positive
 from loop.config.load import build
 from loop.device import pick_device
-from loop.errors import EXIT_BAD_INPUT, BadInput
+from loop.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput
 from model import MODELS
 
 CODE = "Use the model code it was trained with."  # the config is its own: only the code can differ
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tools.sample", description=__doc__.splitlines()[0])
     p.add_argument("path", type=Path, help="a run dir, a model.pt or a checkpoint dir")
     p.add_argument("--prompt", default="", help="text (or token ids) to continue; default: token 0")
-    p.add_argument("--tokens", type=at_least(1), default=200, help="tokens to generate (200)")
+    p.add_argument("--tokens", type=at_least(1), default=200, help="tokens to generate (200), printed as they come")
     p.add_argument("--temperature", type=positive, default=None,
                    help="> 0: lower draws the likelier tokens more often (default: the model's "
                         "generate() default, 0.8 for the GPT)")
@@ -134,13 +134,30 @@ def main(argv: list[str] | None = None) -> int:
         if options and "temperature" not in inspect.signature(model.generate).parameters:
             raise BadInput(f"option --temperature: this model's generate() ({type(model).__name__}) "
                            f"takes no temperature; leave the option out.")
-        with torch.no_grad():
-            ids = model.generate(prompt, a.tokens, g, **options)[0].tolist()
+        stream(model, prompt, a.tokens, g, options, data.decode)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(data.decode(ids))
+    except KeyboardInterrupt:  # a long text stopped by hand: what was printed is the text so far
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
     return 0
+
+
+@torch.no_grad()
+def stream(model, ids: torch.Tensor, n: int, g: torch.Generator, options: dict, decode, chunk: int = 64) -> None:
+    """`n` tokens after `ids` (1, T), printed as they come, `chunk` at a time: a long text shows its
+    progress and can be stopped. One generator drawn in order, so the text is the one a single
+    generate(ids, n, g) call gives."""
+    shown = ""
+    while True:
+        text = decode(ids[0].tolist())
+        print(text[len(shown):], end="" if n else "\n", flush=True)
+        shown = text
+        if not n:
+            return
+        ids = model.generate(ids, min(chunk, n), g, **options)
+        n -= min(chunk, n)
 
 
 if __name__ == "__main__":

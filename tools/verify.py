@@ -73,7 +73,7 @@ def chosen(a: argparse.Namespace) -> list[str]:
     unknown = [c for c in names if c not in CHECKS]
     if unknown:
         raise BadInput(f"--checks: unknown check {', '.join(unknown)}; expected some of {', '.join(CHECKS)}.")
-    if a.nproc and a.nproc < 2:  # was taken silently, as no ddp check at all
+    if a.nproc and a.nproc < 2:  # else taken silently, as no ddp check at all
         raise BadInput(f"--nproc: expected 2 or more processes to compare with one; got {a.nproc}.")
     if "ddp" in names and a.nproc < 2:
         raise BadInput("--checks ddp: needs --nproc 2 (or more) processes to compare with one.")

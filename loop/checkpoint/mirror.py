@@ -63,7 +63,7 @@ class Mirror:
         self.target, self.retries, self.backoff_s = target, retries, backoff_s
         self.fs, self.root = _open(target)
         if isinstance(self.fs, LocalFileSystem):
-            # A directory that cannot be made (a typo, a mount that is not there) is bad input now,
+            # A directory that cannot be made (a typo, a mount that is not there) is bad input at once,
             # not a warning at every checkpoint of a run that thinks it is backed up. Object stores
             # are left to their first copy: they have no directories, and a user allowed to write
             # a prefix may not be allowed to look at the bucket.

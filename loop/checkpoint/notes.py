@@ -9,6 +9,7 @@ from pathlib import Path
 
 from loop.checkpoint import store
 from loop.config.load import changed_keys
+from loop.schedule import SCHEDULES
 
 
 def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
@@ -43,12 +44,33 @@ def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
                          f"training goes on from the same sample position in it, not bit for bit "
                          f"as before")
     if moved := platform_change(state["metadata"], state["world_size"], metadata, world):
-        notes.append(f"this resume is not where the checkpoint was written ({moved}): the run "
-                     f"goes on, exact to floating-point rounding; bit for bit holds only on the "
-                     f"same machine, versions and process count")
+        # Another process count gives each rank other random streams: other dropout masks, and
+        # losses that part by more than rounding.
+        masks = ("; each rank's random streams are its own, so with another number of processes "
+                 "dropout (and any random draw in the model) draws other masks from here on"
+                 if state["world_size"] != world else "")
+        notes.append(f"this resume is not where the checkpoint was written ({moved}): the run goes on "
+                     f"from the same data position and the same weights, its sums rounded otherwise"
+                     f"{masks}; bit for bit holds only on the same machine, versions and process count")
+    if "train.max_steps" in changed and (lr := reshaped(state, cfg)):
+        notes.append(lr)
     if batch := global_batch_change(state["config"], state["world_size"], cfg, world):
         notes.append(batch)
     return notes
+
+
+def reshaped(state: dict, cfg) -> str | None:
+    """What a new train.max_steps does to a schedule that depends on it (warmup_cosine's horizon):
+    the LR at the resumed step jumps. None if it stays (a schedule without a horizon)."""
+    was_steps, s = state["config"]["train"]["max_steps"], state["scheduler"]["last_epoch"]
+    schedule, lr = SCHEDULES[cfg.schedule.name], cfg.optim.lr
+    before, after = schedule(s, cfg.schedule, was_steps) * lr, schedule(s, cfg.schedule, cfg.train.max_steps) * lr
+    if before == after:
+        return None
+    return (f"train.max_steps {was_steps} -> {cfg.train.max_steps} reshapes schedule.name={cfg.schedule.name} "
+            f"over the new horizon: the learning rate at this step goes from {before:.3g} to {after:.3g}. "
+            f"To go on at the rate the schedule reached instead, resume with schedule.name=constant "
+            f"schedule.warmup_steps=0 optim.lr={before:.3g}")
 
 
 def platform_change(saved: dict, saved_world: int, now: dict, world: int) -> str:

@@ -39,7 +39,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
                                f"that a fresh run's mirroring would delete; give the run its own "
                                f"run.mirror, or run.resume=auto to continue from them.")
         return None
-    if not resume:  # Path("") is "." (here), which was named as "not a valid checkpoint"
+    if not resume:  # Path("") is "." (here), which would be named "not a valid checkpoint"
         raise BadInput("config key run.resume is empty; expected auto, never or a checkpoint directory.")
     if resume != "auto":
         given = followed(Path(resume))

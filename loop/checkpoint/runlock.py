@@ -93,7 +93,7 @@ def is_run(d: Path) -> bool:
 
 def refuse_foreign(out: Path) -> None:
     """An existing directory that no run made (run.out_dir=. in a project, a home directory) but
-    that holds a file a run writes: a run would overwrite it (a model.pt of the user's was)."""
+    that holds a file a run writes: a run would overwrite it (a model.pt of the user's, say)."""
     if is_run(out):
         return
     clash = [n for n in RUN_FILES if (out / n).exists()]

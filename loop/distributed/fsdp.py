@@ -39,7 +39,7 @@ def _loaded(module: str, name: str) -> type | tuple:
 
 def check_shardable(model: nn.Module) -> None:
     """Refuse, as bad input naming the parameter or module, the two things of a user's model that
-    FSDP cannot take, which were PyTorch's traceback on every rank: a parameter of shape ()
+    FSDP cannot take, which are otherwise PyTorch's traceback on every rank: a parameter of shape ()
     (`fully_shard` splits along the first dimension), and one module at two places (weights shared
     across layers: the distributed state dict cannot load it into the sharded model)."""
     why = "; make it a tensor of shape (1,), or use train.strategy=ddp."
@@ -155,7 +155,7 @@ def state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Modul
     msd, osd = get_state_dict(model, optimizer)
     if fresh:  # no step taken yet (nan_policy=rollback's step-0 checkpoint): DCP made the state by
         # an optimizer step at lr 0 on zero gradients, and AdamW counted it: every later bias
-        # correction was one step off. Its moments are zeros, so with the count at 0 it is fresh.
+        # correction would be one step off. Its moments are zeros, so with the count at 0 it is fresh.
         for s in optimizer.state.values():
             if torch.is_tensor(s.get("step")):
                 s["step"].zero_()
@@ -180,7 +180,7 @@ def staged_writer(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Mo
     each DTensor's place in the whole); the returned function writes that copy, later, in the
     writer thread, meeting the other ranks' writers on `group` (gloo, not the training's group)."""
     # No pinned or shared memory, staged right here, blocking copies. Positional, as dcp.async_save
-    # passes them: the last field was use_cuda_non_blocking_copy in earlier torch releases.
+    # passes them: the last field has another name in earlier torch releases.
     from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     stager = DefaultStager(StagingOptions(False, False, False, False))
     staged = stager.stage(state_dict(model, optimizer, ema))

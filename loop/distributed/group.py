@@ -127,7 +127,7 @@ def init(device_name: str, cpu_offload: bool = False) -> tuple[Dist, torch.devic
 
     device = pick_device(device_name)
     if device.type == "cuda":
-        if local >= (n := torch.cuda.device_count()):  # was "invalid device ordinal" from set_device
+        if local >= (n := torch.cuda.device_count()):  # else "invalid device ordinal" from set_device
             raise BadInput(f"LOCAL_RANK={local}, but this machine has {cuda_devices(n)}: one process per "
                            f"GPU, so expected at most {n} processes per node (torchrun "
                            f"--nproc_per_node={n}).")

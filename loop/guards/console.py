@@ -28,7 +28,7 @@ def tell(message: str) -> None:
 
 
 class HangupProof:
-    """A run's sys.stdout or sys.stderr. After a terminal hangs up (an ssh session dropped) each
+    """A run's sys.stdout or sys.stderr. After a terminal hangs up (an ssh connection dropped) each
     write to it fails with EIO, and the kernel's SIGHUP, which stops the run with a checkpoint
     (loop/guards/preemption.py), is handled a moment later: a write in between mutes the console instead of
     ending the run with a traceback nobody sees and the steps since the newest checkpoint lost."""

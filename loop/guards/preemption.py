@@ -1,7 +1,7 @@
 """Preemption: a run told to stop by a signal saves a checkpoint first.
 
 SIGTERM and SIGUSR1 (what SLURM and spot machines send before taking the machine) and SIGHUP (the
-terminal closed: an ssh session dropped) do not kill the run: the handler only raises a flag; the
+terminal closed: an ssh connection dropped) do not kill the run: the handler only raises a flag; the
 loop finishes the current optimizer step, writes a checkpoint, and exits with EXIT_PREEMPTED. A
 second signal during that save changes nothing. A signal the launcher ignores (`nohup`) stays ignored.
 DataLoader workers ignore these signals (a scheduler signals the whole process group), so the main

@@ -38,7 +38,7 @@ from loop.determinism import in_effect
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
 # A config key on the command line is masked when one of its words ends so (hf_token, api_key,
-# db.password): train.sample_tokens or data.markov.tokens is no secret, and was recorded as `=***`.
+# db.password): train.sample_tokens or data.markov.tokens is no secret, and is recorded as it is.
 SECRET_WORD = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)$", re.IGNORECASE)
 CODE = ("train.py", "loop", "data", "model")  # the code that decides how a run trains
 ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "OMP_", "MKL_", "SLURM_", "MASTER_",

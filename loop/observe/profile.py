@@ -62,6 +62,6 @@ class StepProfiler:
         if self.result is None:  # the run ended before the profiled steps did: nothing whole to show
             self.prof.stop()
             print(f"note: train.profile: the run ended {self.taken} step(s) in, before the profiled "
-                  f"steps did ({self.window[0]}-{self.window[1]} of this session); nothing to report. "
+                  f"steps did ({self.window[0]}-{self.window[1]} since this start); nothing to report. "
                   f"Raise train.max_steps, or, if it resumed near its end (make profile run twice "
                   f"with the same run.out_dir), give a new run.out_dir.")

@@ -37,7 +37,7 @@ def _config(run_dir: Path) -> dict:
 
 def run_setting(run_dir: Path, key: str) -> float:
     """report.<key> from the run's config.yaml, as its end-of-run report had it: checked, as the
-    file may have been edited since (a text or a negative price was a traceback or a negative cost)."""
+    file may have been edited since (a text or a negative price would be a traceback or a negative cost)."""
     value = (_config(run_dir).get("report") or {}).get(key, getattr(ReportConfig, key))
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
         raise BadInput(f"{run_dir / 'config.yaml'}: report.{key}={value!r}: expected a finite number "
@@ -68,16 +68,16 @@ def load_run(run_dir: Path) -> dict:
         wall, prev = 0.0, 0
         for r in (r for r in recs if "ms_per_step" in r):
             wall, prev = wall + r["ms_per_step"] * max(r["step"] - prev, 0) / 1000, r["step"]
-    # energy_j is cumulative per training session and restarts at a resume: add up the last reading
-    # of each session (a drop marks a new one). summary.json has the final session's last reading.
-    sessions: list[float] = []
+    # energy_j is cumulative from each start of train.py and restarts at a resume: add up the last
+    # reading of each start (a drop marks a new one). summary.json has the final start's last reading.
+    starts: list[float] = []
     for e in _numbers(recs, "energy_j"):
-        if sessions and e >= sessions[-1]:
-            sessions[-1] = e
+        if starts and e >= starts[-1]:
+            starts[-1] = e
         else:
-            sessions.append(e)
+            starts.append(e)
     if isinstance(summ.get("energy_j"), (int, float)):
-        sessions[-1:] = [max(sessions[-1] if sessions else 0.0, summ["energy_j"])]
+        starts[-1:] = [max(starts[-1] if starts else 0.0, summ["energy_j"])]
     steps, tokens = summ.get("steps", last.get("step", 0)), summ.get("tokens", last.get("tokens", 0))
     mem = _numbers(recs, "cuda_max_alloc_gb") + _numbers([summ], "cuda_max_alloc_gb")
     mfu, vals = _numbers(recs, "mfu"), _numbers(recs, "val_loss") + _numbers([summ], "val_loss")
@@ -88,7 +88,7 @@ def load_run(run_dir: Path) -> dict:
         "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None, "steps": steps, "tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,  # a finished run's: summary.json's tokens_per_s
         "peak_gb": max(mem) if mem else None, "mfu": sum(mfu) / len(mfu) if mfu else None,
-        "kwh": sum(sessions) / 3.6e6 if sessions else None,
+        "kwh": sum(starts) / 3.6e6 if starts else None,
         "final_loss": summ.get("final_loss") if finished else last.get("loss"),
         "best_val": min(vals) if vals else None, "world": int(meta.get("world_size") or 1),
         "best": summ.get("best") or _best_so_far(run_dir, cfg, recs),  # train.best_metric's pick

@@ -18,7 +18,7 @@ from loop.observe.mfu import peak_flops
 
 def node_gpus(device: torch.device) -> dict[int, str] | None:
     """The GPUs this node's processes train on (torchrun: cuda:0 to cuda:LOCAL_WORLD_SIZE-1, one
-    each), by CUDA index -> NVML UUID: every GPU NVML saw was summed, a shared machine's other jobs
+    each), by CUDA index -> NVML UUID: summing every GPU NVML sees would count a shared machine's other jobs
     included. None for a run on the CPU (or MPS): no GPU of its own to read."""
     if device.type != "cuda":
         return None
