@@ -56,3 +56,12 @@ def test_the_lab_switches_named_in_the_docs_exist():
         named = set(re.findall(r"lab\.break=([a-z_]+)", (ROOT / doc).read_text()))
         assert named and named <= set(SWITCHES), (doc, named - set(SWITCHES))
     assert set(re.findall(r"lab\.break=([a-z_]+)", (ROOT / "docs/LAB.md").read_text())) == set(SWITCHES)
+
+
+def test_the_readme_is_short_and_its_links_lead_somewhere():
+    # A newcomer reads it in ten minutes: the details are in docs/, one file per concern.
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 15_000
+    links = re.findall(r"\]\(([^)#]+)\)", readme)
+    assert links and all((ROOT / link).is_file() for link in links), links
+    assert {p.name for p in (ROOT / "docs").glob("*.md")} <= {link.split("/")[-1] for link in links}
