@@ -42,8 +42,8 @@ assert sys.version.startswith('${PYTHON_VERSION}.') and torch.__version__.split(
 and torch.version.cuda == '${CUDA_VERSION}', 'the base image is not the pinned Python, torch and CUDA'"
 
 # torch.compile (train.compile, on in configs/gpt2_124m.yaml) needs a C compiler when it runs:
-# Triton builds its kernel launchers with it. Runtime images shipped none until
-# pytorch/pytorch#170235 (pytorch/pytorch#116696): install gcc where the base lacks it.
+# Triton builds its kernel launchers with it. Runtime images from before pytorch/pytorch#170235
+# ship none (pytorch/pytorch#116696): install gcc where the base lacks it.
 RUN command -v gcc >/dev/null || { apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*; }

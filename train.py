@@ -3,13 +3,10 @@
     python train.py [--config configs/default.yaml] [section.key=value ...]
     torchrun --nproc_per_node=N train.py ...   (same command, many processes)
 
-This file only wires parts together; the loop lives in loop/trainer.py. Exit codes: 0 done,
-2 bad input (config, data, checkpoint) with a message naming the key or file (nothing in
-run.out_dir is written or changed on that path), 3 gave up (non-finite values under
-train.nan_policy=abort or too many in a row, out of memory at micro-batch 1 or inside collectives
-over the ranks, a write the disk refuses), 130 interrupted by Ctrl-C, 141 the console's reader went
-away (`| head`), 143 preempted by SIGTERM/SIGUSR1/SIGHUP after writing a checkpoint (after any of the
-last three, rerun the same command to continue).
+This file only wires parts together: the config, this project's data sets and models (DATASETS,
+MODELS), the processes; the loop lives in loop/trainer.py. Exit codes (docs/failures.md): 0 done,
+2 bad input (nothing in run.out_dir written), 3 gave up, 130 Ctrl-C, 141 the console's reader gone,
+143 preempted after a checkpoint; after the last three, rerun the same command to continue.
 """
 from __future__ import annotations
 
@@ -25,16 +22,8 @@ from loop.config.load import load_config, parse_args
 from loop.config.paths import directories
 from loop.device import pick_device
 from loop.distributed import group
-from loop.errors import (
-    EXIT_BAD_INPUT,
-    EXIT_CONSOLE_GONE,
-    EXIT_GAVE_UP,
-    EXIT_INTERRUPTED,
-    NO_ROOM,
-    BadInput,
-    GaveUp,
-    no_room,
-)
+from loop.errors import EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_GAVE_UP, EXIT_INTERRUPTED, NO_ROOM
+from loop.errors import BadInput, GaveUp, no_room
 from loop.guards.console import HangupProof, console_gone, mute_dead_console, tell
 from loop.guards.oom import configure_allocator
 from loop.guards.preemption import EXIT_PREEMPTED

@@ -12,8 +12,8 @@ import pytest
 
 from tools import jobs
 
-# One intra-op thread for every torch in the session: this process's (conftest is imported before
-# any test module imports torch) and every train.py, torchrun and make verify it starts. On a
+# One intra-op thread for every torch in the whole test run: this process's (conftest is imported
+# before any test module imports torch) and every train.py, torchrun and make verify it starts. On a
 # 2-core box, two torchrun processes (or make test's two pytest workers) each spinning two
 # OpenMP threads fight over the cores: 3x the wall time here, 10x for MNIST. And runs compared bit
 # for bit then split their float sums the same way, whoever launched them.
@@ -39,7 +39,7 @@ def children_temp_dir(tmp_path_factory) -> None:
 
 @pytest.fixture(scope="session")
 def cache(tmp_path_factory) -> str:
-    """One data cache for the whole session, so the corpus is prepared once."""
+    """One data cache for the whole test run, so the corpus is prepared once."""
     return f"data.cache_dir={tmp_path_factory.mktemp('cache')}"
 
 

@@ -250,9 +250,10 @@ def markov_prompted(cfg: MarkovOptions):
 @pytest.mark.parametrize("lab_break", ["", "mean_loss_per_microbatch"])
 def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_path, monkeypatch, lab_break):
     # make verify hides all but one target in each micro-batch after the first, so the counts
-    # differ. It kept the first *position*: with masked prompts that is -100 already, so those
-    # micro-batches held no target at all ([64, 0]), and the naive per-micro-batch mean the audit
-    # is there to catch divided 0 by 0: "no optimizer step was taken", pointing at the learning rate.
+    # differ. The one it keeps must be a real target, not the first *position*: with masked
+    # prompts that is -100 already, those micro-batches would hold no target at all ([64, 0]), and
+    # the naive per-micro-batch mean the audit is there to catch would divide 0 by 0 ("no
+    # optimizer step was taken", pointing at the learning rate) instead of failing the audit.
     from tools.audit_grads import gradient_audits
 
     monkeypatch.setitem(DATASETS, "markov_prompted", markov_prompted)

@@ -59,8 +59,9 @@ def test_scaffold_figures_use_only_the_timed_window():
     assert fig["data_wait_pct"] == pytest.approx(100 * 4.0 / 80.0)
     assert fig["mfu"] == pytest.approx(0.3 * 0.016 / 0.020)  # the last interval's, at the window's rate
     assert fig["peak_gb"] == 0.6
-    # --warmup 0 (allowed): the window starts at step 0, which has no record (was a KeyError after
-    # every arm had run). One interval of 6 steps, its mean ms/step on its last record.
+    # --warmup 0 (allowed): the window starts at step 0, which has no record (it must not be looked
+    # up: a KeyError after every arm had run). One interval of 6 steps, its mean ms/step on its
+    # last record.
     fig = loop_vs_bare.scaffold_figures(recs, warmup=0, steps=6, every=6)
     assert fig["tokens_per_s"] == pytest.approx(600 / 0.120)
 
@@ -99,7 +100,8 @@ def test_ckpt_stall_runs_and_records(tmp_path, cache, monkeypatch):
     (ckpt_stall.main, ["--reps", "0"], "--reps: expected an integer >= 1, got 0"),
 ])
 def test_counts_below_their_minimum_are_usage_errors(tmp_path, capsys, main, args, named):
-    # Found as a ZeroDivisionError or StatisticsError after the runs; now refused before any.
+    # Refused before any run: let through, they end in a ZeroDivisionError or StatisticsError
+    # after all the runs.
     with pytest.raises(SystemExit) as e:
         main([*args, "--results", str(tmp_path / "r.jsonl")])
     assert e.value.code == 2 and named in capsys.readouterr().err
@@ -112,7 +114,8 @@ def test_counts_below_their_minimum_are_usage_errors(tmp_path, capsys, main, arg
     (ckpt_stall.main, ["model.n_layr=2"], "Did you mean 'model.n_layer'"),
 ])
 def test_bad_config_input_is_one_line_and_exit_2(tmp_path, capsys, main, args, named):
-    # Was a BadInput traceback, exit 1; a bad --variant only after the other arms had run.
+    # One line and exit 2, before anything runs (a bad --variant too, not after the other arms),
+    # not a BadInput traceback with exit 1.
     with pytest.raises(SystemExit) as e:
         command(lambda: main([*args, "--results", str(tmp_path / "r.jsonl")]))
     err = capsys.readouterr().err
@@ -122,7 +125,7 @@ def test_bad_config_input_is_one_line_and_exit_2(tmp_path, capsys, main, args, n
 
 @pytest.mark.parametrize("more", [
     ["train.clip_grad=0.05"],  # small enough that every step clips
-    ["train.clip_grad=0"],  # no clipping (was a clip to 0: gradients zeroed)
+    ["train.clip_grad=0"],  # no clipping (not a clip to 0, which zeroes the gradients)
     ["train.precision=bf16", "train.grad_accum=1"],
     ["train.precision=fp16"],  # with its GradScaler
 ])
@@ -152,8 +155,8 @@ def same(a: dict, b: dict) -> bool:
 
 
 def test_the_bare_loop_takes_a_model_that_returns_sums(tmp_path, cache):
-    # The CNN returns {"loss", "accuracy"}: the bare arm failed on it (dict / int), so
-    # `make bench BENCH_CONFIG=configs/mnist.yaml` ended in a TypeError.
+    # The CNN returns {"loss", "accuracy"}: the bare arm must take the loss out of the dict, or
+    # `make bench BENCH_CONFIG=configs/mnist.yaml` ends in a TypeError (dict / int).
     root = write_fake_mnist(tmp_path / "mnist", n_train=200, n_val=50, seed=0)
     fig = loop_vs_bare.bare(str(ROOT / "configs/mnist.yaml"), [f"data.path={root}", cache,
                             "model.cnn.channels=2", "model.cnn.hidden=8", "data.batch_size=4",
@@ -162,8 +165,8 @@ def test_the_bare_loop_takes_a_model_that_returns_sums(tmp_path, cache):
 
 
 def test_the_bare_loop_takes_a_dataset_smaller_than_its_two_steps(tmp_path, cache):
-    # 2 steps x 4 micro-batches x 4 samples > the 28 training windows of this text: the bare arm
-    # collated empty batches (IndexError); the scaffold's sampler goes round again, and so does it.
+    # 2 steps x 4 micro-batches x 4 samples > the 28 training windows of this text: the scaffold's
+    # sampler goes round again, and so must the bare arm, or it collates empty batches (IndexError).
     text = tmp_path / "small.txt"
     text.write_text("abcdefghij" * 100)
     fig = loop_vs_bare.bare(DEFAULT_CONFIG, [*TINY, f"data.path={text}", cache, "train.grad_accum=4"],
@@ -172,8 +175,9 @@ def test_the_bare_loop_takes_a_dataset_smaller_than_its_two_steps(tmp_path, cach
 
 
 def test_make_bench_gives_its_overrides_to_both_benchmarks():
-    # `make bench ARGS="model.n_layer=8"` measured the comparison on that model and the checkpoint
-    # stall on the config's own; BENCH_OVERRIDES goes to both, ARGS (its options) to the first.
+    # Both benchmarks must measure the same model: BENCH_OVERRIDES goes to both, ARGS (its options)
+    # to the first only, so `make bench ARGS="model.n_layer=8"` would measure the comparison on
+    # that model and the checkpoint stall on the config's own.
     out = subprocess.run(["make", "-n", "bench", f"PYTHON={sys.executable}", "BENCH_OVERRIDES=model.n_layer=3",
                           "ARGS=--variant train.compile=true"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
@@ -186,7 +190,8 @@ def test_make_bench_gives_its_overrides_to_both_benchmarks():
 
 def test_the_scaffold_s_end_of_run_work_is_outside_the_timed_window(tmp_path, cache):
     # A run's last step evaluates (and checkpoints): with the window ending there, the last timed
-    # interval held a validation pass that the bare arm never makes. The run goes one interval on.
+    # interval would hold a validation pass that the bare arm never makes. So the run goes one
+    # interval on.
     from argparse import Namespace
 
     args = Namespace(warmup=2, steps=4, config=DEFAULT_CONFIG,

@@ -53,11 +53,12 @@ def test_preemption_saves_exits_143_and_resumes_exactly(tmp_path, cache, referen
 
 @pytest.mark.slow
 def test_a_closed_terminal_saves_and_exits_143(tmp_path, cache):
-    # An ssh session that drops closes the run's terminal and sends SIGHUP, which ended the run at
-    # once: every step since the newest checkpoint was lost. From then on each write to the
-    # console fails (EIO), so the run also stops writing there. Under nohup SIGHUP stays ignored.
-    # The stop itself is SIGTERM's, whose resume is exact (above). 1000 steps: the run must still
-    # be training when the SIGHUP comes (40 ended first under make test's load).
+    # An ssh connection that drops closes the run's terminal and sends SIGHUP. Ending the run at
+    # once on it would lose every step since the newest checkpoint: the run saves and exits 143
+    # instead. From then on each write to the console fails (EIO), so the run also stops writing
+    # there. Under nohup SIGHUP stays ignored. The stop itself is SIGTERM's, whose resume is exact
+    # (above). 1000 steps: the run must still be training when the SIGHUP comes (40 can end first
+    # under make test's load).
     import os
     import pty
     import subprocess
@@ -68,7 +69,8 @@ def test_a_closed_terminal_saves_and_exits_143(tmp_path, cache):
     out = tmp_path / "run"
     master, slave = pty.openpty()
     # SIGHUP's default action for the run even where the tests were started under nohup, whose
-    # SIG_IGN the run inherits and keeps (the next test): there it trained on to its end, exit 0.
+    # SIG_IGN the run inherits and keeps (the next test): there it would train on to its end,
+    # exit 0.
     proc = subprocess.Popen(train_cmd(out, cache, *STEPS, "train.max_steps=1000"), cwd=ROOT,
                             stdin=subprocess.DEVNULL, stdout=slave, stderr=slave, start_new_session=True,
                             preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
@@ -78,7 +80,7 @@ def test_a_closed_terminal_saves_and_exits_143(tmp_path, cache):
         seen += os.read(master, 4096)
     os.close(master)  # the terminal is gone: from now on each write to it fails (EIO)
     # As after a real hangup, the run writes to the dead terminal before SIGHUP is handled: wait for
-    # two more steps' records (and console lines), which ended the run with exit 1 (seen in make test).
+    # two more steps' records (and console lines), which must not end the run with exit 1.
     while proc.poll() is None and b'"step": 19,' not in (out / "metrics.jsonl").read_bytes():
         time.sleep(0.001)
     proc.send_signal(signal.SIGHUP)
@@ -121,8 +123,8 @@ def test_ema_differs_from_raw_and_is_restored_exactly(tmp_path, cache):
 
 @pytest.mark.slow
 def test_an_ema_turned_on_at_a_resume_starts_from_the_resumed_weights(tmp_path, cache, reference):
-    # It started from the fresh model's random weights, and until its first update (or at once, in
-    # a run resumed at its last step) validation and the export read those.
+    # Not from the fresh model's random weights, which until its first update (or at once, in a
+    # run resumed at its last step) validation and the export would read.
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     run_train(out, cache, *STEPS, "ema.enabled=true")  # at its last step already: nothing to train
@@ -133,8 +135,8 @@ def test_an_ema_turned_on_at_a_resume_starts_from_the_resumed_weights(tmp_path, 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
-    # Kept in bf16, the default decay 0.999 rounded to 1.0: the average stayed the first weights,
-    # validation through it never improved, and early stopping stopped a run that was learning.
+    # Kept in bf16, the default decay 0.999 rounds to 1.0: the average would stay the first weights,
+    # validation through it would never improve, and early stopping would stop a run that learns.
     from loop.ema import EMA
 
     m = torch.nn.Linear(8, 8).to(dtype)
@@ -154,8 +156,8 @@ def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
 
 def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(tmp_path, cache):
     # The trainer's average against the formula applied to the weights recorded after every step
-    # (float64 here, float32 there: 1e-6). One updated before the optimizer step, a step behind,
-    # passed every other test; so would an average of the wrong weights or a wrong warmup.
+    # (float64 here, float32 there: 1e-6). Only this test catches an average updated before the
+    # optimizer step, a step behind; or one of the wrong weights, or with a wrong warmup.
     from conftest import build_trainer, load_config
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
@@ -181,7 +183,7 @@ def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(
     for k, v in trainer.ema.module.state_dict().items():
         torch.testing.assert_close(v.double(), expected[k], rtol=0, atol=1e-6, msg=k)
     # And validation is the average's (the same batches again: the same float sums), not the raw
-    # weights', which nothing else checked.
+    # weights', which nothing else checks.
     val = {m: val_metrics(m, trainer.evaluator.batches, trainer.precision, trainer.device, trainer.dist)["val_loss"]
            for m in (trainer.ema.module, trainer.raw)}
     assert summary(tmp_path / "run")["val_loss"] == val[trainer.ema.module] != val[trainer.raw]
@@ -209,22 +211,23 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     s = summary(out)
     assert s["stopped_early"] and s["steps"] == expected_stop(vals, 2, 0.2) < 200, (vals, s)
     assert "did not improve by 0.2 for 2 evaluations" in s["stop_reason"]
-    # The console says why the run ended before train.max_steps (it said only "done: N steps").
+    # The console says why the run ended before train.max_steps, not only "done: N steps".
     assert f"stopped early at step {s['steps']}: {s['stop_reason']}" in first.stdout, first.stdout
     rerun = train_here(out, *args)  # the stop is part of the state: running again trains nothing
     assert summary(out)["steps"] == s["steps"] and len(metrics(out)) == s["steps"], rerun.stdout
     assert (f"note: this run stopped early ({s['stop_reason']}), so nothing more is trained; to "
             f"train on, rerun with a larger train.early_stop_patience, or 0") in rerun.stdout
-    # Resumed without early stopping (or with more patience), it trains on; it stayed stopped,
-    # below a note saying the new value applies.
+    # Resumed without early stopping (or with more patience), it trains on: the new value applies,
+    # as the note says, and the run does not stay stopped.
     more = f"train.max_steps={s['steps'] + 4}"
     train_here(out, *args, more, "train.early_stop_patience=0")
     assert summary(out)["steps"] == s["steps"] + 4 and not summary(out)["stopped_early"]
 
 
 def test_a_non_finite_evaluation_is_never_the_best():
-    # Was: a NaN first evaluation became the best, no later value compared below it, so the best
-    # checkpoint stayed that step and early stopping counted every later improvement as none.
+    # A NaN first evaluation must not become the best: no later value would compare below it, the
+    # best checkpoint would stay that step and early stopping would count every later improvement
+    # as none.
     from loop.monitor import Monitor
 
     m = Monitor("val_loss", "min", patience=2, min_delta=0.0)
@@ -239,7 +242,8 @@ def test_a_non_finite_evaluation_is_never_the_best():
 def test_an_improvement_must_beat_the_best_by_more_than_min_delta_in_either_mode():
     # "Did not improve by min_delta": an equal value, or one better by min_delta or less, is no
     # improvement and counts towards patience, in max mode as in min mode. The best checkpoint
-    # takes any improvement: min_delta had it skip better evaluations, even with patience 0.
+    # takes any improvement: min_delta must not make it skip better evaluations, even with
+    # patience 0.
     from loop.monitor import Monitor
 
     m = Monitor("val_accuracy", "max", patience=3, min_delta=0.125)
@@ -267,8 +271,9 @@ def test_an_improvement_must_beat_the_best_by_more_than_min_delta_in_either_mode
 
 
 def test_a_resume_that_tracks_another_metric_or_direction_starts_the_best_over(tmp_path, cache):
-    # The best so far was compared with the new direction (or metric): in max mode a loss the run
-    # before minimised was never beaten, so no later evaluation was ever a best and `best` stayed.
+    # The best so far is not compared with the new direction (or metric): in max mode a loss the
+    # earlier run minimised would never be beaten, no later evaluation would be a best, and `best`
+    # would stay where it was.
     out, args = tmp_path / "run", [cache, "train.eval_every=4", "train.max_steps=8"]
     train_here(out, *args)
     rerun = train_here(out, *args, "train.max_steps=12", "train.best_mode=max")
@@ -288,9 +293,10 @@ def test_early_stopping_without_evaluations_says_it_has_no_effect(tmp_path, cach
 
 
 def test_evaluating_a_validation_set_that_augments_leaves_training_as_it_was(tmp_path, cache, monkeypatch):
-    # The text sample's prompt, fetched from the validation set at each evaluation, drew from the
-    # global streams when that set augments (as the README says a Dataset may): the steps after an
-    # evaluation trained with other dropout masks than a run that did not evaluate there.
+    # The text sample's prompt is fetched from the validation set at each evaluation; when that set
+    # augments (as the README says a Dataset may), the fetch must not draw from the global streams,
+    # or the steps after an evaluation train with other dropout masks than a run that did not
+    # evaluate there.
     from conftest import Mapped, augment
     from data import DATASETS
 
@@ -310,9 +316,10 @@ def test_evaluating_a_validation_set_that_augments_leaves_training_as_it_was(tmp
 
 
 def test_the_last_step_is_evaluated_like_any_other(tmp_path, cache):
-    # 10 steps, evaluating every 4: the end's evaluation gave summary.json its val_loss, but it was
-    # neither logged (metrics.jsonl, TensorBoard) nor a candidate for the best checkpoint, so the
-    # report gave a best val loss below the best checkpoint's (seen: 4.3214 at 10, best 4.3623 at 8).
+    # 10 steps, evaluating every 4: the end's evaluation gives summary.json its val_loss, and it is
+    # logged (metrics.jsonl, TensorBoard) and a candidate for the best checkpoint like any other;
+    # otherwise the report gives a best val loss below the best checkpoint's (4.3214 at 10, best
+    # 4.3623 at 8, say).
     out = tmp_path / "run"
     train_here(out, cache, "train.max_steps=10", "train.eval_every=4", "train.ckpt_every=0")
     vals = {r["step"]: r["val_loss"] for r in metrics(out) if "val_loss" in r}
@@ -343,15 +350,16 @@ def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
 
 def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
     # Resumed back in time (run.resume=PATH in the same run.out_dir), a run's best can be a step the
-    # run before deleted once its own best moved on, or there is none yet: `best` named that missing
-    # directory, or the run before's best, and run.init_from=checkpoints/best failed or took it.
+    # earlier run deleted once its own best moved on, or there is none yet: then `best` must name
+    # nothing, not that missing directory or the earlier run's best, or
+    # run.init_from=checkpoints/best fails or takes the wrong weights.
     from loop.checkpoint.saver import Saver
     from loop.distributed.group import Dist
 
     saver = Saver(tmp_path, keep_last=3, dist=Dist(), async_save=False)
     for name in ("step_00000020", "step_00000040"):
         (tmp_path / name).mkdir()
-    (tmp_path / "best").write_text("step_00000040")  # the run before's
+    (tmp_path / "best").write_text("step_00000040")  # the earlier run's
     saver.saved(tmp_path / "step_00000020", best="step_00000015")
     assert not (tmp_path / "best").exists()
     saver.saved(tmp_path / "step_00000020", best="step_00000020")
@@ -363,8 +371,8 @@ def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("gone", ["checkpoints", "run.out_dir"])
 def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, reference, gone):
-    # run.out_dir gone too (a new machine): the fetch made a directory holding checkpoints that
-    # "no run made", and the run refused it (exit 2), then and at every rerun.
+    # run.out_dir gone too (a new machine): the fetch must not leave a directory holding
+    # checkpoints that "no run made", which the run would refuse (exit 2), then and at every rerun.
     out, mirror = tmp_path / "run", tmp_path / "bucket"
     args = [cache, *STEPS, f"run.mirror={mirror}"]
     run_and_kill(out, 33, *args)
@@ -401,8 +409,9 @@ def test_init_from_loads_weights_only(tmp_path, cache, reference):
 
 @pytest.mark.slow
 def test_init_from_on_a_run_that_resumes_says_it_is_not_used(tmp_path, cache, reference):
-    # A run with checkpoints resumes from them; run.init_from only starts fresh runs. The note said
-    # "config differs in: run.init_from; this run's values apply from here on": they did not.
+    # A run with checkpoints resumes from them; run.init_from only starts fresh runs. The note says
+    # so, not "config differs in: run.init_from; this run's values apply from here on", which is
+    # untrue here.
     out = tmp_path / "run"
     shutil.copytree(reference, out)
     ckpt = reference / "checkpoints" / "step_00000020"
@@ -436,8 +445,8 @@ def test_init_from_a_missing_checkpoint_is_bad_input(tmp_path, cache):
 
 @pytest.mark.slow
 def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
-    # The export is what a finished run (or someone else) hands on: it was refused, naming the
-    # checkpoints beside it, and a model.pt alone could not be fine-tuned at all.
+    # The export is what a finished run (or someone else) hands on: run.init_from takes it, so a
+    # model.pt alone, with no checkpoints beside it, can be fine-tuned.
     alone = tmp_path / "given" / "model.pt"
     alone.parent.mkdir()
     alone.write_bytes((reference / "model.pt").read_bytes())
@@ -484,9 +493,9 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
 
 @pytest.mark.slow
 def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, reference):
-    # checkpoints/latest and /best are what one sees in a run directory, and what one names: they
-    # were read as checkpoint files (an IndexError traceback from the unpickler for init_from, and
-    # "manifest.json is missing" for resume). They stand for the checkpoint they name.
+    # checkpoints/latest and /best are what one sees in a run directory, and what one names. They
+    # stand for the checkpoint they name; read as checkpoint files they give an IndexError traceback
+    # from the unpickler for init_from, and "manifest.json is missing" for resume.
     ckpts = reference / "checkpoints"
     zero = tmp_path / "zero"
     proc = train_here(zero, cache, "train.max_steps=0", f"run.init_from={ckpts / 'latest'}")
@@ -504,8 +513,8 @@ def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, re
     assert proc.stderr.endswith(f"error: checkpoint file {reference / 'summary.json'}: not a file "
                                 f"torch.save wrote (it starts with b'{{\\n \"'); expected a "
                                 f"checkpoint's state.pt or an exported model.pt.\n"), proc.stderr
-    # A pointer naming a checkpoint that is gone (deleted by hand): it was read as a checkpoint
-    # directory itself ("manifest.json is missing ... NotADirectoryError").
+    # A pointer naming a checkpoint that is gone (deleted by hand): named as such, not read as a
+    # checkpoint directory itself ("manifest.json is missing ... NotADirectoryError").
     copy = tmp_path / "copy"
     shutil.copytree(ckpts, copy)
     (copy / "latest").write_text("step_00000099")

@@ -141,15 +141,15 @@ def test_corrupt_newest_checkpoint_is_skipped_and_run_ends_identical(tmp_path, c
 
 # ---------------------------------------------------------------------------- 2. all invalid
 def test_a_manifest_of_another_shape_is_a_reason_to_skip_not_a_traceback(tmp_path):
-    # "files": null or a list was an AttributeError out of run.resume=auto, which skips a
-    # checkpoint whose manifest is damaged in any other way.
+    # "files": null or a list is a reason to skip, as any other damage to a manifest is for
+    # run.resume=auto, not an AttributeError out of it.
     from loop.checkpoint import store
 
     for files in (None, [1], "state.pt"):
         (tmp_path / store.MANIFEST).write_text(json.dumps({"files": files}))
         assert store.verify(tmp_path).startswith(f"{store.MANIFEST} is missing, unreadable "
                                                       f"or malformed ("), files
-    # Emptied by hand with state.pt deleted, it verified, and the resume exited 2 instead of
+    # Emptied by hand with state.pt deleted, it must not verify, or the resume exits 2 instead of
     # going on to the next checkpoint.
     (tmp_path / store.MANIFEST).write_text(json.dumps({"files": {}}))
     assert store.verify(tmp_path) == f"{store.MANIFEST} lists no state.pt"
@@ -280,7 +280,8 @@ def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cac
 
 def test_resume_never_onto_a_mirror_holding_checkpoints_exits_2_and_changes_nothing(tmp_path, cache):
     # The mirror keeps what checkpoints/ keeps: a fresh run on a mirror that holds another run's
-    # checkpoints deleted them at its first copy, as it would overwrite a run.out_dir's.
+    # checkpoints would delete them at its first copy, as it would overwrite a run.out_dir's. So it
+    # exits 2 and leaves the mirror as it is.
     bucket = tmp_path / "bucket"
     train_here(tmp_path / "first", cache, *BASE, "run.resume=never", f"run.mirror={bucket}")  # empty: fine
     before = snapshot(bucket)
@@ -302,7 +303,7 @@ def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert proc.stderr == (f"error: run.resume={missing}: no such file or directory; expected a "
-                           f"checkpoint directory.\n")  # it said manifest.json was missing
+                           f"checkpoint directory.\n")  # not "manifest.json is missing"
     assert not out.exists(), "nothing is written on the bad-input path"
     proc = train_here(out, cache, *BASE, "run.resume=", check=False)
     assert proc.returncode == 2 and proc.stderr == ("error: config key run.resume is empty; expected "
@@ -352,8 +353,8 @@ def test_every_write_is_synced_before_it_takes_its_name_and_its_directory_after(
 
 
 def test_ctrl_c_in_a_file_write_keeps_the_old_file_and_leaves_no_part(tmp_path, monkeypatch):
-    # summary.json, model.pt: a Ctrl-C mid-write left `.model.pt.tmp-<pid>` behind for good (the
-    # next write, another process, uses another name).
+    # summary.json, model.pt: a Ctrl-C mid-write must not leave `.model.pt.tmp-<pid>` behind, where
+    # it would stay for good (the next write, another process, uses another name).
     from loop.checkpoint import atomic
 
     (tmp_path / "model.pt").write_bytes(b"old")
@@ -407,7 +408,7 @@ def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identica
         tmp_path, cache, killed, reference):
     # The resumed run rewrites metrics.jsonl up to step 30, then its step-31 record meets a limit
     # just past that size: the kernel writes the part that fits and refuses the rest, before any
-    # checkpoint is due. The rerun must read past that half line (it was a JSONDecodeError).
+    # checkpoint is due. The rerun must read past that half line, not fail on it (JSONDecodeError).
     out = tmp_path / "run"
     shutil.copytree(killed, out)
     kept = sum(len(json.dumps(r)) + 1 for r in metrics(out) if r["step"] <= 30)
@@ -431,8 +432,8 @@ def test_a_log_line_cut_short_by_a_full_disk_exits_3_and_the_rerun_ends_identica
 @pytest.mark.slow
 def test_a_tensorboard_write_refused_exits_3_in_one_line_naming_its_directory(tmp_path, cache, reference):
     # TensorBoard's event file grows faster than metrics.jsonl (550 vs 330 bytes a step here), so
-    # it meets the limit first, on TensorBoard's own writer thread. That thread's traceback was
-    # printed into the exit-3 message, which named no file. (`reference`: the data cache is ready;
+    # it meets the limit first, on TensorBoard's own writer thread. The exit-3 message names the
+    # file, in one line, without that thread's traceback. (`reference`: the data cache is ready;
     # its corpus is larger than the limit.)
     out = tmp_path / "run"
     proc = run_with_file_limit(6000, out, cache, "train.max_steps=60", "train.ckpt_every=1000",
@@ -460,8 +461,8 @@ def test_keep_last_2_keeps_exactly_the_two_newest(tmp_path, cache):
 
 def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
     # A resume back in time (run.resume=PATH in the same run.out_dir) saves steps older than the
-    # run before left there. Retention counted by step and deleted the new checkpoint at once: the
-    # resumed run had none of its own, and `latest` named a directory that was gone.
+    # earlier run left there. Retention counting by step would delete the new checkpoint at once:
+    # the resumed run would have none of its own, and `latest` would name a directory that is gone.
     from loop.checkpoint import store
 
     def save(step, keep_last):
@@ -476,7 +477,8 @@ def test_retention_never_deletes_the_checkpoint_it_just_wrote(tmp_path):
 
 
 def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
-    # Unpickled as opcodes, text was an IndexError traceback or "a pickle that would run code".
+    # Named, not unpickled: as opcodes, text gives an IndexError traceback or "a pickle that would
+    # run code".
     from loop.checkpoint import store
     from loop.errors import BadInput
 
@@ -489,8 +491,8 @@ def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
 
 
 def test_a_run_whose_checkpoints_were_deleted_is_not_started_over(tmp_path, cache):
-    # Only `latest` (and `best`) left in checkpoints/: the run started over from step 0 without a
-    # word and overwrote the run's metrics.jsonl, summary.json and model.pt.
+    # Only `latest` (and `best`) left in checkpoints/: exit 2, nothing changed. Started over from
+    # step 0 without a word, the run would overwrite its metrics.jsonl, summary.json and model.pt.
     out = tmp_path / "run"
     train_here(out, cache, "train.max_steps=2", "train.ckpt_every=1")
     for step in (out / "checkpoints").glob("step_*"):
@@ -506,8 +508,9 @@ def test_a_run_whose_checkpoints_were_deleted_is_not_started_over(tmp_path, cach
 
 
 def test_a_checkpoint_directory_that_cannot_be_made_is_exit_3_not_a_traceback(tmp_path, cache):
-    # Making checkpoints/ (or its temporary step directory) was outside the save's handling of
-    # write errors: a file in the way, or a directory the user cannot write, was a traceback (exit 1).
+    # Making checkpoints/ (or its temporary step directory) is inside the save's handling of write
+    # errors: a file in the way, or a directory the user cannot write, is exit 3, not a traceback
+    # (exit 1).
     out = tmp_path / "run"
     train_here(out, cache, "train.max_steps=1")
     shutil.rmtree(out / "checkpoints")

@@ -94,7 +94,8 @@ def test_out_of_range_and_bad_choice():
         "config key data.markov.tokens: expected a value >= 1000, got 999."
     assert bad(["train.precision=fp8"]) == \
         "config key train.precision: expected one of auto, bf16, fp16, fp32; got 'fp8'."
-    # Seeds NumPy takes (0 to 2**32 - 1): these were its ValueError tracebacks after the checks.
+    # Seeds NumPy takes (0 to 2**32 - 1): checked here, or NumPy's ValueError tracebacks come after
+    # the checks.
     assert bad(["run.seed=-1"]) == "config key run.seed: expected a value >= 0, got -1."
     assert bad(["run.seed=4294967296"]) == \
         "config key run.seed: expected a value <= 4294967295, got 4294967296."
@@ -105,8 +106,8 @@ def test_out_of_range_and_bad_choice():
 
 
 def test_a_float_key_refuses_nan_and_infinity(tmp_path):
-    # nan passes every bound (nan < 0 is False): optim.lr=nan reached AdamW's ValueError, and
-    # train.clip_grad=nan, ema.decay=nan or schedule.min_lr_ratio=nan trained on without a word.
+    # nan passes every bound (nan < 0 is False): unrefused, optim.lr=nan reaches AdamW's ValueError,
+    # and train.clip_grad=nan, ema.decay=nan or schedule.min_lr_ratio=nan train on without a word.
     for text in ("nan", "inf", "-inf"):
         assert bad([f"train.clip_grad={text}"]) == \
             f"config key train.clip_grad: expected a finite number, got '{text}'."
@@ -124,23 +125,24 @@ def test_upper_bounds_and_list_elements():
     assert bad(["schedule.min_lr_ratio=2"]) == \
         "config key schedule.min_lr_ratio: expected a value <= 1.0, got 2.0."
     assert bad(["optim.betas.1=1"]) == "config key optim.betas.1: expected a value < 1.0, got 1.0."
-    # AdamW divides by sqrt(v) + eps: with eps 0 a weight whose gradient is 0 became NaN at the
-    # first step (any optim.lr, 0 too), and the run skipped every step after it.
+    # AdamW divides by sqrt(v) + eps: with eps 0 a weight whose gradient is 0 becomes NaN at the
+    # first step (any optim.lr, 0 too), and the run skips every step after it.
     assert bad(["optim.eps=0"]) == "config key optim.eps: expected a value > 0.0, got 0.0."
     assert bad(["optim.betas=[0.9, -0.1]"]) == \
         "config key optim.betas.1: expected a value >= 0.0, got -0.1."
     assert bad(["optim.betas=[0.9]"]) == \
         "config key optim.betas: expected a list of 2 values, got [0.9] (list)."
     cfg = load_config(DEFAULT, ["model.dropout=1", "ema.decay=1", "optim.betas=[0, 0.999]", "optim.eps=1e-30"])
-    # The Markov chain is a dense vocab x vocab matrix: 10**20 was numpy's ValueError after the checks.
+    # The Markov chain is a dense vocab x vocab matrix: 10**20 is refused here, not left to numpy's
+    # ValueError after the checks.
     assert bad(["data.name=markov", "data.markov.vocab_size=99999999999999999999"]) == \
         "config key data.markov.vocab_size: expected a value <= 1024, got 99999999999999999999."
     assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas, cfg.optim.eps) == (1.0, 1.0, [0.0, 0.999], 1e-30)
 
 
 def test_integers_are_decimal_in_files_and_overrides(tmp_path):
-    # YAML 1.1 reads 010 as 8 (octal) and 1:30 as 90 (base 60): train.max_steps=010 trained 8 steps,
-    # and seed: 0042 in a file recorded seed 34.
+    # YAML 1.1 reads 010 as 8 (octal) and 1:30 as 90 (base 60): read that way, train.max_steps=010
+    # would train 8 steps, and seed: 0042 in a file would record seed 34.
     for text in ("010", "1:30", "0x10"):
         assert bad([f"train.max_steps={text}"]) == f"config key train.max_steps: expected int, got '{text}' (str)."
     f = tmp_path / "c.yaml"
@@ -151,7 +153,8 @@ def test_integers_are_decimal_in_files_and_overrides(tmp_path):
 
 
 def test_none_words_for_a_key_whose_none_is_empty_are_refused():
-    # run.mirror=none mirrored into ./none, and the next run on that "mirror" continued from it.
+    # Taken as a path, run.mirror=none would mirror into ./none, and the next run on that "mirror"
+    # would continue from it.
     for key in ("run.mirror", "run.init_from", "data.path", "data.url"):
         for word in ("none", "None", "null", "off", "false"):
             assert bad(["data.name=mnist", f"{key}={word}"]) == (f"config key {key}: {word!r} would be taken as a path called "
@@ -160,7 +163,8 @@ def test_none_words_for_a_key_whose_none_is_empty_are_refused():
 
 
 def test_a_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, monkeypatch):
-    # Given through make's ARGS or a YAML file, no shell expanded it: a directory named ~ was made here.
+    # Given through make's ARGS or a YAML file, no shell expands it: the loop does, so no directory
+    # named ~ is made here.
     monkeypatch.setenv("HOME", str(tmp_path))
     cfg = load_config(DEFAULT, ["run.out_dir=~/runs/a", "data.cache_dir=~/cache", "run.mirror=~/bucket"])
     assert (cfg.run.out_dir, cfg.data.cache_dir, cfg.run.mirror) == (
@@ -175,7 +179,8 @@ def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
                                        f"or a path where one can be made.")
         assert bad([f"{key}={f}/sub/dir"]).startswith(f"config key {key}={f}/sub/dir: {f} is a file;")
         assert bad([f"{key}="]) == f"config key {key}: expected a directory path, got ''."
-    # A link to a directory not there (an unmounted disk): mkdir met it, a FileExistsError traceback.
+    # A link to a directory not there (an unmounted disk): named, not left to mkdir, which meets it
+    # with a FileExistsError traceback.
     (tmp_path / "link").symlink_to(tmp_path / "gone")
     for key in ("run.out_dir", "data.cache_dir"):
         for path in (tmp_path / "link", tmp_path / "link" / "run"):
@@ -184,7 +189,7 @@ def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
                 f"which does not exist; expected a directory, or a path where one can be made.")
     cfg = load_config(DEFAULT, [f"run.out_dir={tmp_path}/new/run", f"data.cache_dir={tmp_path}"])
     assert cfg.run.out_dir == f"{tmp_path}/new/run" and f.read_text() == "kept"
-    long = tmp_path / ("a" * 300)  # one name over the file system's 255 bytes: was an OSError traceback
+    long = tmp_path / ("a" * 300)  # one name over the file system's 255 bytes: not an OSError traceback
     for key in ("run.out_dir", "data.cache_dir"):
         assert bad([f"{key}={long}"]) == f"config key {key}={long}: File name too long; expected a directory path."
 
@@ -207,15 +212,16 @@ def test_malformed_yaml_names_file_and_line(tmp_path):
 
 
 def test_a_config_that_is_not_utf8_text_names_the_file(tmp_path):
-    # A binary file (or Latin-1 text) given as --config: a UnicodeDecodeError traceback, exit 1.
+    # A binary file (or Latin-1 text) given as --config: named, not a UnicodeDecodeError traceback
+    # (exit 1).
     f = tmp_path / "binary.yaml"
     f.write_bytes(b"train:\n  max_steps: 3\n\xff\xfe t: 1\n")
     assert bad(path=f) == f"config file {f}: byte 22 is not UTF-8 text; expected a YAML file."
 
 
 def test_a_key_given_twice_in_yaml_names_both_lines(tmp_path):
-    # YAML keeps the last of two equal keys without a word: a second `train:` section dropped
-    # every key of the first (here max_steps: 3 became the default).
+    # YAML keeps the last of two equal keys without a word: a second `train:` section would drop
+    # every key of the first (here max_steps: 3 would become the default).
     f = tmp_path / "twice.yaml"
     f.write_text(NAMES + "train:\n  max_steps: 3\noptim:\n  lr: 0.01\ntrain:\n  grad_accum: 2\n")
     assert bad(path=f) == (f"config file {f} line 9, column 1: malformed YAML (key 'train' given "
@@ -258,14 +264,15 @@ def test_a_config_file_given_without_config_flag_says_how_to_give_it():
 
 
 def test_a_key_with_nothing_after_the_equals_sign_says_so():
-    # It said "got None (NoneType)": YAML reads an empty value as null. A string key takes "".
+    # Said as an empty value, not "got None (NoneType)" (YAML reads an empty value as null). A
+    # string key takes "".
     assert bad(["train.max_steps="]) == "config key train.max_steps: expected int, got an empty value."
     assert load_config(DEFAULT, ["data.path="]).data.path == ""
 
 
 def test_help_lists_every_key_with_what_python_train_py_uses(capsys):
-    # The keys were in loop/config/schema.py only; --help showed --config and "overrides". Then it
-    # showed the dataclasses' defaults while the default config file set others (optim.lr).
+    # --help lists every key, not only --config and "overrides", with the value `python train.py`
+    # uses: the default config file's where it sets one, not the dataclasses' default.
     with pytest.raises(SystemExit) as e:
         parse_args(["--help"], DATASETS, MODELS)
     out = capsys.readouterr().out
@@ -289,8 +296,8 @@ def test_help_lists_every_key_with_what_python_train_py_uses(capsys):
 
 
 def test_the_default_config_sets_nothing_but_the_data_set_and_the_model():
-    # One source of defaults: the dataclasses. The default config file set optim.lr=2e-3 where they
-    # said 1e-3, and --help showed the second while `python train.py` used the first.
+    # One source of defaults: the dataclasses. A default config file that set optim.lr=2e-3 where
+    # they say 1e-3 would have --help show one value while `python train.py` uses the other.
     from loop.config.builders import options_of
     from loop.config.load import read
 
@@ -301,7 +308,7 @@ def test_the_default_config_sets_nothing_but_the_data_set_and_the_model():
 
 
 def test_config_given_twice_is_refused(capsys):
-    # argparse kept the last --config and dropped the first without a word.
+    # Left to argparse, the last --config would be kept and the first dropped without a word.
     with pytest.raises(SystemExit) as e:
         parse_args(["--config", "a.yaml", "train.max_steps=3", "--config", "b.yaml"], DATASETS, MODELS)
     assert e.value.code == 2
@@ -341,8 +348,8 @@ def test_yaml_values_are_loaded():
 
 
 def test_an_empty_config_file_is_refused_and_an_empty_section_gives_defaults(tmp_path):
-    # An empty file (or `0`, `~`) ran on the defaults, and into an existing run directory, which it
-    # resumed and changed.
+    # An empty file (or `0`, `~`) is refused: it would run on the defaults, also into an existing
+    # run directory, which it would resume and change.
     f = tmp_path / "c.yaml"
     for text, what in (("", "it is empty"), ("0\n", "it holds int '0'"), ("~\n", "it is empty"),
                        ("- a\n", "it holds list")):
@@ -408,9 +415,31 @@ def test_overrides_before_and_after_config():
 
 def test_changed_keys_names_keys_either_config_lacks():
     # A checkpoint from older (or newer) code: a key only one side has is a change, said at the
-    # resume; looking only at the checkpoint's keys missed the keys this code added since.
+    # resume; looking only at the checkpoint's keys would miss the keys this code added since.
     old = to_dict(Config())
     old["train"]["max_steps"] = 7
     del old["train"]["keep_last"]  # older code: no such key yet
     old["train"]["retired"] = 1  # newer code's key, gone here
     assert changed_keys(old, Config()) == ["train.keep_last", "train.max_steps", "train.retired"]
+
+
+def test_an_integer_longer_than_python_reads_is_exit_2_naming_the_key(tmp_path):
+    # 4,301 digits is past Python's limit for reading an integer: a ValueError traceback, exit 1,
+    # from the override and from the YAML loader alike.
+    long = "1" * 4301
+    assert bad([f"train.max_steps={long}"]) == ("config key train.max_steps: expected an integer of at most "
+                                                "4,300 digits (Python reads no longer one); got one of 4,301 digits.")
+    assert bad([f"optim.lr={'1' * 100_000}"]).startswith("config key optim.lr: expected a finite number, got '111")
+    f = tmp_path / "c.yaml"
+    f.write_text(NAMES + f"train:\n  max_steps: {long}\n")
+    assert bad(path=f).startswith("config key train.max_steps: expected an integer of at most 4,300 digits")
+    assert load_config(DEFAULT, [f"train.max_steps={'9' * 20}"]).train.max_steps == int("9" * 20)
+
+
+def test_the_done_line_names_every_validation_metric(tmp_path, cache):
+    # A classifier's val_accuracy was in summary.json only; the console said "val 0.0512".
+    from conftest import train_here
+
+    proc = train_here(tmp_path / "run", cache, "train.max_steps=2")
+    done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
+    assert " | val_loss " in done and " | val " not in done, done

@@ -144,8 +144,8 @@ def test_models_and_data_sets_registered_beside_ones_own_train_and_are_verified(
     summary = json.loads((project / "runs" / "blobs" / "summary.json").read_text())
     assert summary["val_accuracy"] >= 0.9, summary  # four well-separated blobs: ~0.97 possible
     assert summary["best"]["metric"] == "val_accuracy"
-    # Weights and buffers are hashed, the EMA averages them: BatchNorm's 0-dim integer
-    # num_batches_tracked broke the hash at the end of every such run.
+    # Weights and buffers are hashed, the EMA averages them: both must take BatchNorm's 0-dim
+    # integer num_batches_tracked, or the hash breaks at the end of every such run.
     assert len(summary["params_sha256"]) == len(summary["ema_params_sha256"]) == 64
     tests = make(project, "test-fast", "JOBS=1")
     assert tests.returncode == 0, tests.stdout + tests.stderr

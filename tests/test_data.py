@@ -103,9 +103,10 @@ def test_loader_workers_and_start_position(markov):
 
 
 def test_augmentation_is_a_function_of_the_sample_position(markov):
-    # A Dataset that augments from the global streams: before loop/data/seeded.py, DataLoader workers drew
-    # from streams reseeded at every iterator start and dealt round-robin, so workers=2 and a start
-    # mid-stream each gave other masks than workers=0 from the top (and a resumed run other ones).
+    # A Dataset that augments from the global streams: loop/data/seeded.py seeds each sample's draws
+    # from its position. DataLoader workers' own streams are reseeded at every iterator start and
+    # dealt round-robin: drawn from those, workers=2 and a start mid-stream would each give other
+    # masks than workers=0 from the top (and a resumed run other ones).
     from conftest import Mapped, augment
 
     ds = Mapped(markov.train, augment)
@@ -135,8 +136,9 @@ def test_augmentation_is_a_function_of_the_sample_position(markov):
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dataset_error_ends_the_run_with_its_traceback(tmp_path, cache, workers):
-    # With workers, the error's traceback kept the DataLoader iterator alive to the interpreter's
-    # exit, whose terminate cannot stop workers that ignore SIGTERM: train.py hung forever.
+    # With workers, the error's traceback must not keep the DataLoader iterator alive to the
+    # interpreter's exit, whose terminate cannot stop workers that ignore SIGTERM: train.py would
+    # hang forever.
     from conftest import ROOT, TINY
 
     cmd = [sys.executable, "tests/more_models.py", f"run.out_dir={tmp_path / 'run'}", *TINY,
@@ -166,8 +168,8 @@ def test_val_batches_fixed_and_rng_free(markov):
 def test_val_batches_give_every_rank_as_many_batches(markov):
     # 24 samples, batch 8, 2 batches asked: with 3 processes each rank evaluates 8 samples (one
     # batch); with 5, 4 each (24 // 5), so 20 of them. Handing out global batches slice by slice
-    # gave 4 processes of batch 4 8, 8, 4 and 4 samples: (2, 2, 1, 1) batches. Under FSDP, where each
-    # forward is a collective, ranks 0 and 1 waited forever in their second.
+    # would give 4 processes of batch 4 8, 8, 4 and 4 samples: (2, 2, 1, 1) batches. Under FSDP,
+    # where each forward is a collective, ranks 0 and 1 would wait forever in their second.
     def shares(batch, world):
         ranks = [val_batches(markov.val, batch, 2, 1337, r, world) for r in range(world)]
         return [[len(b["idx"]) for b in batches] for batches in ranks], ranks
@@ -214,8 +216,8 @@ class SizedStream(Stream):  # len() and (Dataset's, raising) [i]: only its class
      "the train split's samples 0 and 1 have different keys: x, y, idx and x, y, idx, mask;"),
 ])
 def test_a_dataset_that_breaks_the_sample_contract_is_named(train, said):
-    # These were a KeyError or TypeError from inside the loop, or, for a nested input, a device
-    # mismatch on a GPU only (tensors are moved to the device at a batch's top level).
+    # Named up front, not a KeyError or TypeError from inside the loop, or, for a nested input, a
+    # device mismatch on a GPU only (tensors are moved to the device at a batch's top level).
     data = Data(train, [sample(0)], vocab_size=2, seq_len=1)
     with pytest.raises(BadInput, match=f"data.name=mine: {re.escape(said)}"):
         check_samples(data, "mine")
@@ -224,7 +226,7 @@ def test_a_dataset_that_breaks_the_sample_contract_is_named(train, said):
 
 
 def test_samples_that_cannot_be_stacked_are_named_when_a_batch_meets_them():
-    # torch said "stack expects each tensor to be equal size, but got [2] at entry 0 and [3] at
+    # torch says "stack expects each tensor to be equal size, but got [2] at entry 0 and [3] at
     # entry 1" (in a worker: "Trying to resize storage that is not resizable"), naming no sample.
     with pytest.raises(ValueError, match=re.escape("data: samples 4 and 7 differ in the shape of 'x': "
                                                    "(2,) and (3,); a batch stacks its samples")):
@@ -298,7 +300,7 @@ def test_each_side_of_a_split_holds_at_least_two_tokens(n, fraction, n_val):
 
 @pytest.mark.parametrize("fraction", [1.0, 1.5])
 def test_a_held_out_fraction_of_1_or_more_names_its_bound(fraction):
-    # It said "splits 60 tokens into -30 for training and 90 for validation ... lower it".
+    # Not "splits 60 tokens into -30 for training and 90 for validation ... lower it".
     with pytest.raises(BadInput) as e:
         held_out(60, fraction)
     assert str(e.value) == (f"data: data.val_fraction={fraction}: expected a fraction below 1, the "
@@ -306,7 +308,7 @@ def test_a_held_out_fraction_of_1_or_more_names_its_bound(fraction):
 
 
 def test_a_text_of_65536_distinct_characters_is_prepared_and_one_more_is_refused(tmp_path):
-    # uint16 ids run 0-65535: all 65,536 fit (65,536 were refused: "uint16 holds 65535").
+    # uint16 ids run 0-65535: all 65,536 fit (not refused as "uint16 holds 65535").
     chars = [chr(c) for c in range(32, 0x20000) if not 0xD800 <= c < 0xE000][:65537]  # no surrogates
     text = "".join(chars[:65536]) * 2
     root = prepare_text(text, "wide", str(tmp_path), 0.5)
@@ -374,7 +376,8 @@ def test_prepare_command_prints_the_corpus_dir_and_exits_2_on_bad_input(tmp_path
 
 
 def test_prepare_command_refuses_a_nan_fraction_and_an_out_under_a_file(tmp_path, capsys):
-    # Were tracebacks, exit 1: `cannot convert float NaN to integer`, and NotADirectoryError.
+    # Exit 2 with a message, not tracebacks with exit 1 (`cannot convert float NaN to integer`,
+    # and NotADirectoryError).
     from data.prepare import main  # in this process: interpreters take seconds to start
 
     f = tmp_path / "corpus.txt"
@@ -401,8 +404,8 @@ def test_build_text_decode(tmp_path):
 
 
 def test_a_corpus_is_read_as_its_bytes_say(tmp_path):
-    # \r\n and \r were read as \n (newline translation): the model learnt a text the file does not
-    # hold, and metadata recorded a sha256 that was not the file's.
+    # \r\n and \r stay as they are: read as \n (newline translation), the model would learn a text
+    # the file does not hold, and metadata would record a sha256 that is not the file's.
     import hashlib
 
     f = tmp_path / "windows.txt"
@@ -494,7 +497,7 @@ def test_random_tokens_and_a_token_directory(tmp_path):
                                        ("text", "data.val_fraction")])
 def test_a_prepared_data_set_is_cached_by_every_option_that_shapes_it(tmp_path, name, key):
     # One data.cache_dir serves many runs: a cache keyed on fewer options than shape the files
-    # handed a run the split (or the tokens) another option value had prepared, without a word.
+    # would hand a run the split (or the tokens) another option value had prepared, without a word.
     small = {"random": ["data.synthetic.tokens=5000"], "markov": ["data.markov.tokens=5000"]}.get(name, [])
     a, b = (0.1, 0.3) if key == "data.val_fraction" else (0, 1)
 
@@ -510,8 +513,9 @@ def test_a_prepared_data_set_is_cached_by_every_option_that_shapes_it(tmp_path, 
 
 
 def test_a_prepared_cache_cut_short_or_overwritten_is_bad_input(tmp_path):
-    # train.bin cut to 1000 bytes trained on its 500 tokens without a word (metadata.json still
-    # said 418,614); random bytes of the right size were an IndexError in the embedding at step 1.
+    # Unchecked, train.bin cut to 1000 bytes trains on its 500 tokens without a word (metadata.json
+    # still says 418,614), and random bytes of the right size are an IndexError in the embedding at
+    # step 1.
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog\n" * 100)
     cfg = load_config(DEFAULT_CONFIG, [f"data.path={text}", f"data.cache_dir={tmp_path / 'cache'}",
@@ -530,13 +534,15 @@ def test_a_prepared_cache_cut_short_or_overwritten_is_bad_input(tmp_path):
         build_data(cfg)
     assert str(e.value).startswith(f"data: {train} holds token id 500, but {root / 'meta.json'} says "
                                    f"vocab_size ") and str(e.value).endswith(f"expected every id below it {again}")
-    # Edited in place, the same size and every id in range: it trained on other tokens, exit 0.
+    # Edited in place, the same size and every id in range: unchecked, it trains on other tokens,
+    # exit 0.
     train.write_bytes(np.zeros(len(full) // 2, dtype=np.uint16).tobytes())
     with pytest.raises(BadInput) as e:
         build_data(cfg)
     assert str(e.value) == (f"data: {root}'s train.bin and val.bin do not match the tokens_sha256 in its "
                             f"meta.json: edited since they were written {again}")
-    # A file deleted, or meta.json: said, with the same way out (a traceback; a cache that failed forever).
+    # A file deleted, or meta.json: said, with the same way out (not a traceback, and not a cache
+    # that fails forever).
     train.unlink()
     with pytest.raises(BadInput) as e:
         build_data(cfg)
@@ -549,8 +555,8 @@ def test_a_prepared_cache_cut_short_or_overwritten_is_bad_input(tmp_path):
 
 
 def test_token_data_names_its_directory_and_caches_name_their_whole_split(tmp_path):
-    # An empty data.path read the current directory; and a cache named with 6 digits of
-    # val_fraction (0.1000001 as 0.1) handed one split's cache to another split.
+    # An empty data.path must not read the current directory; and a cache named with 6 digits of
+    # val_fraction (0.1000001 as 0.1) would hand one split's cache to another split.
     with pytest.raises(BadInput) as e:
         build_data(data_options("tokens", path=""))
     assert str(e.value) == ("config key data.path (data.name=tokens): expected the directory holding "
@@ -574,8 +580,8 @@ def refused_token_dir(root: Path, meta: dict) -> str:
 
 @pytest.mark.parametrize("chars", [None, "abc"])
 def test_a_token_directory_of_kind_chars_needs_its_characters(tmp_path, chars):
-    # Without "chars": a KeyError. With too few: all steps trained, then an IndexError drawing the
-    # text sample at the first evaluation, and no model.pt.
+    # Refused up front. Unchecked: without "chars", a KeyError; with too few, all steps train, then
+    # an IndexError drawing the text sample at the first evaluation, and no model.pt.
     root = tmp_path / "tok"
     meta = {"vocab_size": 10, "kind": "chars", **({"chars": chars} if chars else {})}
     assert refused_token_dir(root, meta) == (f"data: {root / 'meta.json'} says kind chars, so expected "
@@ -591,8 +597,9 @@ def test_a_token_directory_whose_vocab_size_is_no_uint16_count_is_bad_input(tmp_
 
 
 def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_input(tmp_path):
-    # Another tokenizer's files: a token id >= vocab_size was an IndexError traceback at the step
-    # that first drew it (a device-side assert on CUDA), an odd byte count one in a DataLoader.
+    # Another tokenizer's files: unchecked, a token id >= vocab_size is an IndexError traceback at
+    # the step that first draws it (a device-side assert on CUDA), an odd byte count one in a
+    # DataLoader.
     root = tmp_path / "tok"
     root.mkdir()
     (root / "meta.json").write_text(json.dumps({"vocab_size": 10}))
@@ -629,8 +636,8 @@ def test_a_token_directory_s_vocab_size_may_be_a_string_of_digits(tmp_path):
 
 
 def test_an_empty_token_file_is_bad_input(tmp_path):
-    # An empty train.bin (a tokenizer that wrote nothing) was `ValueError: __len__() should return
-    # >= 0`: a window count of (0 - 1) // seq_len.
+    # An empty train.bin (a tokenizer that wrote nothing): named, not `ValueError: __len__() should
+    # return >= 0` from a window count of (0 - 1) // seq_len.
     root = tmp_path / "tok"
     root.mkdir()
     (root / "meta.json").write_text(json.dumps({"vocab_size": 10}))
@@ -647,7 +654,7 @@ def test_an_empty_token_file_is_bad_input(tmp_path):
     ("default.yaml", "data.url=http://127.0.0.1:9/m", "text", ["shakespeare", "mnist"]),
 ])
 def test_a_path_or_url_the_data_set_does_not_read_is_exit_2(tmp_path, capsys, config, key, name, readers):
-    # Was ignored: the random stream (or TinyShakespeare) trained in place of the files named.
+    # Not ignored: the random stream (or TinyShakespeare) would train in place of the files named.
     import train  # in this process: interpreters take seconds to start
 
     out = tmp_path / "run"
@@ -663,9 +670,9 @@ def test_a_path_or_url_the_data_set_does_not_read_is_exit_2(tmp_path, capsys, co
 
 
 def test_a_prepared_cache_this_user_cannot_write_is_read(tmp_path, monkeypatch):
-    # A shared cache, prepared once and then read-only (a lab's mount), was refused at the start
-    # (exit 2) though a run only reads it. A data set not prepared there is still exit 2 naming the
-    # key, before anything is written. os.access stands in for the mount: root may write anywhere.
+    # A shared cache, prepared once and then read-only (a lab's mount), is not refused at the start:
+    # a run only reads it. A data set not prepared there is exit 2 naming the key, before anything
+    # is written. os.access stands in for the mount: root may write anywhere.
     from conftest import train_here
 
     cache = tmp_path / "cache"

@@ -50,7 +50,7 @@ def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
     # Every rank's file is in the manifest: verified at a resume, and copied by run.mirror.
     files = json.loads((ckpt / "manifest.json").read_text())["files"]
     assert sorted(files) == ["rng_rank0.pt", "rng_rank1.pt", "state.pt"]
-    # Each rank its own random streams: seeded alike, the ranks drew the same dropout masks.
+    # Each rank its own random streams: seeded alike, the ranks would draw the same dropout masks.
     r0, r1 = (torch.load(ckpt / f"rng_rank{r}.pt", weights_only=True) for r in (0, 1))
     assert not torch.equal(r0["torch"], r1["torch"]) and r0["python"] != r1["python"]
     assert not torch.equal(r0["numpy"]["keys"], r1["numpy"]["keys"])
@@ -59,8 +59,9 @@ def test_two_processes_equal_one_with_twice_the_batch(one_proc, two_proc):
 @pytest.mark.slow
 def test_ranks_holding_different_target_counts_still_equal_one_process(tmp_path, cache):
     # Each rank divides its summed loss by the step's target count over all ranks. With every
-    # sample holding seq_len targets, its own count times the world size is the same number, and
-    # every test passed with that bug: here each sample has another count (padding-like masks).
+    # sample holding seq_len targets, its own count times the world size is the same number, so
+    # only uneven counts tell the two apart: here each sample has another count (padding-like
+    # masks).
     def run(out, nproc, batch):
         cmd = train_cmd(out, cache, "train.max_steps=6", "model.dropout=0", "data.log_ids=true",
                         "data.name=text_masked", f"data.batch_size={batch}", nproc=nproc)
@@ -125,7 +126,7 @@ def test_ddp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, two_proc, asyn
 @pytest.mark.slow
 def test_ddp_with_dropout_sigkill_then_rerun_is_bit_identical(tmp_path, cache):
     # Every rank gets its own random streams back. The runs above train without dropout (DIST), so
-    # nothing draws from rank 1's streams: every rank restoring rank 0's passed them all.
+    # nothing draws from rank 1's streams: every rank restoring rank 0's would pass them all.
     args = [*STEPS, "model.dropout=0.1"]
     ref, out = tmp_path / "ref", tmp_path / "run"
     run_train(ref, cache, *args, nproc=2)
@@ -203,7 +204,7 @@ def test_a_nan_on_one_rank_rolls_every_rank_back_past_the_global_window(tmp_path
     # window: the one at position 192 (12 steps x 16 samples, both ranks') is never trained on.
     assert [r["ids"] for r in recs] == [r["ids"] for r in ref[:12] + ref[13:]] + [recs[-1]["ids"]]
     # The position counts both ranks' samples, the window passed over too: a resume continues
-    # from it. Counting one rank's alone, it fell 8 behind the data the ranks had drawn.
+    # from it. Counting one rank's alone, it would fall 8 behind the data the ranks had drawn.
     assert [r["samples"] for r in recs] == [16 * k for k in [*range(1, 13), *range(14, 22)]]
     assert summary(out)["rollbacks"] == 1 and summary(out)["steps"] == 20
 
@@ -249,8 +250,8 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
 @pytest.mark.slow
 def test_workers_whose_torchrun_is_gone_save_and_stop(tmp_path, cache, two_proc):
     # SIGUSR1 to torchrun itself (not its workers): torchrun does not handle it and dies at once.
-    # Its workers used to train on to the end unsupervised, with nobody to stop or restart them or
-    # read their exit codes. Now they notice at the next step, checkpoint and exit as preempted.
+    # Its workers notice at the next step, checkpoint and exit as preempted, rather than train on to
+    # the end unsupervised, with nobody to stop or restart them or read their exit codes.
     out = tmp_path / "run"
     code, printed = jobs.run_until(train_cmd(out, cache, *STEPS, nproc=2), 5, signal.SIGUSR1, cwd=ROOT)
     # run_until read to the end of the output: the workers, which hold the pipe, have exited too.
@@ -325,8 +326,8 @@ def test_a_half_set_launch_environment_exits_2_naming_the_variables(tmp_path, en
 @pytest.mark.slow
 def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(tmp_path, cache):
     # DDP without find_unused_parameters leaves the bucket of a parameter that got no gradient
-    # unreduced, and its next forward raised a RuntimeError that names a keyword argument users
-    # could not pass: there was no config key for it.
+    # unreduced, and its next forward raises a RuntimeError that names a keyword argument: the run
+    # names the parameters and the config key that passes it (train.find_unused_parameters).
     def launch(out, *extra):
         return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                "--nproc_per_node=2", "tests/more_models.py", f"run.out_dir={out}", *TINY,
@@ -346,8 +347,9 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
 
 def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
     # A rank the checkpoint has no RNG file for (more processes than saved it) is seeded from the
-    # run's seed, its rank and the step (loop/checkpoint/state.py): with the step left out, rank 1 resumed at
-    # step 20 replayed the dropout masks every rank 1 draws from step 1, and every test passed.
+    # run's seed, its rank and the step (loop/checkpoint/state.py): with the step left out, rank 1
+    # resumed at step 20 would replay the dropout masks every rank 1 draws from step 1, which no
+    # end-to-end test notices.
     seeds = {rank_seed(1337, r, s) for r in range(4) for s in (0, 20, 40)}
     assert len(seeds) == 12 and 1337 not in seeds
 
@@ -355,8 +357,8 @@ def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
 @pytest.mark.slow
 def test_processes_with_different_configs_exit_2_naming_the_keys(tmp_path, cache):
     # Each node reads its own config file, overrides and .env: with optim.lr apart the replicas
-    # trained apart without a word (only rank 0's weights are saved), and with train.max_steps
-    # apart the run hung at rank 0's end.
+    # would train apart without a word (only rank 0's weights are saved), and with train.max_steps
+    # apart the run would hang at rank 0's end.
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

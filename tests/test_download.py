@@ -104,7 +104,8 @@ def test_checksum_mismatch_leaves_nothing(server, tmp_path):
 
 
 def test_a_connection_dropped_mid_file_is_named_as_such(server, tmp_path):
-    # It was reported as a checksum mismatch, as if the mirror served another file.
+    # Named as a dropped connection, not as a checksum mismatch, as if the mirror served another
+    # file.
     server.files["/blob.bin"], server.cut["/blob.bin"] = BLOB, 1_250_000
     with pytest.raises(BadInput) as e:
         fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, tmp_path / "cache")
@@ -135,7 +136,8 @@ def test_falls_back_to_the_next_url(server, dead_url, tmp_path):
 def test_a_full_disk_is_not_blamed_on_the_url(server, tmp_path):
     # A real refused write, in this process: a file-size limit (soft, put back after) below the
     # file's size makes the kernel refuse the write (EFBIG; Python ignores SIGXFSZ), as ENOSPC would.
-    # It was reported as the URL failing, the next mirror tried, and exit 2 blaming the network.
+    # Named as a refused write, not as the URL failing, the next mirror tried, and exit 2 blaming
+    # the network.
     import errno
     import resource
 

@@ -73,8 +73,8 @@ def test_fsdp_trains_like_ddp(fsdp_run, two_proc):
 @pytest.mark.slow
 def test_fsdp_draws_the_dropout_masks_ddp_draws(tmp_path, cache):
     # The ranks' streams are seeded after the model is built: under FSDP every rank but 0 builds on
-    # the meta device and draws no initial weights, so rank 1's dropout masks differed from DDP's
-    # from step 1 on (losses 0.1% apart).
+    # the meta device and draws no initial weights, so seeded before, rank 1's dropout masks would
+    # differ from DDP's from step 1 on (losses 0.1% apart).
     for strategy in ("ddp", "fsdp"):
         run_train(tmp_path / strategy, cache, "train.max_steps=3", "model.dropout=0.2",
                   f"train.strategy={strategy}", nproc=2)
@@ -100,16 +100,16 @@ def setup_ranks(cache, *overrides: str) -> dict[int, dict]:
 def test_only_rank_0_builds_whole_weights_in_host_memory(cache):
     # Rank 1 builds the model on the meta device and every rank builds the EMA copy there, so rank
     # 0's peak host memory after setup is above rank 1's by about one model (seen: 92 MB of 101),
-    # and the EMA adds only its shard to rank 0 (seen: 51 MB; a whole copy, 100 MB, when it was
-    # deep-copied with weights). Thresholds at half and three quarters of the model's size leave
-    # room for allocator noise (the peaks of equal work came out within 1 MB of each other).
+    # and the EMA adds only its shard to rank 0 (seen: 51 MB; a whole copy, deep-copied with
+    # weights, adds 100 MB). Thresholds at half and three quarters of the model's size leave room
+    # for allocator noise (the peaks of equal work come out within 1 MB of each other).
     plain, ema = setup_ranks(cache), setup_ranks(cache, *EMA)
     model_kib = plain[0]["model_bytes"] / 1024
     for ranks in (plain, ema):
         assert ranks[0]["peak_kib"] - ranks[1]["peak_kib"] > model_kib / 2, ranks
     assert ema[0]["peak_kib"] - plain[0]["peak_kib"] < model_kib * 3 / 4, (plain, ema)
-    # The peak alone no longer tells: rank 0's deep copy with weights now fits in memory the build
-    # freed (seen: 507 MB with it, 503 without; building rank 0's EMA with weights passed).
+    # The peak alone does not tell: rank 0's deep copy with weights fits in memory the build freed
+    # (seen: 507 MB with it, 503 without), so the device the EMA copy is built on is checked too.
     assert ema[0]["ema_built_on"] == ema[1]["ema_built_on"] == ["meta"], ema
     # A buffer in no state_dict (persistent=False) is rank 0's on every rank, in the EMA copy too.
     for rank in (0, 1):
@@ -119,13 +119,13 @@ def test_only_rank_0_builds_whole_weights_in_host_memory(cache):
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_no_gloo_thread_outlives_the_run(tmp_path, cache, strategy):
-    # FSDP's DeviceMeshes hold their process groups and DTensor's caches hold the meshes, so the
-    # groups' gloo threads used to run on into interpreter shutdown, where one still letting go of
-    # a collective's tensors aborted its rank after a finished run ("terminate called without an
-    # active exception"; 2 of 4 suite runs with two pytest workers lost an FSDP test to it). With
-    # async_save the saver's own group is in the run too. Finding the meshes printed no warning
-    # (it once printed torch's FutureWarning for reduce_op, 4 lines a rank, at the end of a run).
-    # Under DDP too: torch._dynamo imported after the group was made (by the optimizer) kept it.
+    # FSDP's DeviceMeshes hold their process groups and DTensor's caches hold the meshes, so
+    # unless they are let go the groups' gloo threads run on into interpreter shutdown, where one
+    # still letting go of a collective's tensors aborts its rank after a finished run ("terminate
+    # called without an active exception"; in 2 of 4 suite runs with two pytest workers). With
+    # async_save the saver's own group is in the run too. Finding the meshes prints no warning (not
+    # torch's FutureWarning for reduce_op, 4 lines a rank, at the end of a run). Under DDP too:
+    # torch._dynamo, imported after the group is made (by the optimizer), keeps it.
     proc = subprocess.run([*jobs.train_cmd([], nproc=2)[:-1], "tests/exit_threads.py",
                            f"run.out_dir={tmp_path}", *TINY, cache, *DIST, f"train.strategy={strategy}",
                            "train.max_steps=2",
@@ -142,8 +142,8 @@ def test_no_gloo_thread_outlives_the_run(tmp_path, cache, strategy):
 @pytest.mark.slow
 @pytest.mark.parametrize("machine", ["same", "new"])
 def test_fsdp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_run, machine):
-    # "new": run.out_dir gone, the checkpoint comes from run.mirror. Its DCP `.metadata` was
-    # refused as a file "outside its dir", and the run started over from step 0 without an error.
+    # "new": run.out_dir gone, the checkpoint comes from run.mirror. Its DCP `.metadata` must not
+    # be refused as a file "outside its dir", or the run starts over from step 0 without an error.
     out, mirror = tmp_path / "run", f"run.mirror={tmp_path / 'bucket'}"
     code, printed = run_and_signal(out, 12, cache, *FSDP, mirror, nproc=2, group=True)
     assert code == -signal.SIGKILL and not (out / "summary.json").exists(), printed
@@ -161,14 +161,14 @@ def test_fsdp_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsdp_run, mac
 @pytest.mark.slow
 @pytest.mark.parametrize("model", ["gpt_bn", "gpt_spare", "gpt_bf16"])
 def test_fsdp_users_models_sigkill_then_rerun_is_bit_identical(tmp_path, cache, model):
-    # gpt_bn: FSDP shards parameters only: each rank's BatchNorm running statistics drifted its
-    # own way, and the sharded checkpoint kept one copy, so after a resume rank 1 evaluated with
-    # other statistics than in the uninterrupted run. Rank 0's buffers now reach every rank before
-    # each forward (as under DDP) and before each save.
+    # gpt_bn: FSDP shards parameters only: left alone, each rank's BatchNorm running statistics
+    # drift their own way, and the sharded checkpoint keeps one copy, so after a resume rank 1
+    # would evaluate with other statistics than in the uninterrupted run. Rank 0's buffers reach
+    # every rank before each forward (as under DDP) and before each save.
     # gpt_spare: a parameter that never gets a gradient has no optimizer state, so the sharded
-    # checkpoint holds none for it, and the resume failed: "Missing key in checkpoint state_dict:
-    # optimizer.state.spare.weight.step" (the optimizer torch builds to load into has state for
-    # every parameter). It now loads what was saved and no more: the final shards are byte-equal.
+    # checkpoint holds none for it, while the optimizer torch builds to load into has state for
+    # every parameter ("Missing key in checkpoint state_dict: optimizer.state.spare.weight.step").
+    # The resume loads what was saved and no more: the final shards are byte-equal.
     # gpt_bf16, with EMA: its average is float32 (loop/ema.py), sharded from rank 0's bf16 weights,
     # saved and loaded beside the bf16 shards of the model.
     ema = ["ema.enabled=true"] if model == "gpt_bf16" else []
@@ -262,8 +262,9 @@ def test_train_py_refuses_it_with_exit_2_before_writing(tmp_path, cache):
     ("gpt_scalar", "FSDP cannot shard a parameter of shape (): temperature; make it a tensor of shape (1,)"),
     ("gpt_shared", "the module blocks.1 is blocks.0 (one module at two places, its weights shared)")])
 def test_what_fsdp_cannot_shard_is_exit_2_naming_it_before_writing(tmp_path, cache, model, said):
-    # Both were PyTorch's traceback on every rank, from inside fully_shard (a parameter of shape ())
-    # or from the distributed state dict loading rank 0's weights (one module at two places).
+    # Named before anything is written, not PyTorch's traceback on every rank, from inside
+    # fully_shard (a parameter of shape ()) or from the distributed state dict loading rank 0's
+    # weights (one module at two places).
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, *FSDP,
@@ -287,8 +288,9 @@ def test_compiled_fsdp_trains_like_uncompiled(tmp_path, cache, fsdp_run):
 
 @pytest.mark.slow
 def test_fsdp_with_nan_policy_rollback_trains_like_fsdp_without_it(tmp_path, cache, fsdp_run):
-    # rollback's checkpoint of step 0 made DCP build the optimizer's state with a step of its own
-    # (lr 0, zero gradients), which AdamW counted: the losses parted from step 2 on, with no NaN.
+    # rollback's checkpoint of step 0 must not make DCP build the optimizer's state with a step of
+    # its own (lr 0, zero gradients): AdamW would count it, and the losses would part from step 2
+    # on, with no NaN.
     out = tmp_path / "run"
     run_train(out, cache, *FSDP, "train.nan_policy=rollback", nproc=2)
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(fsdp_run)]
@@ -358,12 +360,12 @@ def test_fsdp_ema_async_sigkill_then_rerun_is_bit_identical(tmp_path, cache, fsd
 @pytest.mark.slow
 def test_fsdp_ema_survives_evaluations_that_write_no_checkpoint(tmp_path, cache, fsdp_ema):
     # FSDP keeps the root module's weights unsharded after a forward (for the backward that
-    # follows in training); the EMA copy has no backward, so after its evaluation they stayed
-    # whole, and the next EMA update met whole tensors against the model's shards: "The size of
-    # tensor a (4) must match the size of tensor b (2)". Only a checkpoint (its state_dict)
-    # resharded them, so the crash came at the first evaluation that was neither a checkpoint
-    # step nor a new best (found with the CNN, whose weights are all in the root). best_mode=max
-    # on a falling val_loss: the evaluations at 2, 4, 6, 8, 12, ... write none.
+    # follows in training); the EMA copy has no backward, so after its evaluation they stay whole
+    # unless resharded, and the next EMA update meets whole tensors against the model's shards:
+    # "The size of tensor a (4) must match the size of tensor b (2)". A checkpoint (its
+    # state_dict) reshards them, so the crash would come at the first evaluation that is neither a
+    # checkpoint step nor a new best (as with the CNN, whose weights are all in the root).
+    # best_mode=max on a falling val_loss: the evaluations at 2, 4, 6, 8, 12, ... write none.
     out = tmp_path / "run"
     run_train(out, cache, *FSDP, *EMA, "train.eval_every=2", "train.best_mode=max", nproc=2)
     # Evaluating changes nothing in training, nor in the average.
@@ -413,8 +415,8 @@ def test_fsdp_mixed_precision_sigkill_then_rerun_is_bit_identical(tmp_path, cach
 def test_fsdp_mixed_precision_reduces_the_gradients_in_float32(cache):
     # The policy computes in bf16, so each rank's gradients are bf16 values; summed over the ranks
     # in float32 they need more than bf16's 8 significant bits. Reduced in bf16 (reduce_dtype left
-    # to follow param_dtype), every value was bf16's again: precision lost at every step, more of
-    # it the more ranks. Seen: 7,371,518 and 7,475,576 of each rank's 12,621,824 need the extra
+    # to follow param_dtype), every value would be bf16's again: precision lost at every step, more
+    # of it the more ranks. Seen: 7,371,518 and 7,475,576 of each rank's 12,621,824 need the extra
     # bits (0 and 0 reduced in bf16); the rest are sums that fit in 8 bits (values of about one size).
     ranks = setup_ranks(cache, "train.precision=bf16", "train.fsdp_mixed_precision=true")
     n = ranks[0]["model_bytes"] // 4 // 2  # float32 values in one rank's half of the weights

@@ -127,8 +127,9 @@ def test_devices_picks_gpus_by_uuid_under_their_labels():
     ({"LOCAL_WORLD_SIZE": "2"}, "cuda:0", {0: "GPU-aa", 1: "GPU-ab"}),  # torchrun: the node's processes'
     ({}, "cpu", None)])
 def test_a_run_samples_the_gpus_its_processes_train_on(monkeypatch, env, device, want):
-    # The sampler summed every GPU NVML saw: on a shared machine (CUDA_VISIBLE_DEVICES=3), the other
-    # jobs' energy too. CUDA faked: its device i has the UUID "a" + "abcd"[i].
+    # Only the run's own GPUs: summing every GPU NVML sees would count, on a shared machine
+    # (CUDA_VISIBLE_DEVICES=3), the other jobs' energy too. CUDA faked: its device i has the UUID
+    # "a" + "abcd"[i].
     from types import SimpleNamespace
 
     import torch
@@ -270,8 +271,9 @@ def test_a_run_logs_what_nvml_reads_and_sums_up_its_energy(tmp_path, cache, monk
 
 
 def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkeypatch):
-    # On an H200 a 10-step run ended before the sampler's first tick (1 s): summary.json said
-    # energy_j 0. The energy the run used after the sampler's last reading counts too.
+    # The energy the run used after the sampler's last reading counts too: a short run (10 steps
+    # on an H200) ends before the sampler's first tick (1 s), and its summary.json would say
+    # energy_j 0.
     import functools
 
     import torch

@@ -57,8 +57,9 @@ def mask_even(i: int, item: dict) -> dict:
 
 
 def test_a_step_without_targets_is_skipped_and_nothing_moves(tmp_path, cache, capsys):
-    # Its loss is 0/0: it was a ZeroDivisionError traceback (and, read as non-finite, it would
-    # have met nan_policy=abort). A step with some masked samples trains on the rest as usual.
+    # Its loss is 0/0: skipped, not a ZeroDivisionError traceback (and not read as non-finite,
+    # which would meet nan_policy=abort). A step with some masked samples trains on the rest as
+    # usual.
     from conftest import TINY, build_trainer
 
     out = tmp_path / "run"
@@ -116,8 +117,8 @@ def test_an_fp16_overflow_is_skipped_and_counted_apart_from_non_finite_steps(tmp
 
 def test_a_non_finite_loss_under_fp16_meets_the_nan_policy_not_the_scaler(tmp_path, cache):
     # Gradients that overflow fp16 are the GradScaler's to skip; a loss that is not finite is the
-    # model's or the data's fault whatever the precision. It was counted as an overflow and
-    # skipped, so train.nan_policy=abort never stopped an fp16 run diverging.
+    # model's or the data's fault whatever the precision. Counted as an overflow and skipped, it
+    # would never let train.nan_policy=abort stop an fp16 run diverging.
     from conftest import TINY, build_trainer
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.precision=fp16",
@@ -127,8 +128,8 @@ def test_a_non_finite_loss_under_fp16_meets_the_nan_policy_not_the_scaler(tmp_pa
 
 
 def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
-    # The scaler had checked the bad step's gradients for infs; a rollback that did not finish
-    # that step with it (update) left the check pending, and the next step raised "unscale_() has
+    # The scaler has checked the bad step's gradients for infs; a rollback that does not finish
+    # that step with it (update) leaves the check pending, and the next step raises "unscale_() has
     # already been called on this optimizer since the last update()".
     from conftest import TINY, build_trainer
 
@@ -142,7 +143,7 @@ def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
 @pytest.mark.slow
 def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache, monkeypatch, capsys):
     # train.async_save: step 10's checkpoint (on a disk made a second slower) is still being
-    # written when step 12 turns out bad. The rollback waits for it; without the wait it went
+    # written when step 12 turns out bad. The rollback waits for it; without the wait it would go
     # back to step 5, replaying five steps more than needed.
     import time
 
@@ -159,8 +160,9 @@ def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache
 
 def test_the_stop_signals_are_the_callers_again_after_a_run(tmp_path, cache):
     # The run handles SIGTERM and SIGUSR1 itself (finish the step, checkpoint, exit 143). Kept
-    # after it, a notebook that had called train.main ignored SIGTERM from then on: the handler
-    # only raised a flag on a run that was over. Put back after a run that ends, or gives up.
+    # after it, the handler would only raise a flag on a run that is over: a notebook that had
+    # called train.main would ignore SIGTERM from then on. Put back after a run that ends, or gives
+    # up.
     import signal
 
     from conftest import TINY, build_trainer
@@ -184,7 +186,8 @@ def test_the_stop_signals_are_the_callers_again_after_a_run(tmp_path, cache):
 
 def test_a_run_that_diverges_in_its_last_steps_ends_without_a_sample(tmp_path, cache):
     # Step 1 (finite) throws the weights to ~1e30; every step after is non-finite and skipped, too
-    # few to give up. The final text sample drew from NaN probabilities: a RuntimeError traceback.
+    # few to give up. No final text sample: drawn from NaN probabilities, it is a RuntimeError
+    # traceback.
     out = tmp_path / "run"
     proc = train_here(out, cache, "train.max_steps=4", "optim.lr=1e30", "schedule.warmup_steps=0")
     assert [r["skipped"] for r in metrics(out)] == [False, True, True, True]
@@ -213,15 +216,15 @@ def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache
     run_and_kill(out, 17, *args)
     run_train(out, *args)
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
-    # The rerun had checkpoints to roll back to: it wrote no step 0 of its own (it held step 15).
+    # The rerun has checkpoints to roll back to: it writes no step 0 of its own (it holds step 15).
     for d in store.step_dirs(out / "checkpoints"):
         assert torch.load(d / "state.pt", weights_only=True)["progress"]["step"] == int(d.name[5:])
 
 
 def test_rollback_that_never_gets_past_a_bad_step_gives_up(tmp_path, cache):
     # Step 1 throws the weights to ~1e30 and step 2 is non-finite, whatever its data: each
-    # rollback replayed step 1 (a good step, which reset the count of bad steps in a row) and met
-    # step 2 again, with the next data window, forever.
+    # rollback replays step 1 (a good step, which would reset the count of bad steps in a row) and
+    # meets step 2 again, with the next data window. The run gives up rather than go on forever.
     proc = train_here(tmp_path / "run", cache, "train.max_steps=8", "optim.lr=1e30",
                      "schedule.warmup_steps=0", "train.nan_policy=rollback", "train.max_bad_steps=2",
                      check=False)
@@ -356,7 +359,7 @@ def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
 
 def test_a_split_into_uneven_pieces_records_the_largest(tmp_path, cache, capsys):
     # 6 samples on a card that fits 2: halves of 3 fail, quarters are 2, 2, 1 and 1. The recorded
-    # micro-batch (the log's and the summary's) is the largest piece, 2; rounded down it said 1.
+    # micro-batch (the log's and the summary's) is the largest piece, 2, not 1 (rounded down).
     from conftest import TINY, build_trainer
 
     out = tmp_path / "run"
@@ -379,8 +382,9 @@ def test_a_split_into_uneven_pieces_records_the_largest(tmp_path, cache, capsys)
 
 def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, cache, capsys):
     # A card that fits 2 samples at a time (a test double: the forward raises out of memory on
-    # more). The contract probe before training ran the whole validation batch and its out of
-    # memory was a traceback before any step: the recovery below never got its chance.
+    # more). The contract probe before training must not run the whole validation batch: its out
+    # of memory would be a traceback before any step, and the recovery below would never get its
+    # chance.
     from conftest import TINY, build_trainer
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=3",
@@ -487,9 +491,10 @@ def test_determinism_mode_gives_identical_runs(tmp_path, cache):
 
 
 def test_determinism_mode_ends_with_its_run(tmp_path, cache, monkeypatch):
-    # Its switches are the process's: train.main called again in one process (a notebook) with
-    # the mode off ran with it still on (attention on the math kernel only; an op without a
-    # deterministic kernel an error). What was in effect before is put back, whatever it was.
+    # Its switches are the process's: left on, train.main called again in one process (a
+    # notebook) with the mode off would run with it still on (attention on the math kernel only; an
+    # op without a deterministic kernel an error). What was in effect before is put back, whatever
+    # it was.
     import train
     from conftest import TINY
     from loop import determinism
@@ -523,7 +528,8 @@ def test_faults_are_recorded_in_metadata(tmp_path, cache):
 
 
 def test_a_fault_aimed_at_a_rank_the_run_does_not_have_is_bad_input(tmp_path, cache):
-    # It never fired: a fire drill that "passed" because nothing happened. Exit 2, nothing written.
+    # It would never fire: a fire drill that "passes" because nothing happens. Exit 2, nothing
+    # written.
     out = tmp_path / "run"
     proc = train_here(out, cache, *STEPS, "faults.nan_at_step=2", "faults.nan_rank=1", check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
@@ -549,9 +555,10 @@ def test_a_fault_at_a_step_the_run_does_not_reach_says_it_will_not_fire():
     (7, 4, ""), (5, 4, " its evaluation is a new best or"), (8, 4, None), (10, 4, None),
     (8, 0, ""), (10, 0, None)])
 def test_a_kill_in_a_checkpoint_at_a_step_that_writes_none_says_so(step, every, when):
-    # faults.kill_in_ckpt_at_step=7 with checkpoints every 4 steps of 10 did nothing, silently: a
-    # fire drill that passes because nothing happened. Steps 8 (a multiple) and 10 (the last) save;
-    # with train.ckpt_every=0 only the last does (step 8 was taken for a multiple of every step).
+    # faults.kill_in_ckpt_at_step=7 with checkpoints every 4 steps of 10 does nothing: said, not
+    # left as a fire drill that passes because nothing happens. Steps 8 (a multiple) and 10 (the
+    # last) save; with train.ckpt_every=0 only the last does (0 does not make every step a
+    # multiple).
     cfg = load_config(DEFAULT, ["train.max_steps=10", f"train.ckpt_every={every}", "train.eval_every=5",
                                 f"faults.kill_in_ckpt_at_step={step}", "schedule.warmup_steps=5"])
     notes = idle_settings(cfg, Precision("fp32", torch.device("cpu")))
@@ -572,8 +579,8 @@ def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
 
 
 def test_activation_checkpointing_needs_the_model_s_own_switch():
-    # On a model without one it silently did nothing (and an out-of-memory message advised it to
-    # every model): refused, naming the key and the method; the GPT's is switched on.
+    # On a model without one it would silently do nothing (and an out-of-memory message would
+    # advise it to every model): refused, naming the key and the method; the GPT's is switched on.
     from types import SimpleNamespace
 
     from conftest import build_model, model_options
@@ -590,8 +597,8 @@ def test_activation_checkpointing_needs_the_model_s_own_switch():
 
 
 def test_an_early_stop_or_a_warmup_the_run_cannot_reach_says_so():
-    # Accepted without a word: a patience of 1 with one evaluation in the run never stopped it, and
-    # a warmup of 1000 steps in a 3-step run trained at a thousandth of optim.lr.
+    # Said, not accepted without a word: a patience of 1 with one evaluation in the run never stops
+    # it, and a warmup of 1000 steps in a 3-step run trains at a thousandth of optim.lr.
     fp32 = Precision("fp32", torch.device("cpu"))
     cfg = load_config(DEFAULT, ["train.max_steps=30", "train.eval_every=10", "train.early_stop_patience=3",
                                 "schedule.warmup_steps=40"])

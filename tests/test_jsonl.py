@@ -41,7 +41,8 @@ def test_a_whole_last_record_without_its_newline_gets_one(tmp_path):
 
 
 def test_nothing_to_drop_leaves_the_file_alone_and_only_the_tail_is_parsed(tmp_path, monkeypatch):
-    # A resume of a long run read and rewrote every record (300k steps: 440 MB, 2.3 s here).
+    # A resume of a long run must not read and rewrite every record (300k steps: 440 MB, 2.3 s
+    # here).
     path = tmp_path / "metrics.jsonl"
     write(path, range(1, 10_001))
     before = path.stat()

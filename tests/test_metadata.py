@@ -34,8 +34,8 @@ def test_commit_and_dirty_flag_in_a_temp_repo(tmp_path):
 
 def test_what_the_project_writes_leaves_the_tree_clean(tmp_path):
     # The dirty flag counts untracked files, so everything the project writes by default must be
-    # git-ignored: a comparison report (python -m tools.report A B -> reports/A_vs_B/) once made
-    # every later run's metadata say its code was dirty.
+    # git-ignored: an unignored comparison report (python -m tools.report A B -> reports/A_vs_B/)
+    # would make every later run's metadata say its code is dirty.
     shutil.copy(ROOT / ".gitignore", tmp_path)
     git(tmp_path, "init", "-q")
     git(tmp_path, "add", ".gitignore")
@@ -98,8 +98,9 @@ def test_secret_looking_values_on_the_command_line_are_masked(monkeypatch):
 
 
 def test_the_data_is_recorded_and_a_resume_on_other_data_says_so(tmp_path, cache):
-    # The corpus is an input like the code: metadata.json names it (its sha256), and a corpus
-    # edited between a kill and the rerun went on silently at the same sample position.
+    # The corpus is an input like the code: metadata.json names it (its sha256), so a corpus
+    # edited between a kill and the rerun is said, not gone on with silently at the same sample
+    # position.
     import hashlib
 
     corpus = tmp_path / "corpus.txt"

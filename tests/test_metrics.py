@@ -10,8 +10,8 @@ from loop.observe import metrics
 
 
 def test_a_step_s_end_is_marked_on_the_stream_of_its_own_gpu(tmp_path, monkeypatch):
-    # train.device=cuda:1 in one process: the event went on the current device's stream (cuda:0,
-    # idle), so gpu_ms timed nothing. CUDA faked: a loss on cuda:1, events that say where they went.
+    # train.device=cuda:1 in one process: an event on the current device's stream (cuda:0, idle)
+    # would make gpu_ms time nothing. CUDA faked: a loss on cuda:1, events that say where they went.
     class Event:
         def __init__(self, enable_timing):
             self.stream = None
@@ -34,8 +34,8 @@ def test_a_step_s_end_is_marked_on_the_stream_of_its_own_gpu(tmp_path, monkeypat
 
 
 def test_interval_rates_cover_every_step_since_the_last_flush(tmp_path, monkeypatch):
-    # data_wait_pct taken from the interval's last step alone (not all of its steps) passed every
-    # other test: their runs log every step, where the two agree.
+    # data_wait_pct over all of the interval's steps, not its last step alone: only this test
+    # tells the two apart, since other tests' runs log every step, where the two agree.
     now = [100.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     log = metrics.MetricsLog(tmp_path, 0, 0, 0, max_steps=5, tensorboard=False)
@@ -63,8 +63,8 @@ def test_interval_rates_cover_every_step_since_the_last_flush(tmp_path, monkeypa
 # 1e20 - 1 steps of 1000.0 ms: 9.999999999999999e19 s in float64, 27777777777777773 h 13 min 36 s.
 @pytest.mark.parametrize("max_steps, eta", [(200_001, "55:33:20"), (10**20, "27777777777777773:13:36")])
 def test_the_console_eta_counts_hours_past_a_day(tmp_path, monkeypatch, capsys, max_steps, eta):
-    # strftime("%H:%M:%S", gmtime(eta)) showed 200,000 s as 07:33:20, and train.max_steps=1e20 (a
-    # valid value) ended the run at its first log line: OverflowError from gmtime.
+    # strftime("%H:%M:%S", gmtime(eta)) would show 200,000 s as 07:33:20, and train.max_steps=1e20
+    # (a valid value) would end the run at its first log line: OverflowError from gmtime.
     now = [100.0]
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     log = metrics.MetricsLog(tmp_path, 0, 0, 0, max_steps=max_steps, tensorboard=False)

@@ -120,9 +120,9 @@ def test_a_mirrored_manifest_naming_a_file_outside_its_dir_writes_nothing_there(
 
 
 def test_a_sharded_checkpoints_dcp_metadata_is_fetched(tmp_path):
-    # An FSDP checkpoint holds torch.distributed.checkpoint's `.metadata`: the fetch refused every
-    # name starting with a dot as "outside its dir", so an FSDP run never resumed from its mirror;
-    # it started over from step 0 without an error, and its mirroring then pruned the copies.
+    # An FSDP checkpoint holds torch.distributed.checkpoint's `.metadata`: a fetch that refused
+    # every name starting with a dot as "outside its dir" would never resume an FSDP run from its
+    # mirror; it would start over from step 0 without an error, and its mirroring prune the copies.
     target, root = mem_target(), tmp_path / "ckpt"
     path = store.save(root, 1, {"state.pt": {"step": 1}, ".metadata": {"plan": 1}}, keep_last=3,
                            meta={"world_size": 2})
@@ -239,8 +239,8 @@ def test_unknown_protocol_is_bad_input():
 
 @pytest.mark.parametrize("where", ["afile/run", "/proc/mirror"])
 def test_a_local_mirror_that_cannot_be_made_is_bad_input_at_once(tmp_path, where):
-    # It used to be a warning at every checkpoint ("could not copy ...; training goes on") of a
-    # run that looked backed up, and no error at all when resuming from a local checkpoint.
+    # Bad input at once, not a warning at every checkpoint ("could not copy ...; training goes on")
+    # of a run that looks backed up, and no error at all when resuming from a local checkpoint.
     (tmp_path / "afile").write_text("")
     target = str(tmp_path / where)  # an absolute `where` stays as it is
     with pytest.raises(BadInput) as e:
@@ -249,7 +249,8 @@ def test_a_local_mirror_that_cannot_be_made_is_bad_input_at_once(tmp_path, where
 
 
 def test_a_mirror_that_cannot_be_listed_is_bad_input(tmp_path):
-    # A file where the mirror directory should be: NotADirectoryError was a traceback at startup.
+    # A file where the mirror directory should be: bad input, not a NotADirectoryError traceback
+    # at startup.
     (tmp_path / "afile").write_text("")
     with pytest.raises(BadInput) as e:
         fetch_latest(str(tmp_path / "afile" / "run"), tmp_path / "ckpt")
@@ -275,10 +276,9 @@ def test_copy_cut_short_is_never_fetched_and_the_next_copy_deletes_it(tmp_path, 
 def test_a_recopy_cut_short_does_not_pass_for_whole(tmp_path, monkeypatch, first_delete_fails):
     # A step saved again (run.resume=PATH back in time in the same run.out_dir trains through it
     # once more) is copied over its earlier copy. Cut short there, neither the earlier copy nor its
-    # manifest may pass for whole: the mirror took it for its newest whole checkpoint and deleted the
-    # last good one, leaving nothing to resume from (seen before the fix: only `latest` was left).
-    # The earlier copy is deleted before the copy; where that fails, the copy takes its manifest
-    # away first.
+    # manifest may pass for whole: the mirror would take it for its newest whole checkpoint and
+    # delete the last good one, leaving nothing to resume from (only `latest`). The earlier copy is
+    # deleted before the copy; where that fails, the copy takes its manifest away first.
     target, root = mem_target(), tmp_path / "ckpt"
     run_with_mirror(Mirror(target), root, [1, 2])
     mirror = Mirror(target, retries=0)
@@ -307,10 +307,10 @@ def test_a_recopy_cut_short_does_not_pass_for_whole(tmp_path, monkeypatch, first
 @pytest.mark.parametrize("room", [2.5, 1.5])  # checkpoints' worth
 def test_a_full_mirror_makes_room_and_keeps_its_newest_whole_checkpoint(tmp_path, monkeypatch,
                                                                         capsys, room):
-    # A mirror with room for 2 checkpoints and keep_last=2 used to fill up at the third: pruning came
-    # only after a good copy, so every copy from then on failed, each leaving a part copy, and the
-    # mirror stayed at step 2 for the rest of the run. Room for only one: the part copies are deleted,
-    # the newest whole checkpoint stays.
+    # A mirror with room for 2 checkpoints and keep_last=2 makes room before the third: pruning only
+    # after a good copy, it would fill up, every copy from then on would fail, each leaving a part
+    # copy, and the mirror would stay at step 2 for the rest of the run. Room for only one: the part
+    # copies are deleted, the newest whole checkpoint stays.
     target, root = str(tmp_path / "bucket"), tmp_path / "ckpt"
     mirror = Mirror(target, retries=0)
     size = sum(f.stat().st_size for f in save(tmp_path / "probe", 1).iterdir())
@@ -326,9 +326,9 @@ def test_a_full_mirror_makes_room_and_keeps_its_newest_whole_checkpoint(tmp_path
         if Path(lpath).name == "manifest.json":  # its last file
             copied.release()
     monkeypatch.setattr(mirror.fs, "put_file", quota)
-    # Each copy ends before the next save. A thread that lagged behind (a loaded machine: this test
-    # failed once in CI, 2 refusals for 5) found steps that keep_last had deleted locally since, and
-    # skipped them as it skips any checkpoint that does not verify (test_invalid_checkpoint_...).
+    # Each copy ends before the next save. A thread that lags behind (a loaded machine) finds steps
+    # that keep_last has deleted locally since, and skips them as it skips any checkpoint that does
+    # not verify (test_invalid_checkpoint_...): fewer refusals than the 5 counted below.
     for step in range(1, 7):
         path = save(root, step, keep_last=2)
         mirror.submit(path, {p.name for p in store.step_dirs(root)})
@@ -364,8 +364,8 @@ def test_a_run_that_gives_up_mirrors_its_newest_checkpoint_and_leaves_no_thread(
 
 def test_a_run_that_fails_before_its_first_step_leaves_no_thread(tmp_path, cache, monkeypatch):
     # Under nan_policy=rollback a run writes a checkpoint of step 0 first: on a disk that refuses
-    # it, exit 3, and the mirror's thread and TensorBoard's writer, already open, were left running
-    # (train.main called again in a notebook had them beside it).
+    # it, exit 3, and the mirror's thread and TensorBoard's writer, already open, are closed, not
+    # left running (train.main called again in a notebook would have them beside it).
     import errno
 
     def full_disk(*args, **kwargs):
@@ -382,8 +382,9 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_thread(tmp_path, cache
 
 
 def test_a_mirror_whose_whole_checkpoints_none_can_be_fetched_is_bad_input(tmp_path, capsys):
-    # Unreadable copies (a credential, a full local disk, damage): the run started over and its
-    # mirroring deleted them. A copy cut short (no manifest) alone is still no checkpoint at all.
+    # Unreadable copies (a credential, a full local disk, damage): bad input, or the run would
+    # start over and its mirroring delete them. A copy cut short (no manifest) alone is still no
+    # checkpoint at all.
     target, root = mem_target(), tmp_path / "out" / "checkpoints"
     run_with_mirror(Mirror(target), root, [1, 2])
     fs, _ = fsspec.core.url_to_fs(target)
@@ -405,8 +406,9 @@ def test_a_mirror_whose_whole_checkpoints_none_can_be_fetched_is_bad_input(tmp_p
 
 @pytest.mark.parametrize("mirror", ["own", "other"])
 def test_a_local_mirror_inside_what_a_run_writes_is_bad_input(tmp_path, cache, mirror):
-    # On its own checkpoints/, the mirror's copy deleted the manifests it copied over and its prune
-    # every step directory but the oldest; on another run's, it pruned that run's checkpoints.
+    # On its own checkpoints/, the mirror's copy would delete the manifests it copies over and its
+    # prune every step directory but the oldest; on another run's, it would prune that run's
+    # checkpoints.
     other = tmp_path / "other"
     assert train.main([f"run.out_dir={other}", *TINY, cache, "train.max_steps=2", "train.ckpt_every=1"]) == 0
     out = tmp_path / "run"

@@ -155,7 +155,8 @@ def test_missing_files_in_data_path(tmp_path):
 
 
 def test_a_url_beside_a_data_path_is_bad_input(digits, tmp_path):
-    # data.path's files were read and data.url ignored without a word: not the data named.
+    # Both given: bad input, or data.path's files are read and data.url ignored without a word,
+    # not the data named.
     with pytest.raises(BadInput) as e:
         build_data(data_options("mnist", path=str(digits), url="http://127.0.0.1:9/mnist/",
                               cache_dir=str(tmp_path)))

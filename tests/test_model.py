@@ -79,14 +79,14 @@ def test_causal_prefix_logits_do_not_see_the_future():
 
 def test_generate_continues_from_the_last_position_within_the_context():
     # Near temperature 0 a draw is the most likely next token: the argmax of the logits at the
-    # prompt's last position, seeing only the last seq_len (8) tokens. Drawing from position 0's
-    # distribution passed every other test (the run's sample and tools.sample used the same code).
+    # prompt's last position, seeing only the last seq_len (8) tokens. Only this test catches a
+    # draw from position 0's distribution (the run's sample and tools.sample use the same code).
     model = gpt(V=16, T=8).eval()
     g = torch.Generator().manual_seed(0)
     for length in (3, 8, 13):  # shorter than, as long as, and longer than the context
         for seed in range(4):
             prompt = torch.randint(0, 16, (1, length), generator=torch.Generator().manual_seed(seed))
-            # 1e-39: logits / temperature overflowed float32, NaN probabilities, multinomial raised.
+            # 1e-39: logits / temperature overflows float32: NaN probabilities, multinomial raises.
             for temperature in (1e-6, 1e-39, 5e-324):
                 out = model.generate(prompt, 1, g, temperature=temperature)
                 assert out.shape == (1, length + 1) and torch.equal(out[:, :length], prompt)
@@ -142,8 +142,8 @@ def test_n_embd_not_divisible_by_n_head():
 
 
 def test_a_model_with_nothing_to_train_is_named(monkeypatch):
-    # Every parameter frozen (requires_grad_(False) on the whole model): the run stopped at its
-    # first step blaming the model's loss for being detached from the weights.
+    # Every parameter frozen (requires_grad_(False) on the whole model): named as such when the
+    # model is built, not at the first step as a loss detached from the weights.
     monkeypatch.setitem(MODELS, "frozen", lambda cfg, data: build_gpt(cfg, data).requires_grad_(False))
     with pytest.raises(BadInput) as e:
         build_model(GPTOptions(name="frozen", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4),
@@ -172,9 +172,9 @@ class Extra(torch.nn.Module):
      "params_sha256, the EMA copy and FSDP take tensors; expected tensors only (keep it in a buffer)."),
 ])
 def test_what_the_loop_cannot_keep_is_named_when_the_model_is_built(monkeypatch, add, said):
-    # Valid PyTorch, each a traceback: a lazy parameter at the optimizer's build, sparse gradients at
-    # the first clipping, extra state (a dict) after the last step, when hashing the weights (no
-    # model.pt, no summary.json) and at every resume.
+    # Valid PyTorch, each a traceback if left to the loop: a lazy parameter at the optimizer's
+    # build, sparse gradients at the first clipping, extra state (a dict) after the last step, when
+    # hashing the weights (no model.pt, no summary.json) and at every resume.
     monkeypatch.setitem(MODELS, "mine", lambda cfg, data: (m := build_gpt(cfg, data), add(m))[0])
     with pytest.raises(BadInput) as e:
         build_model(GPTOptions(name="mine", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4),
@@ -211,8 +211,8 @@ def test_pick_cuda_without_cuda(name):
 
 
 def test_a_cuda_index_past_the_machine_s_devices_is_named(monkeypatch):
-    # Was "CUDA error: invalid device ordinal" from the first tensor moved there (torchrun: from
-    # set_device, a LOCAL_RANK past the GPUs of the node). A machine with 2 GPUs, as CUDA says.
+    # Named, not "CUDA error: invalid device ordinal" from the first tensor moved there (torchrun:
+    # from set_device, a LOCAL_RANK past the GPUs of the node). A machine with 2 GPUs, as CUDA says.
     from loop.distributed import group
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -278,8 +278,8 @@ def test_adamw_param_groups():
     assert sum(p.numel() for g in opt.param_groups for p in g["params"]) == \
         expected_params(16, 8, 2, 32, True)
     assert opt.defaults["lr"] == 1e-3 and opt.defaults["betas"] == (0.9, 0.95)
-    # The config's betas and eps reach AdamW (leaving eps out passed: the default is AdamW's own);
-    # a frozen parameter is not the optimizer's.
+    # The config's betas and eps reach AdamW (eps=1e-6, not AdamW's default 1e-8, so a build that
+    # leaves eps out fails here); a frozen parameter is not the optimizer's.
     model.wpe.weight.requires_grad_(False)
     opt = build_optimizer(model, OptimConfig(betas=[0.8, 0.99], eps=1e-6), torch.device("cpu"))
     assert opt.defaults["betas"] == (0.8, 0.99) and opt.defaults["eps"] == 1e-6
@@ -316,7 +316,7 @@ def test_overfits_one_batch():
     (torch.ones(()), "returned a loss detached from the weights (requires_grad=False),"),
 ])
 def test_a_forward_that_breaks_the_contract_is_named(out, said):
-    # These were tracebacks from inside the loop (torch.stack, backward, `.float` of a tuple).
+    # Named, not tracebacks from inside the loop (torch.stack, backward, `.float` of a tuple).
     with pytest.raises(BadInput) as e:
         loss_and_sums(out)
     assert f"the model's forward(batch) {said}" in str(e.value)
@@ -346,8 +346,8 @@ def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache
 
 
 @pytest.mark.parametrize("loss, said", [
-    # A mean over the targets (HF's .loss, reduction="mean"): the first loss was 0.009 where
-    # ln(103) = 4.6 was due, and only make verify noticed.
+    # A mean over the targets (HF's .loss, reduction="mean"): unchecked, the first loss is 0.009
+    # where ln(103) = 4.6 is due, and only make verify notices.
     (lambda logits, y: F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=IGNORE_INDEX),
      "not a sum over the batch's targets"),
     # A prediction broadcast against its targets: (B*T,) against (B*T, 1), a matrix of errors.
@@ -369,8 +369,8 @@ def test_a_loss_that_is_not_a_sum_over_the_targets_stops_the_run_before_anything
 
 
 def test_validation_without_any_target_stops_the_run_before_anything_is_written(tmp_path, cache):
-    # Every y masked (a label mapping gone wrong): val_loss divided by a count of 0, a
-    # ZeroDivisionError traceback. A first batch without targets alone is fine: the probe takes
+    # Every y masked (a label mapping gone wrong): named, not val_loss divided by a count of 0 (a
+    # ZeroDivisionError traceback). A first batch without targets alone is fine: the probe takes
     # one that has some.
     from conftest import TINY, build_trainer, load_config
     from loop.config.load import DEFAULT_CONFIG
@@ -420,9 +420,9 @@ class PositionsOfItsOwn(torch.nn.Module):
 
 
 def test_a_model_of_ones_own_trains_whatever_its_attributes_are_named(tmp_path, cache, monkeypatch):
-    # Telemetry took any model with a `wpe` for the GPT and read `wpe.weight`: an AttributeError
-    # after config.yaml and metadata.json were written (and, with an nn.Embedding there, an MFU
-    # from the GPT's FLOP formula for a model it does not describe).
+    # Telemetry must not take any model with a `wpe` for the GPT and read `wpe.weight`: an
+    # AttributeError after config.yaml and metadata.json are written (and, with an nn.Embedding
+    # there, an MFU from the GPT's FLOP formula for a model it does not describe).
     from conftest import summary, train_here
 
     def mine(cfg: GPTOptions, data) -> PositionsOfItsOwn:  # takes the GPT's keys, which TINY sets

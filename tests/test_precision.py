@@ -89,8 +89,9 @@ def test_grad_scaler_state_round_trips(tmp_path):
     (torch.float16, "bf16", "keeps wte.weight in torch.float16, and autocast to torch.bfloat16 does "
                             "not mix with torch.float16 weights")])
 def test_16_bit_weights_autocast_cannot_train_are_refused(tmp_path, cache, monkeypatch, weights, precision, said):
-    # Tracebacks: fp16's GradScaler at the first step, after the run directory was written
-    # ("Attempting to unscale FP16 gradients."), the two mixes from LayerNorm in the first forward.
+    # Refused up front; left to PyTorch, each is a traceback: fp16's GradScaler at the first step,
+    # after the run directory is written ("Attempting to unscale FP16 gradients."), the two mixes
+    # from LayerNorm in the first forward.
     from conftest import TINY, build_trainer, gpt_then, load_config
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
@@ -125,8 +126,8 @@ def test_weights_kept_in_bf16_train_under_fp32_and_bf16(tmp_path, cache, monkeyp
 
 def test_micro_batch_losses_a_model_gives_in_bf16_are_added_in_float32(tmp_path, cache, monkeypatch):
     # A model of yours may return its loss in bf16 (computed in bf16, no .float()). The step's loss
-    # adds its micro-batches' losses in float32: added in bf16, the sum was rounded to 8 bits again
-    # (4 micro-batches of ~590 here: steps of 16 instead of 4; seen: 4.59375 logged for 4.5859375).
+    # adds its micro-batches' losses in float32: added in bf16, the sum would be rounded to 8 bits
+    # again (4 micro-batches of ~590 here: steps of 16 instead of 4; 4.59375 logged for 4.5859375).
     from conftest import TINY, build_trainer, gpt_then, load_config, metrics
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist

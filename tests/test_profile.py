@@ -40,8 +40,8 @@ def test_breakdown_is_each_region_s_share_of_the_steps_and_other_never_below_zer
 
 @pytest.mark.slow
 def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cache):
-    # It printed a breakdown of "other 100.0%" (3 steps: no profiled step) or one whose "other"
-    # held the run's final evaluation and checkpoint (7 steps), as if measured.
+    # No breakdown, rather than one of "other 100.0%" (3 steps: no profiled step) or one whose
+    # "other" holds the run's final evaluation and checkpoint (7 steps), as if measured.
     out = tmp_path / "run"
     proc = run_train(out, cache, "train.max_steps=7", "train.profile=true")
     advice = "nothing to report. Raise train.max_steps, or, if it resumed near its end (make profile " \
@@ -49,6 +49,7 @@ def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cac
     assert "note: train.profile: the run ended 7 step(s) in, before the profiled steps did (4-8 of " \
         f"this session); {advice}" in proc.stdout, proc.stdout
     assert "step time breakdown" not in proc.stdout and not (out / "profile").exists()
-    # The same command again resumes at its end: raising max_steps alone was the only advice.
+    # The same command again resumes at its end, so the advice names a new run.out_dir too, not
+    # only raising max_steps.
     proc = run_train(out, cache, "train.max_steps=7", "train.profile=true")
     assert "the run ended 0 step(s) in" in proc.stdout and advice in proc.stdout, proc.stdout

@@ -89,7 +89,7 @@ def test_interrupted_run(runs, tmp_path):
     assert row["mean tokens/s"] == f"{last['tokens'] / wall:,.0f}"
     assert row["final train loss"] == f"{last['loss']:.4f}"
     assert "energy kWh" not in row
-    # Its best checkpoint is the one checkpoints/best names, at its logged value (was "n/a").
+    # Its best checkpoint is the one checkpoints/best names, at its logged value (not "n/a").
     step = int((cut / "checkpoints" / "best").read_text().removeprefix("step_"))
     val = next(r["val_loss"] for r in recs if r["step"] == step)
     assert row["best checkpoint"] == f"val_loss {val:.4g} at step {step}"
@@ -112,8 +112,8 @@ def test_two_runs_overlaid(runs, tmp_path):
 
 @pytest.mark.slow
 def test_world_size_energy_and_memory_from_records(runs, tmp_path):
-    """GPU-only fields, written into a copy of the finished run: energy over two sessions, peak
-    memory, MFU, world size 2 and a per-device price."""
+    """GPU-only fields, written into a copy of the finished run: energy over two stretches (before
+    and after a resume), peak memory, MFU, world size 2 and a per-device price."""
     run = tmp_path / "gpu_run"
     shutil.copytree(runs["finished"], run)
     meta = json.loads((run / "metadata.json").read_text())
@@ -141,9 +141,9 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
 @pytest.mark.slow
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,
-    # "finished"; that was the report's row, though the log goes on to step 25.
-    # Nothing else of that summary.json counts either: its energy (the first session's) was added to
-    # the second session's reading, and its sample shown as the newest.
+    # "finished", but the report's row follows the log, which goes on to step 25.
+    # Nothing else of that summary.json counts either: its energy (from before the resume) is not
+    # added to the reading after it, and its sample is not shown as the newest.
     run = tmp_path / "resumed"
     shutil.copytree(runs["finished"], run)
     recs, energy = metrics(run), iter([1.0e6, 1.5e6, 1.8e6, 2.0e6])
@@ -208,8 +208,8 @@ def test_cli(runs, tmp_path):
 
 @pytest.mark.slow
 def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
-    # `python -m tools.report RUN` redraws a run's report: it used the CLI's defaults ($0, 400 g/kWh)
-    # over the run's report.price_per_hour and co2_g_per_kwh, and the cost column went n/a.
+    # `python -m tools.report RUN` redraws a run's report with the run's report.price_per_hour and
+    # co2_g_per_kwh, not the CLI's defaults ($0, 400 g/kWh), which would make the cost column n/a.
     run = tmp_path / "priced"
     shutil.copytree(runs["finished"], run)
     cfg = yaml.safe_load((run / "config.yaml").read_text())
@@ -225,8 +225,8 @@ def test_cli_prices_a_run_as_its_own_config_did(runs, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_cli_refuses_a_price_edited_into_the_run_s_config(runs, tmp_path, capsys):
-    # The run's config.yaml edited by hand: a text price was a ValueError traceback, null a
-    # TypeError, a negative one a negative cost. The options still override it.
+    # The run's config.yaml edited by hand: a text price, null or a negative one is refused, not a
+    # ValueError traceback, a TypeError or a negative cost. The options still override it.
     run = tmp_path / "edited"
     shutil.copytree(runs["finished"], run)
     cfg = yaml.safe_load((run / "config.yaml").read_text())
@@ -242,7 +242,8 @@ def test_cli_refuses_a_price_edited_into_the_run_s_config(runs, tmp_path, capsys
 
 @pytest.mark.slow
 def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
-    # A JSON list there was an AttributeError traceback; the device then comes from summary.json.
+    # A JSON list there reads as missing, not an AttributeError traceback; the device then comes
+    # from summary.json.
     run = tmp_path / "odd"
     shutil.copytree(runs["finished"], run)
     (run / "metadata.json").write_text("[1, 2]")
@@ -253,8 +254,9 @@ def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
 
 @pytest.mark.slow
 def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
-    # In this process (interpreters take seconds to start). A negative price or a nan intensity made
-    # a report with a negative or nan cost; an --out under a file was a NotADirectoryError traceback.
+    # In this process (interpreters take seconds to start). Refused: a negative price or a nan
+    # intensity (a report with a negative or nan cost), an --out under a file (a NotADirectoryError
+    # traceback).
     def code(args: list[str]) -> int:
         try:
             return report_main(args)
@@ -271,7 +273,8 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
             (["--out", str(under_file)], f"error: option --out={under_file}: {tmp_path / 'file'} is a file")]:
         assert code([str(run), *args]) == 2
         assert said in capsys.readouterr().err, args
-    # A file named as the run (its metrics.jsonl): that was blamed on an --out nobody gave.
+    # A file named as the run (its metrics.jsonl): the error names the run, not an --out nobody
+    # gave.
     assert code([str(run / "metrics.jsonl")]) == 2
     assert capsys.readouterr().err == f"error: {run / 'metrics.jsonl'}: a file; expected a run " \
         f"directory (such as {run}, if it holds metrics.jsonl).\n"
@@ -298,7 +301,7 @@ def test_without_matplotlib(runs, tmp_path, monkeypatch):
 
 
 def test_the_loss_is_drawn_on_a_log_axis_where_every_value_is_positive(tmp_path, monkeypatch):
-    # On a linear axis a regression run's curve was flat after its first 150 steps.
+    # On a linear axis a regression run's curve looks flat after its first 150 steps.
     from matplotlib.figure import Figure
 
     from loop.observe.plots import plot

@@ -28,7 +28,7 @@ from loop.guards.console import gone
 from tools.jobs import reported_step, run_until
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
-RNG = random.Random()  # a fresh draw each session; every assertion message carries the steps
+RNG = random.Random()  # a fresh draw each test run; every assertion message carries the steps
 
 
 def resumed_at(stdout: str) -> int:
@@ -45,7 +45,7 @@ def assert_identical(ref, out, note: str) -> None:
             f"{note}: step {x['step']} differs"
     assert summary(out)["params_sha256"] == summary(ref)["params_sha256"], note
     assert summary(out)["val_loss"] == summary(ref)["val_loss"], note
-    tb = EventAccumulator(str(out / "tb"))  # one run in TensorBoard too: the killed session's steps
+    tb = EventAccumulator(str(out / "tb"))  # one run in TensorBoard too: the killed run's steps
     tb.Reload()  # after the checkpoint purged, not shown twice
     assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(r["step"], r["loss"]) for r in b], note
 
@@ -91,15 +91,16 @@ def test_kill_at_random_step_then_rerun(tmp_path, cache, reference, workers):
     rerun = run_train(out, cache, *STEPS, f"data.num_workers={workers}")
     assert 10 <= resumed_at(rerun.stdout) <= kill
     assert_identical(reference, out, f"num_workers={workers}, killed at step {kill}")
-    assert_wall_time_sums_the_steps(summary(out), metrics(out))  # both sessions' steps
+    assert_wall_time_sums_the_steps(summary(out), metrics(out))  # before and after the kill
 
 
 @pytest.mark.slow
 def test_a_dataset_that_augments_resumes_bit_for_bit_whatever_the_workers(tmp_path, cache):
     # Random augmentation in a user's Dataset (conftest.augment: torch, random and NumPy draws).
-    # DataLoader workers' streams restarted at every iterator start, so a resumed run with
-    # num_workers=2 masked other tokens than the uninterrupted one; now each sample's draws are
-    # seeded from its position (loop/data/seeded.py). The reference fetches in-process (num_workers=0).
+    # DataLoader workers' streams restart at every iterator start, so drawn from those, a resumed
+    # run with num_workers=2 would mask other tokens than the uninterrupted one; each sample's draws
+    # are seeded from its position instead (loop/data/seeded.py). The reference fetches in-process
+    # (num_workers=0).
     def cmd(out, workers):
         c = train_cmd(out, cache, *STEPS, "data.name=text_augmented", f"data.num_workers={workers}")
         c[1] = str(ROOT / "tests" / "more_models.py")  # train.py with the test dataset registered
@@ -143,7 +144,7 @@ def test_ctrl_c_exits_130_without_a_traceback_then_rerun(tmp_path, cache, refere
 
 @pytest.mark.slow
 def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tmp_path, cache):
-    # It said "the checkpoints are whole; rerun ... to continue from the newest": there was none.
+    # Not "the checkpoints are whole; rerun ... to continue from the newest": there is none.
     code, printed = run_and_signal(tmp_path / "run", 3, cache, "train.max_steps=200",
                                    "train.ckpt_every=100", sig=signal.SIGINT)
     assert code == 130 and not (tmp_path / "run" / "checkpoints").exists(), printed
@@ -196,7 +197,8 @@ def test_a_console_whose_reader_goes_away_ends_the_run_with_141_then_rerun(tmp_p
 def test_a_run_started_with_its_console_closed_trains(tmp_path, cache, closed):
     # Started with fd 1 or 2 closed (`>&-`, some daemons and cron setups), Python's sys.stdout or
     # sys.stderr is None and prints go nowhere: the run trains (0), and bad input is still 2.
-    # Wrapping None for the hung-up terminal's sake (loop/guards/console.py) made both exit 120.
+    # Wrapping None for the hung-up terminal's sake (loop/guards/console.py) would make both exit
+    # 120.
     fd = {"stdout": 1, "stderr": 2}[closed]
     out = tmp_path / "run"
     code = subprocess.run(train_cmd(out, cache, "train.max_steps=4"), cwd=ROOT,
@@ -240,8 +242,9 @@ def console_gone(out, *args: str, at: int, fds: str, then: str) -> subprocess.Co
 def test_ctrl_c_that_also_ends_a_tee_exits_130(tmp_path, cache, reference):
     # `python train.py 2>&1 | tee log`, then Ctrl-C: tee is gone first, and on the way out the run
     # prints the steps it has not logged yet (21-25: log_every is past the run's end) to a console
-    # nobody reads. That BrokenPipeError once replaced the KeyboardInterrupt: exit 1 (after a
-    # traceback nobody could read) where a Ctrl-C is 130, and the checkpoint writer's close skipped.
+    # nobody reads. That BrokenPipeError must not replace the KeyboardInterrupt: that would be exit
+    # 1 (after a traceback nobody can read) where a Ctrl-C is 130, and the checkpoint writer's close
+    # skipped.
     out = tmp_path / "run"
     args = [cache, *STEPS, "train.log_every=1000", "train.async_save=true"]
     proc = console_gone(out, *args, at=25, fds="1 2", then="ctrl-c")
@@ -253,7 +256,7 @@ def test_ctrl_c_that_also_ends_a_tee_exits_130(tmp_path, cache, reference):
 
 def test_a_stderr_whose_reader_goes_away_ends_the_run_with_141(tmp_path, cache):
     # `python train.py 2> >(tee err.log)`, the tee gone, then a warning; stdout still read: the
-    # console is gone all the same (it was a BrokenPipeError re-raised as a bug, its traceback
+    # console is gone all the same (not a BrokenPipeError re-raised as a bug, its traceback
     # written to the dead stderr, exit 1), and the stdout it still has says nothing more of the run.
     out = tmp_path / "run"
     proc = console_gone(out, cache, "train.max_steps=8", at=3, fds="2", then="warn")
@@ -343,8 +346,8 @@ def test_finished_run_rerun_is_a_no_op(tmp_path, cache, reference):
 @pytest.mark.slow
 def test_a_command_naming_run_resume_reruns_from_what_it_saved_since(tmp_path, cache, reference):
     # Branching off another directory's step 20 into a run.out_dir with newer checkpoints of its
-    # own said nothing of them; and the same command rerun after a kill (or a preemption, a torchrun
-    # restart, a SLURM requeue) went back to step 20 every time instead of on from its own newest.
+    # own says so; and the same command rerun after a kill (or a preemption, a torchrun restart, a
+    # SLURM requeue) goes on from its own newest, not back to step 20 every time.
     import shutil
 
     out = tmp_path / "run"
@@ -365,11 +368,11 @@ def test_a_command_naming_run_resume_reruns_from_what_it_saved_since(tmp_path, c
 
 @pytest.mark.slow
 def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cache, reference):
-    # Going back to step 30 with another optim.lr or weight_decay: they used to stay the
-    # checkpoint's (load_state_dict restores each group's settings) while a changed schedule
-    # applied; now the config wins for both, and only the moments and step counts come from the
-    # checkpoint. And the step-40 checkpoint of the run before used to stay, so a later
-    # run.resume=auto would have continued the old run: it is replaced, after a note.
+    # Going back to step 30 with another optim.lr or weight_decay: the config wins, as for a
+    # changed schedule, and only the moments and step counts come from the checkpoint
+    # (load_state_dict alone would restore each group's settings). And the step-40 checkpoint of
+    # the earlier run is replaced, after a note: kept, a later run.resume=auto would continue the
+    # old run.
     import shutil
 
     import torch
@@ -397,8 +400,8 @@ def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cac
 @pytest.mark.slow
 def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, reference):
     # data.batch_size is per process: with another process count (8 GPUs, then 4) or another
-    # batch size the samples per step change, and the LR that suits them; the console said only
-    # "global batch N" at the start. The ids still continue where they stopped.
+    # batch size the samples per step change, and the LR that suits them; the console says so at
+    # the resume, not only "global batch N" at the start. The ids still continue where they stopped.
     import shutil
 
     from conftest import load_config
@@ -425,7 +428,8 @@ def test_a_resume_that_changes_the_global_batch_says_so(tmp_path, cache, referen
 
 def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is_off():
     # Bit for bit is promised on one machine with the same versions and process count; a job
-    # requeued onto another node type, or an upgraded torch, went on as if nothing changed.
+    # requeued onto another node type, or an upgraded torch, is told so, not left to go on as if
+    # nothing changed.
     from loop.checkpoint.notes import platform_change
 
     here = {"versions": {"torch": "2.13.0", "numpy": "2.4.6", "cuda": None},
@@ -442,8 +446,9 @@ def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is
 
 
 def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_on_instead():
-    # Raising train.max_steps on a finished run stretched the cosine: the LR jumped from 2.44e-4 at
-    # step 30 to 1.74e-3 at step 31, and the note named the key only.
+    # Raising train.max_steps on a finished run stretches the cosine: the LR jumps (from 2.44e-4 at
+    # step 30 to 1.74e-3 at step 31, say). The note gives both rates and how to go on at the one
+    # reached, not the key alone.
     from conftest import load_config
     from loop.checkpoint.notes import reshaped
     from loop.config.load import DEFAULT_CONFIG, to_dict

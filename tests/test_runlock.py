@@ -46,7 +46,8 @@ def test_a_second_run_on_an_out_dir_in_use_exits_2_and_changes_nothing(tmp_path,
 
 @pytest.mark.slow
 def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_path, cache):
-    # run.out_dir=. in a project, or a home directory: the run overwrote the user's model.pt.
+    # run.out_dir=. in a project, or a home directory: refused, or the run would overwrite the
+    # user's model.pt.
     from loop.checkpoint.runlock import RUN_FILES
 
     mine = tmp_path / "mine"
@@ -71,7 +72,7 @@ def test_a_directory_no_run_made_that_holds_a_file_a_run_writes_is_refused(tmp_p
 
 @pytest.mark.parametrize("mark, is_a_runs", [
     (".lock", True), ("metadata.json", True),
-    ("a user's metadata.json", False),  # it marked their directory as a run's: model.pt overwritten
+    ("a user's metadata.json", False),  # taken as a mark, their model.pt would be overwritten
 ])
 def test_a_directory_with_a_run_s_mark_is_a_runs(tmp_path, mark, is_a_runs):
     # A run killed between its .lock and its metadata.json (config.yaml comes between them), or a
@@ -96,8 +97,8 @@ def test_a_directory_with_a_run_s_mark_is_a_runs(tmp_path, mark, is_a_runs):
 
 
 def test_a_run_in_this_process_leaves_the_directory_free_when_it_ends(tmp_path, cache):
-    # A notebook that had called train.py's main kept the lock until it closed: the command line's
-    # resume of that run exited 2, "another run is using it (pid ...)".
+    # A notebook that has called train.py's main must not keep the lock until it closes, or the
+    # command line's resume of that run exits 2, "another run is using it (pid ...)".
     out = tmp_path / "run"
     train_here(out, cache, "train.max_steps=3")
     bad = train_here(out, cache, "train.max_steps=4", "model.n_embd=64", check=False)  # refused after locking
@@ -123,7 +124,7 @@ def test_a_filesystem_without_locks_is_said_and_the_run_goes_on(tmp_path, monkey
 
 def test_the_lock_names_its_holder_only_once_the_run_writes(tmp_path):
     # Locked, a run may still find bad input (exit 2, nothing changed in the directory); once it
-    # writes, the lock names it in full, however long the name of the run before it was.
+    # writes, the lock names it in full, however long the name of the holder before it.
     import os
     import socket
 
@@ -137,8 +138,8 @@ def test_the_lock_names_its_holder_only_once_the_run_writes(tmp_path):
 
 
 def test_a_run_inside_what_another_run_writes_is_refused(tmp_path, cache):
-    # A run in another run's checkpoint directory trained and ended well; when the other run went
-    # on, its pruning deleted that step directory and the run inside it with it.
+    # A run in another run's checkpoint directory is refused: it would train and end well, and when
+    # the other run goes on, its pruning would delete that step directory and the run inside it.
     outer = tmp_path / "outer"
     train_here(outer, cache, "train.max_steps=2", "train.ckpt_every=1", "train.keep_last=1")
     step = outer / "checkpoints" / "step_00000002"
@@ -156,8 +157,9 @@ def test_a_run_inside_what_another_run_writes_is_refused(tmp_path, cache):
 
 
 def test_bad_input_leaves_no_lock_in_a_directory_it_wrote_nothing_in(tmp_path, cache):
-    # The .lock of a run refused after locking (a run.resume that is not there) marked the user's
-    # directory as a run's: a model.pt they put there next was overwritten by the next run.
+    # The .lock of a run refused after locking (a run.resume that is not there) must not stay: it
+    # would mark the user's directory as a run's, and a model.pt they put there next would be
+    # overwritten by the next run.
     mine = tmp_path / "mine"
     mine.mkdir()
     bad = train_here(mine, cache, f"run.resume={tmp_path / 'missing'}", check=False)

@@ -11,8 +11,8 @@ from conftest import TINY, run_train, summary, train_here
 from tools import sample
 
 # The run's train.sample_tokens (set below) and run.seed. 300 tokens: 16 drawn from the EMA and the
-# raw weights of a near-random model with one generator came out the same, so the run's own sample
-# passed for the EMA's when it was the raw weights'.
+# raw weights of a near-random model with one generator come out the same, so a sample drawn from
+# the raw weights would pass for the EMA's.
 SAMPLE = ["--tokens", "300", "--seed", "1337"]
 
 
@@ -50,7 +50,8 @@ def test_the_exported_ema_and_the_checkpoint_draw_the_runs_own_text(run, capsys)
 @pytest.mark.slow
 def test_a_model_whose_generate_takes_no_temperature(run, capsys, monkeypatch):
     # The trainer's sample calls generate(prompt, n, generator), so a model of yours may have no
-    # temperature; this command passed one always: a TypeError traceback for such a model.
+    # temperature; this command passes one only when asked, or such a model is a TypeError
+    # traceback.
     from model.gpt import GPT
 
     text = summary(run)["sample"]
@@ -79,7 +80,7 @@ def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
     code, out, err = drawn(capsys, tmp_path)
     assert (code, out, err) == (2, "", f"error: {tmp_path}: expected a run directory with model.pt, "
                                        f"a model.pt, or a checkpoint directory.\n")
-    # A seed past 64 bits or a negative one was a ValueError traceback from manual_seed.
+    # A seed past 64 bits or a negative one: exit 2, not a ValueError traceback from manual_seed.
     for bad, says in ((["--tokens", "0"], "--tokens: expected an integer >= 1, got 0"),
                       (["--temperature", "0"], "--temperature: expected a finite number > 0, got '0'"),
                       (["--temperature", "-1"], "--temperature: expected a finite number > 0, got '-1'"),
@@ -134,8 +135,9 @@ def test_a_token_file_model_takes_and_prints_token_ids(tmp_path, cache, capsys):
 
 def test_a_corpus_edited_since_training_is_exit_2(tmp_path, cache, capsys):
     # Its characters are the vocabulary: "w" replaced by "q" gives as many characters in another
-    # order, and the text came out decoded with the wrong ones ("hir yella uuuoq" for "his yella
-    # wwwor"), exit 0. The sha256 the run recorded names the change, for model.pt and a checkpoint.
+    # order, and the text would come out decoded with the wrong ones ("hir yella uuuoq" for "his
+    # yella wwwor"), exit 0. The sha256 the run recorded names the change, for model.pt and a
+    # checkpoint.
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog; a wolf howls\n" * 40)
     out = tmp_path / "run"
@@ -160,8 +162,9 @@ def test_a_corpus_edited_since_training_is_exit_2(tmp_path, cache, capsys):
 
 @pytest.mark.slow
 def test_a_long_text_is_printed_as_it_comes_and_is_the_text_of_one_call(run, capsys):
-    # --tokens 100000000000000000000 was accepted and printed nothing for minutes: the text comes in
-    # chunks of 64 tokens, each printed as it is drawn, from one generator drawn in order.
+    # --tokens 100000000000000000000 is accepted and prints at once, not nothing for minutes: the
+    # text comes in chunks of 64 tokens, each printed as it is drawn, from one generator drawn in
+    # order.
     from tools.sample import load, stream
 
     model, data = load(run, False, torch.device("cpu"))

@@ -165,8 +165,8 @@ def test_state_dict_resumes_identical_lrs(name):
 
 def test_the_trainer_steps_with_the_lr_it_logs(tmp_path, cache):
     # The LR the optimizer holds as it applies each step (a step pre-hook) is the schedule's and the
-    # one metrics.jsonl shows. A scheduler stepped before the optimizer shifted every step's LR by
-    # one while the log still showed the right one, and every other test passed. A skipped step
+    # one metrics.jsonl shows. Only this test catches a scheduler stepped before the optimizer,
+    # which shifts every step's LR by one while the log still shows the right one. A skipped step
     # (the NaN at step 6) applies nothing and does not advance the schedule.
     from conftest import TINY, build_trainer, load_config, metrics
     from loop.config.load import DEFAULT_CONFIG

@@ -55,7 +55,7 @@ def test_parse_quotes_export_comments():
                                  "TWO WORDS=hunter2", "=hunter2", "OPEN='hunter2", "MIXED=\"hunter2'",
                                  "AFTER='hunter2' trailing", 'INNER="hunter2"x"', "export",
                                  "KEY-DASH=hunter2",
-                                 "NUL=hunter2\0x"])  # os.environ refused it: a ValueError traceback
+                                 "NUL=hunter2\0x"])  # os.environ refuses it: a ValueError traceback
 def test_a_malformed_line_names_the_file_and_line_but_not_the_line(bad):
     text = f"# header\nGOOD=1\n{bad}\n"
     with pytest.raises(BadInput) as e:
@@ -122,7 +122,7 @@ def test_env_file_values_reach_no_file_of_the_run(tmp_path, cache):
                   env=clean_env(*values, NCCL_DEBUG="INFO"))
     assert proc.returncode == 0, proc.stderr
     meta = json.loads((out / "metadata.json").read_text())
-    # The environment's own NCCL_DEBUG won over .env's and is recorded as always; the name that
+    # The environment's own NCCL_DEBUG wins over .env's and is recorded as always; the name that
     # came from .env is not, though it does not look secret.
     assert meta["environment"]["NCCL_DEBUG"] == "INFO"
     assert "NCCL_SOCKET_IFNAME" not in meta["environment"]
@@ -155,7 +155,7 @@ def test_a_malformed_env_file_exits_2_and_writes_nothing(tmp_path):
     assert proc.returncode == 2, proc.stderr
     assert ".env line 3" in proc.stderr and "dotenv-secret" not in proc.stdout + proc.stderr
     assert not out.exists()
-    # --help still answers (the .env was read first, and its error was all --help printed)
+    # --help still answers (.env is read first, and its error must not be all --help prints)
     helped = run_in(tmp_path / "again", "GOOD=1\n\nAWS_SECRET_ACCESS_KEY dotenv-secret-missing-equals\n", "--help")
     assert helped.returncode == 0 and "usage: train.py" in helped.stdout, helped.stderr
 
@@ -188,8 +188,8 @@ def test_dockerfile_runs_as_non_root_and_records_the_commit():
 
 
 def test_dockerfile_has_a_c_compiler_for_torch_compile():
-    # configs/gpt2_124m.yaml compiles; Triton needs gcc at run time, which CUDA runtime images
-    # lacked (pytorch/pytorch#116696): the build installs it, as root, before USER drops to the user.
+    # configs/gpt2_124m.yaml compiles; Triton needs gcc at run time, which a CUDA runtime image may
+    # lack (pytorch/pytorch#116696): the build installs it, as root, before USER drops to the user.
     text, _ = dockerfile()
     ensure = re.search(r"^RUN command -v gcc .*apt-get install -y --no-install-recommends gcc", text,
                        re.MULTILINE | re.DOTALL)
@@ -241,8 +241,8 @@ STUBS = {  # SLURM's commands, each recording how it was called in $LOG
 
 def test_slurm_script_forwards_the_time_limit_signal_and_requeues(tmp_path):
     # scripts/slurm.sbatch with SLURM's commands stubbed: its torchrun line (a GPU type in
-    # SLURM_GPUS_PER_NODE, "h100:8", used to reach --nproc_per_node as it was), and USR1 before the
-    # time limit -> TERM to the job's steps, then a requeue, with the step's exit code.
+    # SLURM_GPUS_PER_NODE, "h100:8", must reach --nproc_per_node as the count alone), and USR1
+    # before the time limit -> TERM to the job's steps, then a requeue, with the step's exit code.
     for name, body in STUBS.items():
         (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
         (tmp_path / name).chmod(0o755)

@@ -56,8 +56,8 @@ def test_compiled_and_plain_runs_share_checkpoints(tmp_path, cache):
 @pytest.mark.slow
 def test_a_compile_that_cannot_build_the_model_is_bad_input(tmp_path, cache):
     # No C++ compiler for inductor on the CPU (no C compiler for Triton on CUDA, as in CUDA runtime
-    # images): a traceback of torch internals, exit 1. Now exit 2 at the first forward, before
-    # anything is written, naming what is missing and the way out.
+    # images): exit 2 at the first forward, before anything is written, naming what is missing and
+    # the way out, not a traceback of torch internals with exit 1.
     out = tmp_path / "run"
     proc = subprocess.run(train_cmd(out, cache, "train.compile=true", "train.max_steps=2"), cwd=ROOT,
                           capture_output=True, text=True, timeout=300,
@@ -71,8 +71,8 @@ def test_a_compile_that_cannot_build_the_model_is_bad_input(tmp_path, cache):
 @pytest.mark.slow
 def test_a_bug_in_the_model_under_compile_is_its_own_error(tmp_path, cache):
     # A forward that is wrong whatever compiles it (a LayerNorm handed one feature too many) fails
-    # in Dynamo's tracing; it used to be reported as "torch.compile could not build this model ...
-    # install a C++ compiler", exit 2. It is the crash it is in eager mode: exit 1, its own message.
+    # in Dynamo's tracing. It is the crash it is in eager mode: exit 1, its own message, not
+    # "torch.compile could not build this model ... install a C++ compiler" with exit 2.
     out = tmp_path / "run"
     cmd = train_cmd(out, cache, "model.name=gpt_wrong", "train.compile=true", "train.max_steps=2")
     cmd[1] = str(ROOT / "tests" / "more_models.py")  # train.py with the test models registered
@@ -82,10 +82,10 @@ def test_a_bug_in_the_model_under_compile_is_its_own_error(tmp_path, cache):
 
 
 def test_what_needs_no_fsdp_does_not_import_it():
-    # FSDP, DCP and DTensor cost 0.8 s of CPU to import (loop/distributed/fsdp.py imports them where used): a
-    # config error, `--help` and tools.sample answered that much later when loop/distributed/fsdp.py imported
-    # them at the top. (A training run imports them anyway: the optimizer's first param group
-    # imports torch._dynamo, which imports FSDP.)
+    # FSDP, DCP and DTensor cost 0.8 s of CPU to import, so loop/distributed/fsdp.py imports them
+    # where used, not at the top, where a config error, `--help` and tools.sample would answer that
+    # much later. (A training run imports them anyway: the optimizer's first param group imports
+    # torch._dynamo, which imports FSDP.)
     heavy = ("torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.distributed.tensor")
     code = f"import sys, train, tools.sample, tools.verify; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)

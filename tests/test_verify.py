@@ -68,10 +68,10 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
                        (["--kill-at", "20"], "--kill-at: expected a step after the first checkpoint "
                                              "(step 5) and before the last (20); got 20."),
                        (["--kill-at", "5"], "got 5."),
-                       (["--kill-at", "0"], "got 0."),  # was taken for no --kill-at: a random step
+                       (["--kill-at", "0"], "got 0."),  # not taken for no --kill-at (a random step)
                        (["--nproc", "1"], "--nproc: expected 2 or more processes to compare with "
-                                          "one; got 1."),  # was no ddp check, unsaid
-                       # The 1-process runs refused it, and the table said FAIL (exit 1):
+                                          "one; got 1."),  # not a silent run without the ddp check
+                       # Refused up front, not by the 1-process runs with a FAIL row (exit 1):
                        (["--nproc", "2", "faults.nan_rank=1", "faults.nan_at_step=3"],
                         "config key faults.nan_rank: rank 1, but this run has 1 process(es)")]:
         code, err = main(["--out", str(tmp_path / "verify"), *args]), capsys.readouterr().err
@@ -81,7 +81,7 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
     assert not list((tmp_path / "verify").glob("*")), "nothing is left behind"
     code, err = main(["--out", str(tmp_path / "verify"), "--timeout", "0"]), capsys.readouterr().err
     assert code == 2 and "--timeout: expected a number of seconds > 0, got 0.0." in err, err
-    # --out where a file is: was a FileExistsError traceback, exit 1
+    # --out where a file is: exit 2 naming it, not a FileExistsError traceback with exit 1
     (tmp_path / "file").write_text("mine")
     code, err = main(["--out", str(tmp_path / "file" / "v")]), capsys.readouterr().err
     assert code == 2 and err == (f"error: option --out={tmp_path / 'file' / 'v'}: {tmp_path / 'file'} is "
@@ -90,8 +90,9 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
 
 
 def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, capsys):
-    # A hung run was a subprocess.TimeoutExpired traceback that ended verify (and, under torchrun,
-    # left the workers running). Here run A cannot even start within 1 s: a FAIL row names it.
+    # A hung run is killed and fails its check, not a subprocess.TimeoutExpired traceback that ends
+    # verify (and, under torchrun, leaves the workers running). Here run A cannot even start within
+    # 1 s: a FAIL row names it.
     from tools.verify import main
 
     code = main(["--out", str(tmp_path / "verify"), "--checks", "determinism", "--timeout", "1", cache, *TINY])
@@ -107,9 +108,9 @@ def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, c
 @pytest.mark.slow
 def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cache, monkeypatch):
     # With train.async_save=true the checkpoint of step 2 may still be in flight when step 3 is
-    # reported: a kill there left nothing to resume from, and the check failed with "the rerun did
-    # not resume from a checkpoint" on an honest config (seen with a tiny model). A slow disk
-    # makes that certain here; the kill now waits for the checkpoint's `latest` pointer.
+    # reported: a kill there would leave nothing to resume from, and the check would fail with "the
+    # rerun did not resume from a checkpoint" on an honest config (as with a tiny model). A slow
+    # disk makes that certain here; the kill waits for the checkpoint's `latest` pointer.
     from loop.config.load import DEFAULT_CONFIG
     from tools import audit_runs, jobs
 
@@ -127,7 +128,8 @@ def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cac
 
 def test_a_job_process_that_ended_before_its_signal_is_passed_over(monkeypatch):
     # run_until lists a torchrun job's processes, then signals each: a worker that ended in
-    # between was a ProcessLookupError out of run_until (seen in a 2-process kill at a run's end).
+    # between (as in a 2-process kill at a run's end) is passed over, not a ProcessLookupError out
+    # of run_until.
     from tools import jobs
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
@@ -140,8 +142,8 @@ def test_a_job_process_that_ended_before_its_signal_is_passed_over(monkeypatch):
 
 def test_a_model_kept_in_bf16_is_held_to_bf16_tolerances(cache, monkeypatch):
     # A model whose weights are bf16 (a checkpoint loaded in bf16) computes its gradients in bf16
-    # under train.precision=fp32: accumulation and clipping failed at fp32's tolerance (seen:
-    # 3.6e-3 against 1e-4), with a "usual cause" of a per-micro-batch mean that was not there.
+    # under train.precision=fp32: at fp32's tolerance accumulation and clipping would fail (3.6e-3
+    # against 1e-4), with a "usual cause" of a per-micro-batch mean that is not there.
     import torch
 
     from conftest import gpt_then
@@ -160,8 +162,8 @@ def test_a_model_kept_in_bf16_is_held_to_bf16_tolerances(cache, monkeypatch):
 
 
 def test_a_model_whose_forward_casts_to_its_16_bit_layer_is_audited_in_its_own_dtypes(cache, monkeypatch):
-    # The clipping check's reference made every weight float32, and a forward that casts to a bf16
-    # layer's dtype then failed in it: a traceback (dtype mismatch), no table.
+    # The clipping check's reference keeps each weight's dtype: made float32, a forward that casts
+    # to a bf16 layer's dtype would fail in it, a traceback (dtype mismatch) and no table.
     import torch
 
     from conftest import gpt_then
@@ -273,9 +275,9 @@ def test_the_accumulation_check_says_when_equal_target_counts_cannot_tell(cache)
 
 @pytest.mark.slow
 def test_verify_leaves_the_configs_mirror_alone(tmp_path, cache):
-    # A config that mirrors its checkpoints (run.mirror, a bucket) made every audit run use that
-    # bucket: run A, with no checkpoint of its own, resumed from the newest one there (another run's),
-    # and each audit run's pruning deleted the bucket's checkpoints it did not keep itself.
+    # A config that mirrors its checkpoints (run.mirror, a bucket): no audit run may use that
+    # bucket, or run A, with no checkpoint of its own, resumes from the newest one there (another
+    # run's), and each audit run's pruning deletes the bucket's checkpoints it did not keep itself.
     bucket = tmp_path / "bucket"
     run_train(tmp_path / "prod", cache, "train.max_steps=4", "train.ckpt_every=2", f"run.mirror={bucket}")
     before = {p.relative_to(bucket): p.read_bytes() for p in bucket.rglob("*") if p.is_file()}
@@ -311,7 +313,7 @@ class Broadcasting(torch.nn.Module):
 
 def test_an_accumulation_failure_with_equal_target_counts_names_a_loss_that_does_not_grow_with_the_batch(monkeypatch):
     # One float target per sample: every micro-batch holds as many, so a per-micro-batch mean is not
-    # the cause; the row said it "would go unnoticed" and blamed the mean all the same.
+    # the cause, and the row neither says it "would go unnoticed" nor blames the mean.
     from data import DATASETS
     from loop.config.load import DEFAULT_CONFIG
     from loop.data.bundle import Data
@@ -329,8 +331,8 @@ def test_an_accumulation_failure_with_equal_target_counts_names_a_loss_that_does
 
 def test_a_loss_that_is_not_finite_in_an_audit_is_its_fail_row_naming_the_usual_causes(cache, monkeypatch):
     # A library causal LM given labels= shifts the targets again: a micro-batch the audit leaves a
-    # single target is left none, and its mean over none is NaN. It was a GaveUp traceback advising
-    # a lower learning rate.
+    # single target is left none, and its mean over none is NaN: a FAIL row naming the usual
+    # causes, not a GaveUp traceback advising a lower learning rate.
     import torch.nn.functional as F
 
     from conftest import gpt_then

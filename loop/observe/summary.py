@@ -84,5 +84,5 @@ def write(out: Path, summary: dict, weights: dict, ema: dict | None, config: dic
     except Exception as e:  # noqa: BLE001
         print(f"warning: report not written ({type(e).__name__}: {e})", file=sys.stderr)
     loss = "n/a" if summary["final_loss"] is None else summary["final_loss"]  # no step taken
-    print(f"done: {summary['steps']} steps | loss {loss} | val {summary['val_loss']:.4f} | "
-          f"params {summary['params_sha256'][:16]} | {out}")
+    evals = " | ".join(f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("val_"))  # val_loss, ...
+    print(f"done: {summary['steps']} steps | loss {loss} | {evals} | params {summary['params_sha256'][:16]} | {out}")
