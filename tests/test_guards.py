@@ -319,6 +319,7 @@ def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
         out = tmp_path / where
         proc = train_here(out, *args, "faults.oom_at_step=6", f"faults.oom_in={where}")
         assert "step 6: out of memory; micro-batch 8 -> 4, accumulation x2" in proc.stderr
+        assert "dropout" in proc.stderr  # what the split does not keep
         recs = metrics(out)
         assert [r["micro_batch"] for r in recs] == [8] * 5 + [4] * 15
         assert [r["tokens"] for r in recs] == [r["tokens"] for r in plain]  # same global batch

@@ -102,4 +102,6 @@ class OutOfMemory:
                          f"{self.hint}.")
         p.micro_split *= 2
         self.dist.say(f"step {p.step + 1}: out of memory; micro-batch {size} -> {self.micro_batch()}, "
-                      f"accumulation x{p.micro_split} (same global batch), retrying", file=sys.stderr)
+                      f"accumulation x{p.micro_split} (same global batch), retrying; the samples and maths "
+                      f"stay, random draws in the model (dropout) differ from an unsplit run's",
+                      file=sys.stderr)
