@@ -396,7 +396,7 @@ def test_init_from_loads_weights_only(tmp_path, cache, reference):
     # With an EMA: it starts from the warm-start weights too (not the fresh model's), and with no
     # step taken it is what is validated and exported.
     proc = train_here(zero, cache, "train.max_steps=0", f"run.init_from={ckpt}", "ema.enabled=true")
-    assert "done: 0 steps | loss n/a | val " in proc.stdout, proc.stdout  # not "loss None"
+    assert "done: 0 steps | loss n/a | val_loss " in proc.stdout, proc.stdout  # not "loss None"
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
     assert summary(zero)["ema_params_sha256"] == summary(reference)["params_sha256"]
     assert summary(zero)["val_loss"] == summary(reference)["val_loss"]

@@ -83,6 +83,6 @@ def write(out: Path, summary: dict, weights: dict, ema: dict | None, config: dic
         write_report([out], out, report.price_per_hour, report.co2_g_per_kwh, report.plots)
     except Exception as e:  # noqa: BLE001
         print(f"warning: report not written ({type(e).__name__}: {e})", file=sys.stderr)
-    loss = "n/a" if summary["final_loss"] is None else summary["final_loss"]  # no step taken
+    loss = "n/a" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"  # None: no step taken
     evals = " | ".join(f"{k} {v:.4f}" for k, v in summary.items() if k.startswith("val_"))  # val_loss, ...
     print(f"done: {summary['steps']} steps | loss {loss} | {evals} | params {summary['params_sha256'][:16]} | {out}")
