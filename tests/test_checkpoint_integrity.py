@@ -264,6 +264,33 @@ def test_shape_mismatch_exits_2_lists_keys_and_changes_nothing(tmp_path, cache, 
     assert_unchanged(before, out)  # config.yaml included: not overwritten with n_embd=48
 
 
+def test_a_checkpoint_of_another_layout_is_exit_2_and_its_weights_still_start_a_new_run(tmp_path, cache,
+                                                                                        base10):
+    # A state.pt without the layout this loop writes (format), as another version of the loop left
+    # it, with a manifest that verifies: a resume refuses it before anything is loaded or written,
+    # and points to run.init_from, which reads the weights alone.
+    out = tmp_path / "run"
+    shutil.copytree(base10, out, symlinks=True)
+    ckpt = out / "checkpoints" / "step_00000010"
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    assert state.pop("format") == 2
+    torch.save(state, ckpt / "state.pt")
+    data = (ckpt / "state.pt").read_bytes()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    before = snapshot(out)
+
+    proc = train_here(out, cache, "train.max_steps=20", "train.ckpt_every=5", check=False)
+
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "format 1" in proc.stderr and f"run.init_from={ckpt}" in proc.stderr, proc.stderr
+    assert_unchanged(before, out)
+    warm = tmp_path / "warm"
+    train_here(warm, cache, "train.max_steps=0", f"run.init_from={ckpt}")
+    assert summary(warm)["params_sha256"] == summary(base10)["params_sha256"]
+
+
 # ---------------------------------------------------------------------------- 5. resume modes
 @pytest.mark.slow
 def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cache, base10):

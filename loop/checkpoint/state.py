@@ -20,6 +20,7 @@ from loop.distributed import fsdp
 from loop.rng import rank_seed, seed_everything
 
 SHARDED = ("model", "optimizer")  # under FSDP: in the shards every rank writes, not in state.pt
+FORMAT = 2  # state.pt's layout: one entry per part. A resume refuses another (weights.py)
 
 
 def files(parts: dict, rank: int, sharded: bool, run: dict) -> dict[str, object]:
@@ -30,7 +31,7 @@ def files(parts: dict, rank: int, sharded: bool, run: dict) -> dict[str, object]
         return mine
     shared = {name: None if part is None or (sharded and name in SHARDED) else part.state_dict()
               for name, part in parts.items() if name != "rng"}
-    return {"state.pt": {**shared, **run, "sharded": sharded}, **mine}
+    return {"state.pt": {**shared, **run, "sharded": sharded, "format": FORMAT}, **mine}
 
 
 def restore(path: Path, parts: dict, cfg, dist, metadata: dict, lab: str = "") -> str | None:
@@ -40,7 +41,7 @@ def restore(path: Path, parts: dict, cfg, dist, metadata: dict, lab: str = "") -
     origin the checkpoints this run saves record (loop/checkpoint/resume.py::origin)."""
     dist.say(f"loading checkpoint {path} ...")
     model, ema, rank = parts["model"], parts["ema"], dist.rank
-    state = load_model_state(path, model, cfg, parts["optimizer"])  # FSDP: the shards of both
+    state = load_model_state(path, model, cfg, parts["optimizer"], fmt=FORMAT)  # FSDP: the shards of both
     if ema and state["ema"] and state["ema"]["weights"] is None:  # FSDP: the EMA's shards too
         fsdp.load_weights(ema.module, path, "ema")
     for name in ("scheduler", "scaler", "ema", "monitor", "progress"):

@@ -25,11 +25,17 @@ WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from 
 
 
 def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
-                     advice: str = "") -> dict:
+                     advice: str = "", fmt: int | None = None) -> dict:
     """Load a checkpoint's state.pt and put its weights (and, if given, the optimizer state) into
     `model`, refusing a mismatch. Weights alone load across strategies: an FSDP checkpoint's
-    shards into a plain model and a whole state_dict into an FSDP one."""
+    shards into a plain model and a whole state_dict into an FSDP one. `fmt`: the layout a resume
+    reads (loop/checkpoint/state.py); a warm start reads only the weights, in any layout."""
     state = store.load(path, "state.pt")
+    if fmt is not None and state.get("format") != fmt:
+        raise BadInput(f"checkpoint {path} has another layout (format {state.get('format', 1)}; this "
+                       f"loop resumes format {fmt}): it was written by another version of the loop. "
+                       f"Resume it with that version, or start a new run.out_dir with "
+                       f"run.init_from={path} (its weights only).")
     advice = advice or (RESUME if optimizer is not None else WARM_START)
     was_sharded = bool(state.get("sharded"))
     if optimizer is not None and was_sharded != fsdp.is_sharded(model):
