@@ -174,9 +174,8 @@ class Trainer:
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
-            if self.lab == "clip_before_unscale":  # lab: clipped while still multiplied by the scale
-                clip_grad_norm_(params, tc.clip_grad)
-            self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
+            if self.lab != "clip_before_unscale":  # lab: not here, so scaler.step unscales after the clip
+                self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
             grad_norm = clip_grad_norm_(params, tc.clip_grad) if tc.clip_grad > 0 else \
                 get_total_norm([q.grad for q in params if q.grad is not None])
             grad_norm = fsdp.whole(grad_norm).to(losses[0].device)  # FSDP: a DTensor; CPU if offloaded

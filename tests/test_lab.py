@@ -29,6 +29,16 @@ def test_verify_names_the_check_each_switch_breaks(tmp_path, cache, name):
     assert json.loads((kept / "verify.json").read_text())["results"]
 
 
+@pytest.mark.parametrize("name", [n for n, s in SWITCHES.items() if s.needs])
+def test_a_switch_that_needs_a_setting_breaks_nothing_without_it(tmp_path, cache, name):
+    # The fp16 switches touch the GradScaler, which does nothing in fp32: the check passes there
+    # (the lab asks why).
+    s = SWITCHES[name]
+    proc = verify(tmp_path, "--checks", ",".join(s.caught_by), *TINY, cache, f"lab.break={name}")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert {c: r for c, (r, _) in rows(proc.stdout).items()} == {c: "PASS" for c in s.caught_by}, proc.stdout
+
+
 def test_a_switched_run_says_so_loudly_and_in_its_files(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, "train.max_steps=3", "lab.break=no_rng_restore")

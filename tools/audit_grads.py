@@ -74,8 +74,12 @@ class Probe:
         was taken), and the last logged norm and loss."""
         t, seen = self.trainer, {}
 
-        def capture(_opt, _args, _kwargs) -> None:
-            seen.update({n: p.grad.detach().double().clone() for n, p in t.raw.named_parameters()
+        def capture(opt, _args, _kwargs) -> None:
+            # GradScaler.step hands a fused optimizer gradients still scaled, with the scale as
+            # `grad_scale` (None once unscale_ ran): it divides inside its kernel, so divide here too.
+            scale = getattr(opt, "grad_scale", None)
+            inv = 1.0 if scale is None else 1.0 / float(scale)
+            seen.update({n: p.grad.detach().double() * inv for n, p in t.raw.named_parameters()
                          if p.grad is not None})
 
         hook = t.optimizer.register_step_pre_hook(capture)
