@@ -3,9 +3,12 @@
 What it sets, before CUDA initialises: `CUBLAS_WORKSPACE_CONFIG=:4096:8` (cuBLAS needs it for
 deterministic matmuls), `torch.use_deterministic_algorithms(True)` (an op with no deterministic
 kernel raises instead of silently varying), `cudnn.benchmark=False` and `cudnn.deterministic=True`,
-and scaled-dot-product attention pinned to the math kernel (the fused kernels' backward passes may
-accumulate in a varying order). A Dataset's random draws need nothing from it: each training sample
-is fetched with the streams seeded from its position (loop/data/seeded.py), in workers or not.
+and cuDNN's attention kernel off (its backward has no deterministic mode; torch skips it under the
+flag anyway). The fused FlashAttention and memory-efficient kernels stay: under the flag torch runs
+their backward passes deterministically (FlashAttention's deterministic mode; no split keys), where
+the math kernel would write every T x T score matrix to memory. A Dataset's random draws need
+nothing from it: each training sample is fetched with the streams seeded from its position
+(loop/data/seeded.py), in workers or not.
 
 What that guarantees: identical results on the same machine, with the same versions of everything
 and the same world size. Not across GPU models, driver/CUDA/torch versions, or process counts.
@@ -25,7 +28,7 @@ from loop.errors import BadInput
 def enable() -> Callable[[], None]:
     """Turn determinism mode on. Call before anything touches the GPU. Returns what puts every
     setting back as it was: the flags are the process's, so a notebook calling train.main again
-    with the mode off would get it still on (math-only attention, and an error from any op without a
+    with the mode off would get it still on (no cuDNN attention, and an error from any op without a
     deterministic kernel)."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         raise BadInput("run.deterministic=true must be applied before CUDA initialises.")
@@ -37,20 +40,15 @@ def enable() -> Callable[[], None]:
     cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
     saved = (torch.are_deterministic_algorithms_enabled(),
              torch.is_deterministic_algorithms_warn_only_enabled(), cudnn.benchmark,
-             cudnn.deterministic, cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(),
-             cuda.cudnn_sdp_enabled())
+             cudnn.deterministic, cuda.cudnn_sdp_enabled())
     torch.use_deterministic_algorithms(True)
     cudnn.benchmark, cudnn.deterministic = False, True
-    cuda.enable_flash_sdp(False)
-    cuda.enable_mem_efficient_sdp(False)
     cuda.enable_cudnn_sdp(False)
 
     def restore() -> None:
-        on, warn_only, benchmark, deterministic, flash, efficient, cudnn_sdp = saved
+        on, warn_only, benchmark, deterministic, cudnn_sdp = saved
         torch.use_deterministic_algorithms(on, warn_only=warn_only)
         cudnn.benchmark, cudnn.deterministic = benchmark, deterministic
-        cuda.enable_flash_sdp(flash)
-        cuda.enable_mem_efficient_sdp(efficient)
         cuda.enable_cudnn_sdp(cudnn_sdp)
         if not had_workspace:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
@@ -63,6 +61,12 @@ def in_effect() -> dict:
     return {"deterministic": torch.are_deterministic_algorithms_enabled(),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
             "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "sdpa_math_only": not (torch.backends.cuda.flash_sdp_enabled()
-                                   or torch.backends.cuda.mem_efficient_sdp_enabled()),
+            "sdpa_kernels": [name for name, on in sdpa_kernels().items() if on],
             "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF")}
+
+
+def sdpa_kernels() -> dict[str, bool]:
+    """Which scaled-dot-product attention kernels torch may pick."""
+    cuda = torch.backends.cuda
+    return {"flash": cuda.flash_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled(),
+            "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled()}

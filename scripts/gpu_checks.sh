@@ -17,6 +17,9 @@
 #   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
 #            activation checkpointing as a third arm: 3 arms x BENCH_REPS fresh processes, each
 #            compiling the model (start with BENCH_REPS=1 inside a 10-minute device call)
+#   attention  each attention kernel at GPT-2 124M's shape, deterministic flag off and on: time, and
+#            whether its backward repeats bit for bit (bench/attention.py)
+#   determinism  GPT-2 124M: scaffold vs bare loop with run.deterministic=true as the third arm
 #   stall    GPT-2 124M: the checkpoint stall, synchronous vs async
 #
 # Uses the interpreter in $PYTHON (default python3: a GPU image with torch already in it).
@@ -62,11 +65,19 @@ for s in "${stages[@]}"; do
         stage bench "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
             --reps "$BENCH_REPS" --variant model.activation_checkpointing=true
         cp bench/results/*.jsonl "$OUT/" ;;
+    attention)
+        stage attention "$PYTHON" -m bench.attention
+        cp bench/results/*.jsonl "$OUT/" ;;
+    determinism)
+        stage determinism "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
+            --reps "$BENCH_REPS" --variant run.deterministic=true
+        cp bench/results/*.jsonl "$OUT/" ;;
     stall)
         stage ckpt_stall "$PYTHON" -m bench.ckpt_stall --config configs/gpt2_124m.yaml --reps "$BENCH_REPS"
         cp bench/results/*.jsonl "$OUT/" ;;
     *)
-        echo "unknown stage $s; expected env, tests, oom, verify, bench or stall" >&2; exit 2 ;;
+        echo "unknown stage $s; expected env, tests, oom, verify, bench, attention, determinism or stall" >&2
+        exit 2 ;;
     esac
 done
 [ ${#failed[@]} -eq 0 ] && echo "all stages passed" || { echo "failed: ${failed[*]}"; exit 1; }

@@ -3,12 +3,13 @@
     make test ARGS=tests/test_cuda.py PYTHON=python3      # on a GPU machine; scripts/gpu_checks.sh
 
 bf16 and fp16 (GradScaler) with fused AdamW train, repeat and resume bit-identically in
-determinism mode; a micro-batch too big for the card runs out of memory for real and is recovered
-by splitting it; steady-state steps make exactly one host sync each (the finite check), proved
-with torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and
-async checkpoints), bit-identical to plain python, also after a SIGKILL and rerun; FSDP with CPU
-offload and mixed precision trains close to FSDP on the GPU and resumes bit-identically; NVML
-reads the GPU the run trains on.
+determinism mode, whose fused attention kernels repeat their backward bit for bit; a micro-batch
+too big for the card runs out of memory for real and is recovered by splitting it; steady-state
+steps make exactly one host sync each (the finite check), proved with
+torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and async
+checkpoints), bit-identical to plain python, also after a SIGKILL and rerun; FSDP with CPU offload
+and mixed precision trains close to FSDP on the GPU and resumes bit-identically; NVML reads the
+GPU the run trains on.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import DIST, ROOT, TINY, metrics, run_and_signal, run_train, summary
+from conftest import DIST, ROOT, TINY, build_trainer, load_config, metrics, run_and_signal, run_train, summary
 from tools import jobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -64,9 +65,33 @@ def test_precision_repeats_and_resumes_bit_identically(tmp_path, cache, precisio
     for out in (b, killed):
         assert [r["loss"] for r in metrics(out)] == losses, out.name
         assert summary(out)["params_sha256"] == summary(a)["params_sha256"], out.name
+    assert json.loads((a / "metadata.json").read_text())["determinism"]["sdpa_kernels"][0] == "flash"
     state = torch.load(a / "checkpoints" / "step_00000020" / "state.pt", weights_only=True)
     assert state["optimizer"]["param_groups"][0]["fused"] is True
     assert bool(state["scaler"]) == (precision == "fp16")  # fp16: the GradScaler's scale and tracker
+
+
+@pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
+def test_the_fused_attention_determinism_mode_keeps_repeats_its_backward_bit_for_bit(kernel):
+    # run.deterministic=true keeps these kernels (loop/determinism.py), trusting torch to run their
+    # backward deterministically under its flag: five backward passes at GPT-2 124M's attention
+    # shape, the kernel forced (sdpa_kernel raises if it cannot run), must give the same bits.
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    g = torch.Generator("cuda").manual_seed(0)
+    q, k, v, grad = (torch.randn(16, 12, 1024, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    torch.use_deterministic_algorithms(True)
+    try:
+        with sdpa_kernel(getattr(SDPBackend, kernel)):
+            runs = [torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                                        (q, k, v), grad) for _ in range(5)]
+    finally:
+        torch.use_deterministic_algorithms(False)
+    for other in runs[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
 
 
 def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
@@ -91,8 +116,7 @@ def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_steady_state_steps_sync_with_the_host_once(tmp_path, compile):
-    from loop.build import build_trainer
-    from loop.config.load import DEFAULT_CONFIG, load_config
+    from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={tmp_path / 'run'}",
@@ -101,7 +125,7 @@ def test_steady_state_steps_sync_with_the_host_once(tmp_path, compile):
                                        "train.eval_every=0", "train.ckpt_every=0", f"train.compile={compile}",
                                        "data.num_workers=2", "data.pin_memory=true"])
     trainer = build_trainer(cfg, Dist(), torch.device("cuda"))
-    step, syncs = trainer._step, {}
+    step, syncs = trainer.step, {}
 
     def watched() -> bool:  # steps 4..11: after warm-up (and compilation), before the final flush
         n = trainer.progress.step + 1
@@ -114,13 +138,14 @@ def test_steady_state_steps_sync_with_the_host_once(tmp_path, compile):
                 ok = step()
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-        syncs[n] = [(Path(w.filename).name, w.lineno) for w in seen if "called a synchronizing" in str(w.message)]
+        syncs[n] = [(Path(w.filename).name, w.lineno) for w in seen
+                    if "called a synchronizing" in str(w.message)]
         return ok
 
-    trainer._step = watched
+    trainer.step = watched
     trainer.run()
     source = (ROOT / "loop" / "trainer.py").read_text().splitlines()
-    read = next(i for i, line in enumerate(source, 1) if "# one read" in line)
+    read = next(i for i, line in enumerate(source, 1) if "# one host read" in line)
     print("host syncs per steady-state step:", syncs)  # the record scripts/gpu_checks.sh keeps
     assert syncs == {n: [("trainer.py", read)] for n in range(4, 12)}, syncs
 

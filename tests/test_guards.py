@@ -488,13 +488,14 @@ def test_determinism_mode_gives_identical_runs(tmp_path, cache):
     assert [r["loss"] for r in metrics(a)] == [r["loss"] for r in metrics(b)]
     assert summary(a)["params_sha256"] == summary(b)["params_sha256"]
     det = json.loads((a / "metadata.json").read_text())["determinism"]
-    assert det["deterministic"] and det["cublas_workspace_config"] == ":4096:8" and det["sdpa_math_only"]
+    assert det["deterministic"] and det["cublas_workspace_config"] == ":4096:8"
+    assert det["sdpa_kernels"] == ["flash", "efficient", "math"]  # the fused ones stay, cuDNN's goes
 
 
 def test_determinism_mode_ends_with_its_run(tmp_path, cache, monkeypatch):
     # Its switches are the process's: left on, train.main called again in one process (a
-    # notebook) with the mode off would run with it still on (attention on the math kernel only; an
-    # op without a deterministic kernel an error). What was in effect before is put back, whatever
+    # notebook) with the mode off would run with it still on (no cuDNN attention; an op without a
+    # deterministic kernel an error). What was in effect before is put back, whatever
     # it was.
     import train
     from conftest import TINY
@@ -503,21 +504,21 @@ def test_determinism_mode_ends_with_its_run(tmp_path, cache, monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     cuda = torch.backends.cuda
     before = determinism.in_effect()
-    assert not before["deterministic"] and not before["sdpa_math_only"]
+    assert not before["deterministic"] and "cudnn" in before["sdpa_kernels"]
     args = [*TINY, cache, "train.max_steps=2", "run.deterministic=true"]
     assert train.main([*args, f"run.out_dir={tmp_path / 'a'}"]) == 0
     assert json.loads((tmp_path / "a" / "metadata.json").read_text())["determinism"]["deterministic"]
     assert determinism.in_effect() == before and cuda.cudnn_sdp_enabled()
-    cuda.enable_flash_sdp(False)  # settings of the caller's own: kept
+    cuda.enable_cudnn_sdp(False)  # settings of the caller's own: kept
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = True
     try:
         assert train.main([*args, f"run.out_dir={tmp_path / 'b'}"]) == 0
-        assert not cuda.flash_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
+        assert not cuda.cudnn_sdp_enabled() and cuda.mem_efficient_sdp_enabled()
         assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
         assert torch.backends.cudnn.benchmark
     finally:
-        cuda.enable_flash_sdp(True)
+        cuda.enable_cudnn_sdp(True)
         torch.use_deterministic_algorithms(False)
         torch.backends.cudnn.benchmark = False
 
