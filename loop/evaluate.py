@@ -20,6 +20,7 @@ from loop.data.sampler import split_batch, val_batches
 from loop.data.seeded import SeededSamples
 from loop.distributed import fsdp
 from loop.errors import BadInput, GaveUp
+from loop.guards.oom import out_of_memory
 
 CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
             "(shape (), e.g. reduction=\"sum\"), or a dict with it under \"loss\" and more such sums "
@@ -201,8 +202,9 @@ class Evaluator:
         while True:
             try:
                 return val_metrics(raw, [batch], self.precision, self.device, self.dist, split), split
-            except torch.OutOfMemoryError:
-                pass  # retried outside the except block: its traceback pins the tensors
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                if not out_of_memory(e):
+                    raise  # retried outside the except block: its traceback pins the tensors
             if self.sharded:
                 self.oom.in_collectives("in the first validation forward (the model's contract probe) "
                                         "under FSDP, which gathers each block's weights from all ranks")

@@ -331,6 +331,20 @@ def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
         assert summary(out)["micro_batch"] == 4
 
 
+def test_a_cuda_library_s_failure_to_allocate_is_an_out_of_memory_and_other_errors_are_not():
+    # cuBLAS creates the backward thread's handle at the first backward pass; with the forward's
+    # activations filling the card that fails as a RuntimeError (on an H100, GPT-2 124M retried at
+    # micro-batch 64), which a smaller micro-batch fixes like any out-of-memory.
+    from loop.progress import Progress
+
+    guard = oom.OutOfMemory("split", 8, Progress(), Dist(), sharded=False)
+    with guard.attempt() as a:
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`")
+    assert a.failed
+    with pytest.raises(RuntimeError, match="illegal memory access"), guard.attempt():
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
 def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
     # A card that ran out of memory in training at micro-batch 8 may run out in validation too:
     # validation cuts its batches the same way, and its means do not change.

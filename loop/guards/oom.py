@@ -36,6 +36,15 @@ def configure_allocator() -> str:
     return os.environ["PYTORCH_ALLOC_CONF"]
 
 
+def out_of_memory(e: BaseException) -> bool:
+    """torch's own out-of-memory error, or a CUDA library's failure to allocate outside torch's
+    allocator, a RuntimeError: cuBLAS creating the backward thread's handle at the first backward
+    pass (`CUBLAS_STATUS_ALLOC_FAILED`), with the forward's activations filling the card. A smaller
+    micro-batch leaves it room, as for any out-of-memory."""
+    return isinstance(e, torch.OutOfMemoryError) or (isinstance(e, RuntimeError)
+                                                     and "_ALLOC_FAILED" in str(e))
+
+
 class _OtherRank(Exception):
     """Another rank ran out of memory: this one skips its last backward and retries too."""
 
@@ -71,7 +80,9 @@ class OutOfMemory:
         a = Attempt(self.dist)
         try:
             yield a
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not out_of_memory(e):
+                raise
             if self.sharded:
                 self.in_collectives(UNDER_FSDP)
             if a.agreed and self.dist.world > 1:  # alone, a fresh DDP starts clean (recover)
