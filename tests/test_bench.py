@@ -12,7 +12,7 @@ import pytest
 import torch
 from fake_mnist import write_fake_mnist
 
-from bench import ckpt_stall, loop_vs_bare
+from bench import attention, ckpt_stall, loop_vs_bare
 from bench.common import command
 from conftest import ROOT, TINY, build_trainer, load_config
 from loop.checkpoint import store
@@ -199,3 +199,10 @@ def test_the_scaffold_s_end_of_run_work_is_outside_the_timed_window(tmp_path, ca
     loop_vs_bare.run_arm("scaffold", [], args, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "scaffold" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [8] and records[-1]["step"] == 8
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the answer on a machine without a GPU")
+def test_the_attention_bench_needs_a_gpu_and_says_so(capsys):
+    # It measures CUDA kernels only (tests/test_cuda.py proves the ones determinism mode keeps).
+    assert attention.main([]) == 2
+    assert "CUDA" in capsys.readouterr().err

@@ -72,7 +72,7 @@ def test_precision_repeats_and_resumes_bit_identically(tmp_path, cache, precisio
 
 
 @pytest.mark.parametrize("kernel", ["FLASH_ATTENTION", "EFFICIENT_ATTENTION"])
-def test_the_fused_attention_determinism_mode_keeps_repeats_its_backward_bit_for_bit(kernel):
+def test_the_fused_attention_kept_by_determinism_mode_repeats_its_backward_bit_for_bit(kernel):
     # run.deterministic=true keeps these kernels (loop/determinism.py), trusting torch to run their
     # backward deterministically under its flag: five backward passes at GPT-2 124M's attention
     # shape, the kernel forced (sdpa_kernel raises if it cannot run), must give the same bits.
