@@ -11,12 +11,12 @@ MODELS), the processes; the loop lives in loop/trainer.py. Exit codes (docs/fail
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 from data import DATASETS
 from loop import determinism
 from loop.build import build_trainer
-from loop.checkpoint import runlock, store
+from loop.checkpoint import runlock
+from loop.checkpoint.resume import after_a_stop
 from loop.config import dotenv
 from loop.config.load import load_config, parse_args
 from loop.config.paths import directories
@@ -28,14 +28,6 @@ from loop.guards.console import HangupProof, console_gone, mute_dead_console, te
 from loop.guards.oom import configure_allocator
 from loop.guards.preemption import EXIT_PREEMPTED
 from model import MODELS
-
-
-def lost(cfg) -> str:
-    """What a run stopped mid-way leaves (said after Ctrl-C or a console gone)."""
-    if cfg and not store.step_dirs(Path(cfg.run.out_dir) / "checkpoints"):
-        return "no checkpoint was written yet, so rerunning the same command starts over"
-    return ("the steps since the newest checkpoint are lost, the checkpoints are whole; rerun the "
-            "same command to continue from the newest")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -60,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # before OSError: the console's reader went away, or a bug if not
         if not console_gone():
             raise
-        tell(f"stopped: the console's reader went away; {lost(cfg)}")
+        tell(f"stopped: the console's reader went away; {after_a_stop(cfg and cfg.run.out_dir)}")
         return EXIT_CONSOLE_GONE
     except OSError as e:
         if e.errno not in NO_ROOM or cfg is None:  # anything else is a bug to see in full
@@ -68,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         tell(f"error: {no_room(e, directories(cfg))}")
         return EXIT_GAVE_UP
     except KeyboardInterrupt:  # Ctrl-C: the user knows where it stopped; a traceback adds nothing
-        tell(f"interrupted: {lost(cfg)}")
+        tell(f"interrupted: {after_a_stop(cfg and cfg.run.out_dir)}")
         return EXIT_INTERRUPTED
     finally:
         runlock.release()  # the run is over: a notebook's next run, or another process's, may lock it

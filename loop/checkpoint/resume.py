@@ -114,3 +114,12 @@ def checkpoints_near(path: Path) -> str:
             best = f"; the best: {root / best.read_text()}" if best.is_file() else ""
             return f" {root} holds checkpoints: the newest is {dirs[-1]}{best}."
     return ""
+
+
+def after_a_stop(out_dir: str | None) -> str:
+    """What a run stopped mid-way leaves, and how to go on (said after Ctrl-C or a console gone);
+    `out_dir`: None when the stop came before the config was read."""
+    if out_dir and not store.step_dirs(Path(out_dir) / "checkpoints"):
+        return "no checkpoint was written yet, so rerunning the same command starts over"
+    return ("the steps since the newest checkpoint are lost, the checkpoints are whole; rerun the "
+            "same command to continue from the newest")
