@@ -41,7 +41,7 @@ from loop.build import build_data, build_model
 from loop.config.fields import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
 from loop.data.sampler import collate
-from loop.device import pick_device, use_tf32
+from loop.device import pick_device, use_attention_kernel, use_tf32
 from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
 from loop.precision import Precision
@@ -62,11 +62,12 @@ class Bare:
     def __init__(self, cfg, total_steps: int):
         self.cfg, self.device = cfg, pick_device(cfg.train.device)
         use_tf32(self.device, cfg.train.tf32)
+        use_attention_kernel(cfg.train.attention_kernel)  # the same kernels as the scaffold's
         seed_everything(cfg.run.seed)
         self.data = build_data(cfg.data, DATASETS)
         self.model = build_model(cfg.model, self.data, MODELS).to(self.device)
         if cfg.train.compile:
-            self.model.compile()
+            self.model.compile(mode=cfg.train.compile_mode)
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, total_steps)
         self.precision = Precision(cfg.train.precision, self.device)

@@ -15,7 +15,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from loop.config.runtime import check_same_config, check_with_world, idle_settings
 from loop.data.bundle import Data, check_samples
-from loop.device import use_tf32
+from loop.device import use_attention_kernel, use_tf32
 from loop.distributed import fsdp
 from loop.distributed.group import Dist
 from loop.distributed.wrap import wrap
@@ -37,6 +37,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
     seed_everything(cfg.run.seed)
     data = build_data(cfg.data, datasets)
     use_tf32(device, cfg.train.tf32)
+    use_attention_kernel(cfg.train.attention_kernel)
     precision = Precision(cfg.train.precision, device)
     # In host memory: `wrap` moves it to the device. Under FSDP with several processes only rank 0
     # makes weights, the others shapes (meta device) that `wrap` fills with their shards of rank 0's
@@ -46,8 +47,10 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
         model = build_model(cfg.model, data, models)
     check_weights(model, precision, cfg.train.precision)
     if cfg.train.compile:
-        model.compile()  # in place: state_dict keys, hence checkpoints, stay those of the model
-        dist.say("model compiled in place (torch.compile); the first steps include compilation")
+        # In place: state_dict keys, hence checkpoints, stay those of the model.
+        model.compile(mode=cfg.train.compile_mode)
+        dist.say(f"model compiled in place (torch.compile, mode {cfg.train.compile_mode}); the first "
+                 f"steps include compilation")
     # Before wrapping: an FSDP module cannot be deep-copied.
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup, shapes_only=deferred) if cfg.ema.enabled else None
     for note in idle_settings(cfg, precision):

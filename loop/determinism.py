@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from loop.device import attention_kernels
 from loop.errors import BadInput
 
 
@@ -61,12 +62,5 @@ def in_effect() -> dict:
     return {"deterministic": torch.are_deterministic_algorithms_enabled(),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
             "cudnn_benchmark": torch.backends.cudnn.benchmark,
-            "sdpa_kernels": [name for name, on in sdpa_kernels().items() if on],
+            "sdpa_kernels": attention_kernels(),  # in the order torch tries them
             "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF")}
-
-
-def sdpa_kernels() -> dict[str, bool]:
-    """Which scaled-dot-product attention kernels torch may pick."""
-    cuda = torch.backends.cuda
-    return {"flash": cuda.flash_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled(),
-            "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled()}

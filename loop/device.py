@@ -1,7 +1,11 @@
-"""Which device to train on: `train.device=auto` picks cuda > mps > cpu."""
+"""Which device to train on (`train.device=auto` picks cuda > mps > cpu), and the process-wide
+kernel choices made for it: TF32 matmuls (`train.tf32`), the attention kernel tried first
+(`train.attention_kernel`).
+"""
 from __future__ import annotations
 
 import torch
+from torch.nn.attention import SDPBackend
 
 from loop.errors import BadInput
 
@@ -37,3 +41,31 @@ def use_tf32(device: torch.device, on: bool) -> None:
     if device.type == "cuda":
         torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = \
             "tf32" if on else "ieee"
+
+
+# The fused kernels behind `scaled_dot_product_attention`, by the names the config uses.
+SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+TORCH_ORDER = torch._C._get_sdp_priority_order()  # torch's own, as the process started with it
+
+
+def use_attention_kernel(name: str) -> None:
+    """Put one attention kernel first in the order torch tries them on CUDA (`auto`: torch's own
+    order, where cuDNN's comes last). Where the first cannot run (a head size, a dtype, a mask,
+    or determinism mode turning it off) torch falls back to the next. Set for the process, as
+    TF32 is: torch's public way, `sdpa_kernel(..., set_priority=True)`, is a context manager,
+    and the run, its compilation and its evaluations all need the one order. The CPU has one
+    fused kernel, which it picks whatever the order."""
+    order = list(TORCH_ORDER)
+    if name != "auto":
+        first = int(SDPA[name])
+        order = [first, *(b for b in order if b != first)]
+    torch._C._set_sdp_priority_order(order)
+
+
+def attention_kernels() -> list[str]:
+    """The attention kernels torch may pick on CUDA, in the order it tries them."""
+    cuda, names = torch.backends.cuda, {int(b): n for n, b in SDPA.items()}
+    enabled = {"flash": cuda.flash_sdp_enabled(), "cudnn": cuda.cudnn_sdp_enabled(),
+               "efficient": cuda.mem_efficient_sdp_enabled(), "math": cuda.math_sdp_enabled()}
+    return [names[b] for b in torch._C._get_sdp_priority_order() if b in names and enabled[names[b]]]

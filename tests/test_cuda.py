@@ -3,7 +3,8 @@
     make test ARGS=tests/test_cuda.py PYTHON=python3      # on a GPU machine; scripts/gpu_checks.sh
 
 bf16 and fp16 (GradScaler) with fused AdamW train, repeat and resume bit-identically in
-determinism mode, whose fused attention kernels repeat their backward bit for bit; a micro-batch
+determinism mode, whose fused attention kernels repeat their backward bit for bit; the attention
+kernel asked for runs (cuDNN's, or flash's where determinism mode turns cuDNN's off); a micro-batch
 too big for the card runs out of memory for real and is recovered by splitting it; steady-state
 steps make exactly one host sync each (the finite check), proved with
 torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and async
@@ -92,6 +93,32 @@ def test_the_fused_attention_kept_by_determinism_mode_repeats_its_backward_bit_f
         torch.use_deterministic_algorithms(False)
     for other in runs[1:]:
         assert all(torch.equal(a, b) for a, b in zip(runs[0], other))
+
+
+def test_the_attention_kernel_asked_for_runs_and_determinism_mode_falls_back_to_flash():
+    # train.attention_kernel=cudnn (loop/device.py) at GPT-2 124M's attention shape: the profiler
+    # sees cuDNN's kernel; with cuDNN's attention off, as determinism mode has it, flash's.
+    import torch.nn.functional as F
+    from torch.profiler import ProfilerActivity, profile
+
+    from loop.device import use_attention_kernel
+
+    q = torch.randn(16, 12, 1024, 64, device="cuda", dtype=torch.bfloat16)
+
+    def ran() -> str:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        return " ".join(e.key for e in prof.key_averages())
+
+    use_attention_kernel("cudnn")
+    try:
+        assert "_scaled_dot_product_cudnn_attention" in ran()
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        assert "_scaled_dot_product_flash_attention" in ran()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        use_attention_kernel("auto")
+    assert "_scaled_dot_product_flash_attention" in ran()  # torch's own order: flash first
 
 
 def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):

@@ -1,8 +1,11 @@
 """The speed switches change speed and memory, not the maths: activation checkpointing gives the
 same gradients bit for bit, and a compiled model's checkpoints are interchangeable with an
-uncompiled one's (torch.compile in place keeps the state_dict keys)."""
+uncompiled one's (torch.compile in place keeps the state_dict keys). The kernel choices reach
+torch: the attention kernel asked for comes first in its order (but where determinism mode turns
+it off), torch.compile gets the mode asked for."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -10,7 +13,10 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, metrics, run_train, summary, train_cmd
+from conftest import ROOT, build_trainer, load_config, metrics, run_train, summary, train_cmd, train_here
+from loop.config.runtime import idle_settings
+from loop.distributed.group import Dist
+from loop.precision import Precision
 from model.gpt import GPT
 
 
@@ -90,3 +96,30 @@ def test_what_needs_no_fsdp_does_not_import_it():
     code = f"import sys, train, tools.sample, tools.verify; print([m for m in {heavy} if m in sys.modules])"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_attention_kernel_asked_for_is_tried_first_and_determinism_mode_falls_back(tmp_path, cache):
+    # metadata.json lists the kernels torch may pick, in the order it tries them. cuDNN's comes
+    # last in torch's own order; asked for, first. Determinism mode turns it off (no deterministic
+    # backward): the run says so and flash runs. CPU runs: the order is the process's all the same.
+    def kernels(out, *keys):
+        proc = train_here(tmp_path / out, cache, "train.max_steps=1", *keys)
+        return json.loads((tmp_path / out / "metadata.json").read_text())["determinism"]["sdpa_kernels"], proc
+
+    assert kernels("cudnn", "train.attention_kernel=cudnn")[0] == ["cudnn", "flash", "efficient", "math"]
+    assert kernels("auto")[0] == ["flash", "efficient", "math", "cudnn"]  # torch's own again
+    det, proc = kernels("det", "train.attention_kernel=cudnn", "run.deterministic=true")
+    assert det == ["flash", "efficient", "math"]
+    assert "note: train.attention_kernel=cudnn has no effect with run.deterministic=true" in proc.stdout
+
+
+def test_torch_compile_gets_the_mode_asked_for(monkeypatch):
+    modes = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: modes.append(kw["mode"]))
+    cfg = load_config(ROOT / "configs" / "default.yaml", ["train.compile=true", "train.compile_mode=max-autotune",
+                                                          "train.device=cpu", "model.n_layer=1"])
+    build_trainer(cfg, Dist(), torch.device("cpu"))
+    assert modes == ["max-autotune"]
+    idle = load_config(ROOT / "configs" / "default.yaml", ["train.compile_mode=reduce-overhead"])
+    assert idle_settings(idle, Precision("fp32", torch.device("cpu"))) == [
+        "train.compile_mode=reduce-overhead has no effect with train.compile=false"]

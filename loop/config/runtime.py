@@ -26,6 +26,12 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
     if t.fsdp_mixed_precision and (precision.dtype is None or t.strategy != "fsdp"):
         notes.append(f"train.fsdp_mixed_precision=true has no effect with train.strategy="
                      f"{t.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
+    if t.compile_mode != "default" and not t.compile:
+        notes.append(f"train.compile_mode={t.compile_mode} has no effect with train.compile=false")
+    if t.attention_kernel == "cudnn" and cfg.run.deterministic:
+        notes.append("train.attention_kernel=cudnn has no effect with run.deterministic=true: cuDNN's "
+                     "attention has no deterministic backward, so torch runs the next kernel in its "
+                     "order (flash)")
     for key in ("nan_at_step", "oom_at_step", "kill_in_ckpt_at_step"):
         step = getattr(cfg.faults, key)
         if step == 0 or step > t.max_steps:  # steps count from 1

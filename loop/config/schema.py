@@ -87,7 +87,13 @@ class TrainConfig:
     fsdp_mixed_precision: bool = False  # fsdp: weights in the autocast dtype for compute, fp32 reduce
     fsdp_cpu_offload: bool = False  # fsdp: keep sharded weights and optimizer state in host memory
     compile: bool = False  # torch.compile the model in place (state_dict keys unchanged)
+    # torch.compile's mode: max-autotune tries more kernels at compile time; reduce-overhead and
+    # max-autotune replay CUDA graphs (docs/performance.md)
+    compile_mode: str = opt("default", choices=("default", "reduce-overhead", "max-autotune",
+                                                "max-autotune-no-cudagraphs"))
     tf32: bool = True  # CUDA: TF32 tensor cores for float32 matmuls and convolutions (Ampere+)
+    # CUDA: the attention kernel torch tries first, then its own order (loop/device.py)
+    attention_kernel: str = opt("auto", choices=("auto", "cudnn", "flash", "efficient", "math"))
     profile: bool = False  # profile steps 4-8 and print where the time goes (loop/observe/profile.py)
 
 
