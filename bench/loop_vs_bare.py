@@ -3,6 +3,7 @@
     make bench                                          # default config (CPU here), then ckpt_stall
     python -m bench.loop_vs_bare --steps 50 --warmup 10 --reps 3 [--config C] [key=value ...]
     python -m bench.loop_vs_bare --variant model.activation_checkpointing=true   # a third arm
+    python -m bench.loop_vs_bare --variant "data.batch_size=32 train.grad_accum=2"  # one arm, two keys
 
 Each repetition runs every arm once, in fresh processes, the order alternating:
   scaffold  `train.py` as users run it (DataLoader, guards, metrics.jsonl, TensorBoard, telemetry),
@@ -11,7 +12,8 @@ Each repetition runs every arm once, in fresh processes, the order alternating:
   bare      this file with --bare: the same model, optimizer, schedule, precision, batch size and
             accumulation, on batches of the same dataset collated onto the device before timing;
             forward, backward, unscale, clip, step, zero_grad and nothing else.
-  variant   the scaffold with one more override (e.g. activation checkpointing, compile).
+  variant   the scaffold with more overrides (e.g. activation checkpointing, compile), one arm
+            per --variant (its overrides separated by spaces); the bare loop runs without them.
 The table shows medians: tokens/s, the ratio to bare (of the medians; and "paired", the median of
 each repetition's own ratio: its arms run back to back, so the machine's drift between repetitions,
 over 20% on a shared 2-core VM, cancels), peak memory (CUDA: max allocated; CPU: the process's max
@@ -168,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=at_least(1), default=50, help="timed steps per run (default: %(default)s)")
     p.add_argument("--warmup", type=at_least(0), default=10, help="untimed steps first (default: %(default)s)")
     p.add_argument("--reps", type=at_least(1), default=3, help="runs of each arm (default: %(default)s)")
-    p.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
-                   help="also run the scaffold with this override (repeatable)")
+    p.add_argument("--variant", action="append", default=[], metavar="'KEY=VALUE ...'",
+                   help="also run the scaffold with these overrides (repeatable: an arm each)")
     p.add_argument("--results", type=Path, default=RESULTS / "loop_vs_bare.jsonl")
     p.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one bare run (internal)
     p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. data.batch_size=8")
@@ -179,8 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = load_config(args.config, args.overrides, DATASETS, MODELS)  # bad input fails here, before any run
     for v in args.variant:
-        load_config(args.config, [*args.overrides, v], DATASETS, MODELS)
-    arms = {"scaffold": [], "bare": [], **{v: [v] for v in args.variant}}
+        load_config(args.config, [*args.overrides, *v.split()], DATASETS, MODELS)
+    arms = {"scaffold": [], "bare": [], **{v: v.split() for v in args.variant}}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))

@@ -20,6 +20,11 @@
 #   attention  each attention kernel at GPT-2 124M's shape, deterministic flag off and on: time, and
 #            whether its backward repeats bit for bit (bench/attention.py)
 #   determinism  GPT-2 124M: scaffold vs bare loop with run.deterministic=true as the third arm
+#   levers   GPT-2 124M: scaffold vs bare loop, each speed setting an arm of its own: cuDNN's
+#            attention first, a micro-batch of 32 (the same 64-sample global batch), both
+#   compile_modes  GPT-2 124M: scaffold vs bare loop, each torch.compile mode an arm of its own
+#   profile  GPT-2 124M: where the GPU's time goes (train.profile=true), torch's attention order
+#            and cuDNN's first
 #   stall    GPT-2 124M: the checkpoint stall, synchronous vs async
 #
 # Uses the interpreter in $PYTHON (default python3: a GPU image with torch already in it).
@@ -72,11 +77,28 @@ for s in "${stages[@]}"; do
         stage determinism "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
             --reps "$BENCH_REPS" --variant run.deterministic=true
         cp bench/results/*.jsonl "$OUT/" ;;
+    levers)
+        stage levers "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
+            --reps "$BENCH_REPS" --variant train.attention_kernel=cudnn --variant "data.batch_size=32 train.grad_accum=2" \
+            --variant "train.attention_kernel=cudnn data.batch_size=32 train.grad_accum=2"
+        cp bench/results/*.jsonl "$OUT/" ;;
+    compile_modes)
+        stage compile_modes "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
+            --reps "$BENCH_REPS" --variant train.compile_mode=max-autotune-no-cudagraphs \
+            --variant train.compile_mode=reduce-overhead
+        cp bench/results/*.jsonl "$OUT/" ;;
+    profile)
+        for kernel in auto cudnn; do
+            rm -rf "runs/profile_$kernel"
+            stage "profile_$kernel" "$PYTHON" train.py --config configs/gpt2_124m.yaml "run.out_dir=runs/profile_$kernel" \
+                train.max_steps=8 train.profile=true train.eval_every=0 train.ckpt_every=0 "train.attention_kernel=$kernel"
+        done ;;
     stall)
         stage ckpt_stall "$PYTHON" -m bench.ckpt_stall --config configs/gpt2_124m.yaml --reps "$BENCH_REPS"
         cp bench/results/*.jsonl "$OUT/" ;;
     *)
-        echo "unknown stage $s; expected env, tests, oom, verify, bench, attention, determinism or stall" >&2
+        echo "unknown stage $s; expected env, tests, oom, verify, bench, attention, determinism, levers," \
+             "compile_modes, profile or stall" >&2
         exit 2 ;;
     esac
 done

@@ -25,15 +25,16 @@ from loop.observe.metrics import NullLog
 def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
     results = tmp_path / "r.jsonl"
     args = ["--steps", "4", "--warmup", "2", "--reps", "2", "--results", str(results),
-            "--variant", "model.activation_checkpointing=true", *[t for t in TINY if "log_every" not in t], cache,
+            "--variant", "model.activation_checkpointing=true model.dropout=0",  # one arm, two keys
+            *[t for t in TINY if "log_every" not in t], cache,
             f"run.mirror={tmp_path / 'bucket'}"]  # a config that mirrors a real run's checkpoints
     assert loop_vs_bare.main(args) == 0
     assert not (tmp_path / "bucket").exists()  # its runs' pruning deleted the real run's there
     (record,) = [json.loads(line) for line in results.read_text().splitlines()]
     assert record["command"] == " ".join(["python -m bench.loop_vs_bare", *args])
-    arms = ["scaffold", "bare", "model.activation_checkpointing=true"]
+    arms = ["scaffold", "bare", "model.activation_checkpointing=true model.dropout=0"]
     # Each repetition runs every arm, the order reversed every other one: drift hits them alike.
-    ran = re.findall(r"^rep (\d)/2 (\S+):", capsys.readouterr().out, re.M)
+    ran = re.findall(r"^rep (\d)/2 (.+):", capsys.readouterr().out, re.M)
     assert ran == [("1", a) for a in arms] + [("2", a) for a in arms[::-1]]
     med = record["median"]
     assert set(med) == set(arms)
@@ -109,7 +110,7 @@ def test_counts_below_their_minimum_are_usage_errors(tmp_path, capsys, main, arg
 
 
 @pytest.mark.parametrize("main, args, named", [
-    (loop_vs_bare.main, ["--variant", "trian.x=1"], "unknown config key 'trian.x'"),
+    (loop_vs_bare.main, ["--variant", "train.clip_grad=1 trian.x=1"], "unknown config key 'trian.x'"),
     (loop_vs_bare.main, ["--config", "nope.yaml"], "config file nope.yaml: cannot read it"),
     (ckpt_stall.main, ["model.n_layr=2"], "Did you mean 'model.n_layer'"),
 ])
