@@ -42,6 +42,7 @@ from data import DATASETS
 from loop.build import build_data, build_model
 from loop.config.fields import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
+from loop.config.runtime import follow_global_batch
 from loop.data.sampler import collate
 from loop.device import pick_device, use_attention_kernel, use_tf32
 from loop.evaluate import loss_and_sums
@@ -97,6 +98,7 @@ class Bare:
 def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     """The bare loop in this process; tokens/s over `steps` steps after `warmup`."""
     cfg = load_config(config, overrides, DATASETS, MODELS)
+    follow_global_batch(cfg, 1)  # one process, as the scaffold's arm
     b, k = cfg.data.batch_size, cfg.train.grad_accum
     loop = Bare(cfg, warmup + steps)
     train = loop.data.train

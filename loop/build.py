@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parameter import UninitializedParameter
 
-from loop.config.runtime import check_same_config, check_with_world, idle_settings
+from loop.config.runtime import check_same_config, check_with_world, follow_global_batch, idle_settings
 from loop.data.bundle import Data, check_samples
 from loop.device import use_attention_kernel, use_tf32
 from loop.distributed import fsdp
@@ -32,6 +32,8 @@ from loop.trainer import Trainer
 def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models: dict) -> Trainer:
     check_same_config(cfg, dist)
     check_with_world(cfg, dist)
+    if accum := follow_global_batch(cfg, dist.world):  # before anything reads train.grad_accum
+        dist.say(accum)
     # The builders draw the same numbers on every rank: the same data (a random split stays one
     # split) and the same initial weights.
     seed_everything(cfg.run.seed)

@@ -79,8 +79,8 @@ for s in "${stages[@]}"; do
         cp bench/results/*.jsonl "$OUT/" ;;
     levers)
         stage levers "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
-            --reps "$BENCH_REPS" --variant train.attention_kernel=cudnn --variant "data.batch_size=32 train.grad_accum=2" \
-            --variant "train.attention_kernel=cudnn data.batch_size=32 train.grad_accum=2"
+            --reps "$BENCH_REPS" --variant train.attention_kernel=cudnn --variant data.batch_size=32 \
+            --variant "train.attention_kernel=cudnn data.batch_size=32"
         cp bench/results/*.jsonl "$OUT/" ;;
     compile_modes)
         stage compile_modes "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \

@@ -8,10 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import load_config
+from conftest import load_config, train_here
 from data import DATASETS
 from loop.config.fields import to_dict
 from loop.config.load import changed_keys, config_hash, flat, parse_args, save
+from loop.config.runtime import follow_global_batch
 from loop.config.schema import Config
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from model import MODELS
@@ -443,3 +444,18 @@ def test_the_done_line_names_every_validation_metric(tmp_path, cache):
     proc = train_here(tmp_path / "run", cache, "train.max_steps=2")
     done = next(line for line in proc.stdout.splitlines() if line.startswith("done: "))
     assert " | val_loss " in done and " | val " not in done, done
+
+
+def test_a_global_batch_sets_the_accumulation_or_names_what_would_divide_it(tmp_path, cache):
+    cfg = load_config(DEFAULT, ["train.global_batch=64", "data.batch_size=8", "train.grad_accum=3"])
+    assert follow_global_batch(cfg, 2) == ("train.global_batch=64: train.grad_accum=4 (2 process(es) x "
+                                           "data.batch_size 8 x 4)") and cfg.train.grad_accum == 4
+    unset = load_config(DEFAULT, ["train.grad_accum=3"])
+    assert follow_global_batch(unset, 2) is None and unset.train.grad_accum == 3
+    for world, fix in ((1, "a data.batch_size that divides 60"), (7, "a train.global_batch that is a multiple of 7")):
+        with pytest.raises(BadInput) as e:
+            follow_global_batch(load_config(DEFAULT, ["train.global_batch=60", "data.batch_size=8"]), world)
+        assert "train.global_batch=60" in str(e.value) and fix in str(e.value)
+    # Bad input: exit 2 with the key named, before anything is written.
+    proc = train_here(tmp_path / "run", cache, "train.global_batch=6", check=False)
+    assert proc.returncode == 2 and "train.global_batch=6" in proc.stderr and not (tmp_path / "run").exists()

@@ -128,7 +128,8 @@ def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
     big = 2 ** math.ceil(math.log2(2 * gib / 0.75))
     out = tmp_path / "run"
     cmd = jobs.train_cmd(["--config", str(ROOT / "configs" / "gpt2_124m.yaml"), f"run.out_dir={out}",
-                          cache, "train.compile=false", "train.grad_accum=1", f"data.batch_size={big}",
+                          cache, "train.compile=false", "train.global_batch=0", "train.grad_accum=1",
+                          f"data.batch_size={big}",
                           "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
                           "train.eval_batches=1", "train.ckpt_every=0", "report.plots=false"])
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

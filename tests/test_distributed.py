@@ -169,6 +169,22 @@ def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc,
 
 
 @pytest.mark.slow
+def test_a_global_batch_keeps_the_step_when_the_process_count_changes(tmp_path, cache, two_proc):
+    # train.global_batch=16 (two_proc's) with micro-batches of 4: train.grad_accum follows, 4 in
+    # one process, then 2 in two after a resume. No "a step now takes" note: the same samples a
+    # step as two_proc, in its order, with its maths (to float32 rounding across layouts).
+    out, args = tmp_path / "run", [*STEPS, "train.global_batch=16", "data.batch_size=4", "train.grad_accum=7"]
+    first = run_train(out, cache, *args, "train.max_steps=10")
+    assert "train.global_batch=16: train.grad_accum=4 (1 process(es) x data.batch_size 4 x 4)" in first.stdout
+    then = run_train(out, cache, *args, nproc=2)
+    assert "train.grad_accum=2 (2 process(es) x data.batch_size 4 x 2)" in then.stdout, then.stdout
+    assert "at step 10" in then.stdout and "a step now takes" not in then.stdout, then.stdout
+    assert ids(out) == ids(two_proc)
+    for x, y in zip(metrics(two_proc), metrics(out)):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
+
+
+@pytest.mark.slow
 def test_ddp_run_whose_last_step_is_not_an_eval_step_finishes(tmp_path, cache):
     # The final validation all-reduces over ranks, so every rank must run it, not rank 0 alone;
     # and a finished DDP run started again (resumed at its last step) validates the same way.

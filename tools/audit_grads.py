@@ -22,6 +22,7 @@ import torch
 from data import DATASETS
 from loop.build import build_trainer
 from loop.config.load import load_config
+from loop.config.runtime import follow_global_batch
 from loop.data.bundle import IGNORE_INDEX
 from loop.data.sampler import split_batch, train_loader
 from loop.device import pick_device
@@ -59,6 +60,7 @@ class Probe:
 
     def __init__(self, config: str, overrides: list[str], accum: int, batch: int):
         cfg = load_config(config, [*overrides, f"train.grad_accum={accum}", f"data.batch_size={batch}",
+                                   "train.global_batch=0",  # the accumulation asked for, not derived
                                    "train.nan_policy=skip", "train.max_bad_steps=8", "ema.enabled=false",
                                    "train.async_save=false"],
                           DATASETS, MODELS)
@@ -159,6 +161,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
     if not {"accumulation", "clipping"} & checks:
         return []
     probe = load_config(config, overrides, DATASETS, MODELS)
+    follow_global_batch(probe, 1)
     b, k = probe.data.batch_size, max(probe.train.grad_accum, 2)
     accum, whole = Probe(config, overrides, k, b), Probe(config, overrides, 1, k * b)
     micro = step_batches(accum.trainer.data.train, probe.run.seed, k, b)

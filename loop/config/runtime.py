@@ -64,6 +64,24 @@ def check_same_config(cfg, dist: Dist) -> None:
                        f"every process (the same config file, overrides and .env on every node).")
 
 
+def follow_global_batch(cfg, world: int) -> str | None:
+    """train.global_batch: set train.grad_accum from it, so a step trains on the same samples
+    whatever data.batch_size and the process count are: the loss is the sum over all of them,
+    divided by their count, in one micro-batch or many. What it set, for the console; None unset."""
+    g, b = cfg.train.global_batch, cfg.data.batch_size
+    if not g:
+        return None
+    if g % (b * world):
+        fit = (f"a data.batch_size that divides {g // world}" if g % world == 0 else
+               f"a train.global_batch that is a multiple of {world}")
+        raise BadInput(f"config key train.global_batch={g}: expected a multiple of data.batch_size={b} "
+                       f"x {world} process(es) = {b * world}; use {fit}, or train.global_batch=0 for "
+                       f"train.grad_accum as given.")
+    cfg.train.grad_accum = g // (b * world)
+    return (f"train.global_batch={g}: train.grad_accum={cfg.train.grad_accum} ({world} process(es) x "
+            f"data.batch_size {b} x {cfg.train.grad_accum})")
+
+
 def check_with_world(cfg, dist: Dist) -> None:
     """Keys whose range is the run's ranks. A fault aimed at a rank the run does not have never
     fires, and a fire drill that passes because nothing happened proves nothing."""

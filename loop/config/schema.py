@@ -65,6 +65,9 @@ class ScheduleConfig:
 class TrainConfig:
     max_steps: int = opt(500, min=0)
     grad_accum: int = opt(2, min=1)
+    # Samples per optimizer step over every process; set, train.grad_accum follows from it (the
+    # same step whatever the micro-batch and process count). 0: batch_size x grad_accum x processes
+    global_batch: int = opt(0, min=0)
     clip_grad: float = opt(1.0, min=0.0)  # 0 = no clipping (the norm is still logged)
     precision: str = opt("auto", choices=("auto", "bf16", "fp16", "fp32"))
     device: str = "auto"  # auto (cuda > mps > cpu) or a torch device string
