@@ -15,6 +15,7 @@ import torch
 
 from conftest import ROOT, build_trainer, load_config, metrics, run_train, summary, train_cmd, train_here
 from loop.config.runtime import idle_settings
+from loop.device import use_attention_kernel
 from loop.distributed.group import Dist
 from loop.precision import Precision
 from model.gpt import GPT
@@ -106,11 +107,14 @@ def test_the_attention_kernel_asked_for_is_tried_first_and_determinism_mode_fall
         proc = train_here(tmp_path / out, cache, "train.max_steps=1", *keys)
         return json.loads((tmp_path / out / "metadata.json").read_text())["determinism"]["sdpa_kernels"], proc
 
-    assert kernels("cudnn", "train.attention_kernel=cudnn")[0] == ["cudnn", "flash", "efficient", "math"]
-    assert kernels("auto")[0] == ["flash", "efficient", "math", "cudnn"]  # torch's own again
-    det, proc = kernels("det", "train.attention_kernel=cudnn", "run.deterministic=true")
-    assert det == ["flash", "efficient", "math"]
-    assert "note: train.attention_kernel=cudnn has no effect with run.deterministic=true" in proc.stdout
+    try:
+        assert kernels("cudnn", "train.attention_kernel=cudnn")[0] == ["cudnn", "flash", "efficient", "math"]
+        assert kernels("auto")[0] == ["flash", "efficient", "math", "cudnn"]  # torch's own again
+        det, proc = kernels("det", "train.attention_kernel=cudnn", "run.deterministic=true")
+        assert det == ["flash", "efficient", "math"]
+        assert "note: train.attention_kernel=cudnn has no effect with run.deterministic=true" in proc.stdout
+    finally:  # the order is the process's: the next test in this one gets torch's
+        use_attention_kernel("auto")
 
 
 def test_torch_compile_gets_the_mode_asked_for(monkeypatch):
