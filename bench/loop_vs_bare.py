@@ -3,7 +3,7 @@
     make bench                                          # default config (CPU here), then ckpt_stall
     python -m bench.loop_vs_bare --steps 50 --warmup 10 --reps 3 [--config C] [key=value ...]
     python -m bench.loop_vs_bare --variant model.activation_checkpointing=true   # a third arm
-    python -m bench.loop_vs_bare --variant "data.batch_size=32 train.grad_accum=2"  # one arm, two keys
+    python -m bench.loop_vs_bare --variant "data.batch_size=32 train.compile=true"  # one arm, two keys
 
 Each repetition runs every arm once, in fresh processes, the order alternating:
   scaffold  `train.py` as users run it (DataLoader, guards, metrics.jsonl, TensorBoard, telemetry),
