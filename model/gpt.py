@@ -1,5 +1,5 @@
 """A small GPT (model.name=gpt): causal self-attention through `scaled_dot_product_attention`, tied
-embeddings. Its options: model.n_layer, n_head, n_embd, dropout, bias.
+embeddings. Its options: model.n_layer, n_head, n_embd, dropout, bias, loss_chunks.
 
 `forward(batch)` returns the *summed* cross-entropy over the batch's real targets (targets equal to
 -100 are ignored). The loop divides by the target count of the whole optimizer step, so gradient
@@ -8,6 +8,9 @@ With activation checkpointing (model.activation_checkpointing, through `set_acti
 each block keeps only its input for backward and recomputes the rest (`torch.utils.checkpoint`,
 non-reentrant): less memory, about one more forward of compute. `flops_per_token` gives the loop
 its MFU, `generate` its text samples.
+With model.loss_chunks=n the LM head and the cross-entropy run as one op over n chunks of the
+micro-batch's tokens (`F.linear_cross_entropy`), so at most 1/n of its logits (tokens x
+vocabulary) are held at once: the same summed loss, less memory (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -32,13 +35,19 @@ class GPTOptions(ModelSection):
     n_embd: int = opt(128, min=1)
     dropout: float = opt(0.1, min=0.0, max=1.0)
     bias: bool = False
+    loss_chunks: int = opt(0, min=0)  # 0: the whole logits at once; n: head + loss in n chunks
 
 
 def build_gpt(cfg: GPTOptions, data: Data) -> "GPT":
     if cfg.n_embd % cfg.n_head:
         raise BadInput(f"config key model.n_embd: expected a multiple of model.n_head="
                        f"{cfg.n_head}; got {cfg.n_embd}.")
-    return GPT(data.vocab_size, data.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias)
+    if cfg.loss_chunks and not hasattr(F, "linear_cross_entropy"):
+        raise BadInput(f"config key model.loss_chunks={cfg.loss_chunks}: needs torch.nn.functional."
+                       f"linear_cross_entropy, which torch {torch.__version__} does not have (torch 2.13 has it); expected "
+                       f"0, or a newer torch.")
+    return GPT(data.vocab_size, data.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias,
+               cfg.loss_chunks)
 
 
 class SelfAttention(nn.Module):
@@ -73,9 +82,9 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float, bias: bool):
+                 dropout: float, bias: bool, loss_chunks: int = 0):
         super().__init__()
-        self.seq_len, self.activation_checkpointing = seq_len, False
+        self.seq_len, self.activation_checkpointing, self.loss_chunks = seq_len, False, loss_chunks
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(seq_len, n_embd)
         self.drop = nn.Dropout(dropout)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
@@ -112,6 +121,9 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) -> (B, T, vocab)
+        return self.lm_head(self.hidden(idx))
+
+    def hidden(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) -> (B, T, n_embd)
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         for block in self.blocks:
@@ -121,12 +133,21 @@ class GPT(nn.Module):
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.lm_head(self.ln_f(x))
+        return self.ln_f(x)
 
     def forward(self, batch: dict) -> torch.Tensor:
-        logits = self.logits(batch["x"])
-        return F.cross_entropy(logits.flatten(0, 1).float(), batch["y"].flatten(),
-                               ignore_index=-100, reduction="sum")
+        h, y = self.hidden(batch["x"]), batch["y"].flatten()
+        if self.loss_chunks:
+            # In float32, autocast off: from bf16 inputs torch's op returns the sum in bf16 (1 to 4%
+            # off over thousands of targets); in float32 it is the sum of the per-token losses. The
+            # chunk size is set: torch's own pick for GPT-2's head re-reads the whole weight for
+            # every 8 to 128 tokens (6x slower than no chunks on the CPU).
+            rows = -(-y.numel() // self.loss_chunks)
+            chunk = nn.LinearCrossEntropyOptions(chunking_method=None, batch_chunk_size=rows)
+            with torch.autocast(h.device.type, enabled=False):
+                return F.linear_cross_entropy(h.flatten(0, 1).float(), self.lm_head.weight.float(), y,
+                                              ignore_index=-100, reduction="sum", options=chunk)
+        return F.cross_entropy(self.lm_head(h).flatten(0, 1).float(), y, ignore_index=-100, reduction="sum")
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, n: int, generator: torch.Generator,

@@ -9,16 +9,22 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from conftest import ROOT, build_trainer, load_config, metrics, run_train, summary, train_cmd, train_here
 from loop.config.runtime import idle_settings
+from loop.data.bundle import IGNORE_INDEX
 from loop.device import use_attention_kernel
 from loop.distributed.group import Dist
+from loop.errors import BadInput
 from loop.precision import Precision
-from model.gpt import GPT
+from model.gpt import GPT, GPTOptions, build_gpt
 
 
 def grads(activation_checkpointing: bool) -> tuple[list[torch.Tensor], int]:
@@ -127,3 +133,73 @@ def test_torch_compile_gets_the_mode_asked_for(monkeypatch):
     idle = load_config(ROOT / "configs" / "default.yaml", ["train.compile_mode=reduce-overhead"])
     assert idle_settings(idle, Precision("fp32", torch.device("cpu"))) == [
         "train.compile_mode=reduce-overhead has no effect with train.compile=false"]
+
+
+class Biggest(TorchDispatchMode):
+    """The most elements of any tensor an op hands back (the tensors autograd and Python see)."""
+
+    def __init__(self):
+        super().__init__()
+        self.most = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.most = max([self.most, *(t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))])
+        return out
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_the_chunked_loss_is_the_summed_cross_entropy_without_the_whole_logits(precision):
+    B, T, V = 4, 32, 512
+    torch.manual_seed(0)
+    ref = GPT(V, T, 2, 2, 32, 0.0, False)
+    chunked = GPT(V, T, 2, 2, 32, 0.0, False, loss_chunks=4)
+    chunked.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(1)
+    batch = {"x": torch.randint(0, V, (B, T), generator=g), "y": torch.randint(0, V, (B, T), generator=g)}
+    batch["y"][0, :20] = IGNORE_INDEX  # ignored targets count in neither
+    losses, grads = [], []
+    for model in (ref, chunked):
+        with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"), Biggest() as seen:
+            loss = model(batch)
+            loss.backward()
+        losses.append(loss)
+        grads.append([p.grad for p in model.parameters()])
+        if model is chunked:  # no op made a (tokens x vocabulary) tensor, where the full head does
+            assert seen.most <= B * T * V // 4, seen.most
+        else:
+            assert seen.most == B * T * V
+    assert losses[1].dtype == torch.float32 and losses[1].shape == ()
+    if precision == "fp32":  # the same sum; only the order of the additions differs
+        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-6)
+        for a, b in zip(*grads):  # the tied embedding's gradient sums in another order too
+            assert (b - a).norm() <= 1e-5 * a.norm()
+    else:  # the head in float32 where the full logits are bf16: closer to float32 than bf16's step
+        with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+            h = chunked.hidden(batch["x"]).flatten(0, 1).float()
+        with torch.no_grad():
+            exact = F.cross_entropy(h @ chunked.lm_head.weight.T, batch["y"].flatten(), reduction="sum")
+        assert losses[1].item() == pytest.approx(exact.item(), rel=1e-6)
+        assert losses[0].item() == pytest.approx(exact.item(), rel=1e-2)
+
+
+def test_a_run_with_the_chunked_loss_resumes_bit_for_bit(tmp_path, cache):
+    steps = ["train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0", "model.loss_chunks=3"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train_here(whole, cache, *steps)
+    train_here(part, cache, *steps, "train.max_steps=3")
+    assert "at step 3" in train_here(part, cache, *steps).stdout
+    assert [r["loss"] for r in metrics(part)] == [r["loss"] for r in metrics(whole)]
+    assert summary(part)["params_sha256"] == summary(whole)["params_sha256"]
+    plain = tmp_path / "plain"  # the full logits train the same model, to the order of the sums
+    train_here(plain, cache, *steps[:-1])
+    for x, y in zip(metrics(plain), metrics(whole), strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]
+
+
+def test_the_chunked_loss_needs_a_torch_that_has_it(monkeypatch):
+    monkeypatch.delattr(F, "linear_cross_entropy")
+    with pytest.raises(BadInput) as e:
+        build_gpt(GPTOptions(name="gpt", n_layer=1, n_head=1, n_embd=8, loss_chunks=2),
+                  SimpleNamespace(vocab_size=16, seq_len=8))
+    assert str(e.value).startswith("config key model.loss_chunks=2") and torch.__version__ in str(e.value)
