@@ -12,7 +12,8 @@
 #            + fused AdamW repeat and resume bit-identically, one host sync per steady-state step
 #            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python, FSDP with CPU
 #            offload and mixed precision (4 pytest workers where pytest-xdist is installed)
-#   oom      a real out-of-memory recovered by splitting (alone: it fills the GPU's memory)
+#   oom      a real out-of-memory recovered by splitting, and data.batch_size=auto's fit (alone:
+#            they fill the GPU's memory)
 #   verify   make verify's audits on the GPU, bf16 and fp16
 #   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
 #            activation checkpointing as a third arm: 3 arms x BENCH_REPS fresh processes, each
@@ -21,7 +22,10 @@
 #            whether its backward repeats bit for bit (bench/attention.py)
 #   determinism  GPT-2 124M: scaffold vs bare loop with run.deterministic=true as the third arm
 #   levers   GPT-2 124M: scaffold vs bare loop, each speed setting an arm of its own: cuDNN's
-#            attention first, a micro-batch of 32 (the same 64-sample global batch), both
+#            attention first, a micro-batch of 32 (the same 64-sample global batch), both, and
+#            data.batch_size=auto
+#   chunked_loss  GPT-2 124M: scaffold vs bare loop, the LM head + loss in chunks of 4,096 tokens, and
+#            so with the whole 64-sample step in one micro-batch (needs torch's F.linear_cross_entropy: 2.13)
 #   compile_modes  GPT-2 124M: scaffold vs bare loop, each torch.compile mode an arm of its own
 #   profile  GPT-2 124M: where the GPU's time goes (train.profile=true), torch's attention order
 #            and cuDNN's first
@@ -80,7 +84,11 @@ for s in "${stages[@]}"; do
     levers)
         stage levers "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
             --reps "$BENCH_REPS" --variant train.attention_kernel=cudnn --variant data.batch_size=32 \
-            --variant "train.attention_kernel=cudnn data.batch_size=32"
+            --variant "train.attention_kernel=cudnn data.batch_size=32" --variant data.batch_size=auto
+        cp bench/results/*.jsonl "$OUT/" ;;
+    chunked_loss)
+        stage chunked_loss "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
+            --reps "$BENCH_REPS" --variant model.loss_chunks=4 --variant "model.loss_chunks=16 data.batch_size=64"
         cp bench/results/*.jsonl "$OUT/" ;;
     compile_modes)
         stage compile_modes "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
@@ -98,7 +106,7 @@ for s in "${stages[@]}"; do
         cp bench/results/*.jsonl "$OUT/" ;;
     *)
         echo "unknown stage $s; expected env, tests, oom, verify, bench, attention, determinism, levers," \
-             "compile_modes, profile or stall" >&2
+             "chunked_loss, compile_modes, profile or stall" >&2
         exit 2 ;;
     esac
 done

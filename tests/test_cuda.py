@@ -5,7 +5,8 @@
 bf16 and fp16 (GradScaler) with fused AdamW train, repeat and resume bit-identically in
 determinism mode, whose fused attention kernels repeat their backward bit for bit; the attention
 kernel asked for runs (cuDNN's, or flash's where determinism mode turns cuDNN's off); a micro-batch
-too big for the card runs out of memory for real and is recovered by splitting it; steady-state
+too big for the card runs out of memory for real and is recovered by splitting it, and
+data.batch_size=auto finds one that fits; the chunked loss resumes bit-identically; steady-state
 steps make exactly one host sync each (the finite check), proved with
 torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and async
 checkpoints), bit-identical to plain python, also after a SIGKILL and rerun; FSDP with CPU offload
@@ -140,6 +141,37 @@ def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
     recs = metrics(out)
     assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1]["micro_batch"] < big
     assert summary(out)["micro_batch"] == recs[-1]["micro_batch"]
+
+
+def test_an_auto_micro_batch_fits_the_gpu_without_running_out_of_memory(tmp_path, cache):
+    # The global batch of the test above: data.batch_size=auto tries halvings of it before the
+    # run and trains at the first that fits, with no split at a step; the rest is accumulation.
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    big = 2 ** math.ceil(math.log2(2 * gib / 0.75))
+    out = tmp_path / "run"
+    cmd = jobs.train_cmd(["--config", str(ROOT / "configs" / "gpt2_124m.yaml"), f"run.out_dir={out}",
+                          cache, f"train.global_batch={big}", "data.batch_size=auto",
+                          "train.max_steps=3", "train.log_every=1", "train.eval_every=0",
+                          "train.eval_batches=1", "train.ckpt_every=0", "report.plots=false"])
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    print(proc.stdout, proc.stderr)  # the log scripts/gpu_checks.sh keeps
+    assert proc.returncode == 0 and "out of memory" not in proc.stderr, proc.stderr
+    fit = int(proc.stdout.split("data.batch_size=auto: ")[1].split(",")[0])
+    assert fit < big and f"train.grad_accum={big // fit} " in proc.stdout, proc.stdout
+    assert [r["micro_batch"] for r in metrics(out)] == [fit] * 3
+    assert f"batch_size: {fit}" in (out / "config.yaml").read_text()
+
+
+@pytest.mark.skipif(not hasattr(torch.nn.functional, "linear_cross_entropy"), reason="needs torch 2.13")
+def test_the_chunked_loss_repeats_and_resumes_bit_identically_in_bf16(tmp_path, cache):
+    args = [cache, *DIST, *CUDA, "train.precision=bf16", "model.loss_chunks=4"]
+    a, killed = tmp_path / "a", tmp_path / "killed"
+    run_train(a, *args)
+    code, printed = run_and_signal(killed, 12, *args)
+    assert code == -signal.SIGKILL, printed
+    assert "at step 10" in run_train(killed, *args).stdout
+    assert [r["loss"] for r in metrics(killed)] == [r["loss"] for r in metrics(a)]
+    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
 
 
 @pytest.mark.parametrize("compile", [False, True])

@@ -20,12 +20,14 @@ import yaml
 from loop.errors import BadInput
 
 
-def opt(default, *, min=None, max=None, above=None, below=None, choices=None, path=None):
+def opt(default, *, min=None, max=None, above=None, below=None, choices=None, path=None, auto=False):
     """A field with optional bounds (`min` and `max` inclusive, `above` and `below` exclusive) or a set of
     allowed values, checked at load time. A list keeps its default's length, and the bounds apply
     to each element. `path`: the value is a path (`~` expanded); "dir": a directory the run reads
-    or writes (data sets' caches), checked before anything is written (loop/config/paths.py)."""
-    meta = {"min": min, "max": max, "above": above, "below": below, "choices": choices, "path": path}
+    or writes (data sets' caches), checked before anything is written (loop/config/paths.py).
+    `auto`: the word auto is a value too, which the run resolves (data.batch_size=auto)."""
+    meta = {"min": min, "max": max, "above": above, "below": below, "choices": choices, "path": path,
+            "auto": auto}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
@@ -59,7 +61,7 @@ def from_dict(cls, raw, prefix: str, source: str, sections: dict[str, type] | No
     if not isinstance(raw, dict):
         raise BadInput(f"config {prefix.rstrip('.') or 'file'} in {source}: expected a mapping of "
                        f"keys, got {shown(raw)}.")
-    hints, obj = typing.get_type_hints(cls), cls()
+    hints, obj, fields = typing.get_type_hints(cls), cls(), {f.name: f for f in dataclasses.fields(cls)}
     for name, section in (sections or {}).items():
         setattr(obj, name, section())
     for key_name, value in raw.items():
@@ -70,7 +72,7 @@ def from_dict(cls, raw, prefix: str, source: str, sections: dict[str, type] | No
             section = (sections or {}).get(name, hints[name])
             setattr(obj, name, from_dict(section, value, key + ".", source))
         else:
-            setattr(obj, name, _coerce(value, hints[name], key))
+            setattr(obj, name, _value(fields[name], value, hints[name], key))
     return obj
 
 
@@ -94,7 +96,7 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
     if hint is str and text.lower() in NONE_WORDS and f.default == "" and not f.metadata.get("choices"):
         raise BadInput(f"config key {key}: {text!r} would be taken as a path called {text}; expected "
                        f"a path, or {key}= (empty) for none.")
-    setattr(obj, name, _coerce(_parse(text, hint), hint, key))
+    setattr(obj, name, _value(f, _parse(text, hint), hint, key))
 
 
 class DecimalLoader(yaml.SafeLoader):
@@ -130,6 +132,18 @@ def _parse(text: str, hint):
         return yaml.load(text, Loader=DecimalLoader)
     except yaml.YAMLError:
         return text
+
+
+def _value(f: dataclasses.Field, value, hint, key: str):
+    """`value` for field `f`: of the field's type, or the word auto where the field takes it."""
+    if not f.metadata.get("auto"):
+        return _coerce(value, hint, key)
+    if value == "auto":
+        return value
+    try:
+        return _coerce(value, hint, key)
+    except BadInput:
+        raise _wrong(key, f"{hint.__name__} or auto", value) from None
 
 
 def _coerce(value, hint, key: str):
@@ -188,7 +202,7 @@ def check(obj, prefix: str = "") -> None:
                 raise _wrong(key, f"a list of {len(f.default_factory())} values", value)
             for i, v in enumerate(value):
                 _bounds(v, f.metadata, f"{key}.{i}")
-        else:
+        elif not (f.metadata.get("auto") and value == "auto"):
             _bounds(value, f.metadata, key)
         choices = f.metadata.get("choices")
         if choices and value not in choices:

@@ -69,6 +69,9 @@ def follow_global_batch(cfg, world: int) -> str | None:
     whatever data.batch_size and the process count are: the loss is the sum over all of them,
     divided by their count, in one micro-batch or many. What it set, for the console; None unset."""
     g, b = cfg.train.global_batch, cfg.data.batch_size
+    if b == "auto":  # train.py resolves it first (loop/fit.py); the tools that call this take numbers
+        raise BadInput("config key data.batch_size=auto: train.py fits it to the GPU, and this tool "
+                       "trains at a given micro-batch; expected a number for data.batch_size.")
     if not g:
         return None
     if g % (b * world):

@@ -16,7 +16,8 @@ from loop.lab import SWITCHES
 class DataSection:
     """The loop's keys of `data`; data.name's builder reads the rest (data/__init__.py)."""
     name: str = ""  # which data set: a name in the project's DATASETS
-    batch_size: int = opt(16, min=1)  # per micro-step, per process
+    # Per micro-step, per process; auto: the largest that fits the GPU (loop/fit.py)
+    batch_size: int = opt(16, min=1, auto=True)
     num_workers: int = opt(0, min=0)
     prefetch_factor: int = opt(2, min=1)
     pin_memory: bool = True  # only takes effect on CUDA

@@ -1,0 +1,139 @@
+"""data.batch_size=auto: the largest micro-batch that fits the GPU. train.global_batch fixes the
+samples of a step, and train.grad_accum makes up the rest (loop/config/runtime.py), so the step's
+samples and maths are those of the global batch whatever the card.
+
+A fresh run tries sizes before the model is compiled and wrapped: a forward and backward of the
+model as it is (eager, which holds more than the compiled step), under the run's precision, on the
+data set's first samples, halving from the whole per-process share of the global batch. A size
+fits when it runs with the optimizer's state and DDP's gradient buckets already held (a block the
+size of them). Each process tries its own GPU; all take the smallest. The model's weights and
+buffers are put back as they were.
+
+A resumed run takes the micro-batch of the checkpoint it resumes: the same bits as a run never
+stopped. After a change of process count it takes it where it still divides the per-process
+share (memory per process does not depend on their number), and tries sizes where it does not.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+
+from loop.checkpoint import store
+from loop.checkpoint.resume import followed
+from loop.data.bundle import Data
+from loop.data.sampler import collate
+from loop.distributed.group import Dist
+from loop.errors import BadInput
+from loop.evaluate import loss_and_sums
+from loop.guards.oom import out_of_memory
+from loop.precision import Precision
+
+KEY = "config key data.batch_size=auto"
+
+
+def check(cfg, world: int) -> None:
+    """What auto needs, refused before anything runs."""
+    if cfg.data.batch_size != "auto":
+        return
+    if not cfg.train.global_batch:
+        raise BadInput(f"{KEY}: needs train.global_batch, the samples of a step, which the micro-batches "
+                       f"then make up; expected train.global_batch > 0, or a number for data.batch_size.")
+    if cfg.train.global_batch % world:
+        raise BadInput(f"{KEY}: train.global_batch={cfg.train.global_batch} does not divide over {world} "
+                       f"process(es); expected a multiple of {world}.")
+    if cfg.train.strategy == "fsdp":
+        raise BadInput(f"{KEY}: not under train.strategy=fsdp, where each process holds a shard of the "
+                       f"weights, which a try of the whole model says nothing about; expected a number.")
+
+
+def micro_batch(cfg, model: nn.Module, data: Data, device: torch.device, precision: Precision,
+                dist: Dist) -> tuple[int, str]:
+    """The micro-batch for data.batch_size=auto, and how it was found (for the console)."""
+    share = cfg.train.global_batch // dist.world
+    saved = resumed_micro_batch(cfg.run, Path(cfg.run.out_dir))
+    if saved and share % saved == 0:
+        return saved, "the micro-batch of the checkpoint it resumes"
+    if device.type != "cuda":
+        raise BadInput(f"{KEY}: fits the micro-batch to a CUDA GPU's memory, and this run is on {device}; "
+                       f"expected a number for data.batch_size.")
+    sizes = halvings(share)
+    reserve = (2 + (dist.world > 1)) * sum(p.numel() * p.element_size() for p in model.parameters())
+    fits = largest_that_fits(model, data, sizes, device, precision, reserve)
+    everyone = dist.gather_to_main(fits)
+    fits = dist.from_main(min(everyone) if everyone else None)
+    if fits is None:
+        raise BadInput(f"{KEY}: not even a micro-batch of {sizes[-1]} sample(s) fits on {device} with "
+                       f"{reserve / 1e9:.2f} GB kept for the optimizer; expected a smaller model "
+                       f"(or model.activation_checkpointing=true where the model has it).")
+    return fits, (f"the largest of {', '.join(map(str, sizes))} whose forward and backward fit on every "
+                  f"process's GPU with {reserve / 1e9:.2f} GB kept for the optimizer")
+
+
+def halvings(share: int) -> list[int]:
+    """share, share/2, ... while it divides: 64 -> 64, 32, ..., 1; 48 -> 48, 24, 12, 6, 3."""
+    sizes = [share]
+    while sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+def largest_that_fits(model: nn.Module, data: Data, sizes: list[int], device: torch.device,
+                      precision: Precision, reserve: int) -> int | None:
+    """The first of `sizes` whose forward and backward run with `reserve` bytes held beside them;
+    None if none does. The model ends where and as it was."""
+    home = next(model.parameters()).device
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.to(device).train()
+    try:
+        for size in sizes:
+            fits = runs(model, data, size, device, precision, reserve)
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # what the failed try held, for the next
+            if fits:
+                return size
+        return None
+    finally:
+        model.to(home)
+        model.load_state_dict(before)
+
+
+def runs(model: nn.Module, data: Data, size: int, device: torch.device, precision: Precision,
+         reserve: int) -> bool:
+    """Whether a forward and backward of the data set's first `size` samples run out of memory,
+    with `reserve` bytes held beside them (their tensors go when this returns)."""
+    try:
+        held = torch.empty(reserve, dtype=torch.uint8, device=device)
+        batch = collate([data.train[i % len(data.train)] for i in range(size)])
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        with precision.autocast():
+            loss = loss_and_sums(model(batch))[0]
+        loss.backward()
+        del held
+        return True
+    except (torch.OutOfMemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        return False
+
+
+def resumed_micro_batch(run, out: Path) -> int | None:
+    """data.batch_size of the checkpoint this run would resume (loop/checkpoint/resume.py decides
+    which, later, and checks it): the newest in out_dir, or run.resume's. None for a fresh start
+    or one it cannot read (a checkpoint from run.mirror, fetched later: tried anew)."""
+    if run.resume == "never":
+        return None
+    try:
+        dirs = store.step_dirs(out / "checkpoints")
+        path = dirs[-1] if run.resume == "auto" and dirs else None
+        if run.resume != "auto":
+            path = followed(Path(run.resume))
+        if path is None:
+            return None
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
+        size = state["config"]["data"]["batch_size"]
+    except (BadInput, OSError, RuntimeError, KeyError, TypeError):
+        return None
+    return size if isinstance(size, int) else None

@@ -1,0 +1,88 @@
+"""data.batch_size=auto: the largest micro-batch that fits, found by trying halvings of the
+per-process share of train.global_batch; the model is left as it was; a resumed run takes its
+checkpoint's micro-batch (so it stays bit-exact); what auto cannot do is exit 2. The try on a real
+GPU: tests/test_cuda.py::test_an_auto_micro_batch_fits_the_gpu_and_trains."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import ROOT, load_config, metrics, summary, train_here
+from loop.config.runtime import follow_global_batch
+from loop.errors import BadInput
+from loop.fit import halvings, largest_that_fits
+from loop.precision import Precision
+
+DEFAULT = ROOT / "configs" / "default.yaml"
+
+
+class FitsEight(nn.Module):
+    """Runs out of memory on more than 8 samples, as its forward ends (its buffers moved already)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(4, 4), nn.BatchNorm1d(4)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        out = self.norm(self.lin(batch["x"]))
+        if len(out) > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return out.sum()
+
+
+def samples(n: int) -> SimpleNamespace:
+    g = torch.Generator().manual_seed(0)
+    return SimpleNamespace(train=[{"x": torch.randn(4, generator=g), "y": torch.tensor(0)} for _ in range(n)])
+
+
+def test_the_largest_micro_batch_that_fits_is_found_and_the_model_is_left_as_it_was():
+    assert halvings(64) == [64, 32, 16, 8, 4, 2, 1] and halvings(48) == [48, 24, 12, 6, 3]
+    torch.manual_seed(0)
+    model = FitsEight().eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cpu = torch.device("cpu")
+    # Fewer samples than a try needs: around the data set again, as the loader's epochs go.
+    assert largest_that_fits(model, samples(5), halvings(64), cpu, Precision("fp32", cpu), 0) == 8
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # BatchNorm's running stats too
+    assert all(p.grad is None for p in model.parameters())
+    assert largest_that_fits(model, samples(5), [48, 24, 12], cpu, Precision("fp32", cpu), 0) is None
+
+    class Broken(FitsEight):
+        def forward(self, batch):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes"):  # a bug is not a size that does not fit
+        largest_that_fits(Broken(), samples(5), [8], cpu, Precision("fp32", cpu), 0)
+
+
+def test_auto_is_a_batch_size_that_train_py_resolves_and_exit_2_where_it_cannot(tmp_path, cache):
+    assert load_config(DEFAULT, ["data.batch_size=auto"]).data.batch_size == "auto"
+    with pytest.raises(BadInput, match="data.batch_size: expected int or auto"):
+        load_config(DEFAULT, ["data.batch_size=big"])
+    with pytest.raises(BadInput, match="data.batch_size=auto"):  # the tools train at a given size
+        follow_global_batch(load_config(DEFAULT, ["data.batch_size=auto", "train.global_batch=8"]), 1)
+    for extra, says in ((["train.global_batch=0"], "train.global_batch"),
+                        (["train.global_batch=8", "train.strategy=fsdp"], "train.strategy=fsdp"),
+                        (["train.global_batch=8"], "CUDA")):  # a fresh run on the CPU: nothing to fit
+        out = tmp_path / extra[-1]
+        proc = train_here(out, cache, "data.batch_size=auto", *extra, check=False)
+        assert proc.returncode == 2 and "data.batch_size=auto" in proc.stderr and says in proc.stderr, \
+            proc.stderr
+        assert not out.exists()
+
+
+def test_a_resumed_run_takes_the_micro_batch_of_its_checkpoint(tmp_path, cache):
+    steps = ["train.global_batch=8", "train.max_steps=6", "train.ckpt_every=3", "train.eval_every=0"]
+    whole, part = tmp_path / "whole", tmp_path / "part"
+    train_here(whole, cache, *steps, "data.batch_size=2")
+    train_here(part, cache, *steps, "data.batch_size=2", "train.max_steps=3")
+    rerun = train_here(part, cache, *steps, "data.batch_size=auto")
+    assert "data.batch_size=auto: 2, the micro-batch of the checkpoint it resumes" in rerun.stdout
+    assert "at step 3" in rerun.stdout
+    assert [(r["loss"], r["grad_norm"]) for r in metrics(part)] == [(r["loss"], r["grad_norm"]) for r in metrics(whole)]
+    assert summary(part)["params_sha256"] == summary(whole)["params_sha256"]
+    assert "batch_size: 2" in (part / "config.yaml").read_text()  # the number, for the next resume
