@@ -4,17 +4,20 @@ samples and maths are those of the global batch whatever the card.
 
 A fresh run tries sizes before the model is compiled and wrapped: a forward and backward of the
 model as it is (eager, which holds more than the compiled step), under the run's precision, on the
-data set's first samples, halving from the whole per-process share of the global batch. A size
-fits when it runs with the optimizer's state and DDP's gradient buckets already held (a block the
-size of them). Each process tries its own GPU; all take the smallest. The model's weights and
-buffers are put back as they were.
+data set's first samples, from the whole per-process share of the global batch down its divisors.
+A size fits when it runs with the optimizer's state, DDP's gradient buckets and the EMA copy
+already held (a block the size of them). Each process tries its own GPU; all take the smallest.
+The model's weights and buffers are put back as they were, and the GPU's peak-memory count
+starts again (the run's figures are the run's).
 
-A resumed run takes the micro-batch of the checkpoint it resumes: the same bits as a run never
-stopped. After a change of process count it takes it where it still divides the per-process
-share (memory per process does not depend on their number), and tries sizes where it does not.
+A resumed run takes the micro-batch of the checkpoint it resumes (the newest in out_dir that
+verifies, or run.resume's): the same bits as a run never stopped. After a change of process
+count it takes it where it still divides the per-process share (memory per process does not
+depend on their number), and tries sizes where it does not.
 """
 from __future__ import annotations
 
+import pickle
 from pathlib import Path
 
 import torch
@@ -52,17 +55,18 @@ def micro_batch(cfg, model: nn.Module, data: Data, device: torch.device, precisi
                 dist: Dist) -> tuple[int, str]:
     """The micro-batch for data.batch_size=auto, and how it was found (for the console)."""
     share = cfg.train.global_batch // dist.world
-    saved = resumed_micro_batch(cfg.run, Path(cfg.run.out_dir))
+    saved = dist.on_main(lambda: resumed_micro_batch(cfg.run, Path(cfg.run.out_dir)))  # one answer
     if saved and share % saved == 0:
         return saved, "the micro-batch of the checkpoint it resumes"
     if device.type != "cuda":
         raise BadInput(f"{KEY}: fits the micro-batch to a CUDA GPU's memory, and this run is on {device}; "
                        f"expected a number for data.batch_size.")
-    sizes = halvings(share)
-    reserve = (2 + (dist.world > 1)) * sum(p.numel() * p.element_size() for p in model.parameters())
+    sizes = divisors(share)
+    copies = 2 + (dist.world > 1) + cfg.ema.enabled  # AdamW's two moments, DDP's buckets, the EMA
+    reserve = copies * sum(p.numel() * p.element_size() for p in model.parameters())
     fits = largest_that_fits(model, data, sizes, device, precision, reserve)
     everyone = dist.gather_to_main(fits)
-    fits = dist.from_main(min(everyone) if everyone else None)
+    fits = dist.from_main((None if None in everyone else min(everyone)) if everyone else None)
     if fits is None:
         raise BadInput(f"{KEY}: not even a micro-batch of {sizes[-1]} sample(s) fits on {device} with "
                        f"{reserve / 1e9:.2f} GB kept for the optimizer; expected a smaller model "
@@ -71,12 +75,9 @@ def micro_batch(cfg, model: nn.Module, data: Data, device: torch.device, precisi
                   f"process's GPU with {reserve / 1e9:.2f} GB kept for the optimizer")
 
 
-def halvings(share: int) -> list[int]:
-    """share, share/2, ... while it divides: 64 -> 64, 32, ..., 1; 48 -> 48, 24, 12, 6, 3."""
-    sizes = [share]
-    while sizes[-1] % 2 == 0:
-        sizes.append(sizes[-1] // 2)
-    return sizes
+def divisors(share: int) -> list[int]:
+    """The micro-batches that make up `share` exactly, largest first: 48 -> 48, 24, 16, 12, ..., 1."""
+    return [d for d in range(share, 0, -1) if share % d == 0]
 
 
 def largest_that_fits(model: nn.Module, data: Data, sizes: list[int], device: torch.device,
@@ -85,8 +86,8 @@ def largest_that_fits(model: nn.Module, data: Data, sizes: list[int], device: to
     None if none does. The model ends where and as it was."""
     home = next(model.parameters()).device
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    model.to(device).train()
     try:
+        model.to(device).train()
         for size in sizes:
             fits = runs(model, data, size, device, precision, reserve)
             model.zero_grad(set_to_none=True)
@@ -95,9 +96,16 @@ def largest_that_fits(model: nn.Module, data: Data, sizes: list[int], device: to
             if fits:
                 return size
         return None
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # the weights alone do not fit
+        if not out_of_memory(e):
+            raise
+        return None
     finally:
         model.to(home)
         model.load_state_dict(before)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
 
 
 def runs(model: nn.Module, data: Data, size: int, device: torch.device, precision: Precision,
@@ -126,14 +134,15 @@ def resumed_micro_batch(run, out: Path) -> int | None:
     if run.resume == "never":
         return None
     try:
-        dirs = store.step_dirs(out / "checkpoints")
-        path = dirs[-1] if run.resume == "auto" and dirs else None
-        if run.resume != "auto":
+        if run.resume == "auto":
+            newest_first = reversed(store.step_dirs(out / "checkpoints"))
+            path = next((p for p in newest_first if store.verify(p) is None), None)
+        else:
             path = followed(Path(run.resume))
         if path is None:
             return None
         state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
         size = state["config"]["data"]["batch_size"]
-    except (BadInput, OSError, RuntimeError, KeyError, TypeError):
+    except (BadInput, OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError):
         return None
     return size if isinstance(size, int) else None

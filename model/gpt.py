@@ -44,8 +44,8 @@ def build_gpt(cfg: GPTOptions, data: Data) -> "GPT":
                        f"{cfg.n_head}; got {cfg.n_embd}.")
     if cfg.loss_chunks and not hasattr(F, "linear_cross_entropy"):
         raise BadInput(f"config key model.loss_chunks={cfg.loss_chunks}: needs torch.nn.functional."
-                       f"linear_cross_entropy, which torch {torch.__version__} does not have (torch 2.13 has it); expected "
-                       f"0, or a newer torch.")
+                       f"linear_cross_entropy, which torch {torch.__version__} does not have (torch 2.13 "
+                       f"has it); expected 0, or a newer torch.")
     return GPT(data.vocab_size, data.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias,
                cfg.loss_chunks)
 

@@ -144,7 +144,8 @@ class Biggest(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        self.most = max([self.most, *(t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))])
+        sizes = (t.numel() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+        self.most = max([self.most, *sizes])
         return out
 
 

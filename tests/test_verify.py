@@ -73,7 +73,9 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
                                           "one; got 1."),  # not a silent run without the ddp check
                        # Refused up front, not by the 1-process runs with a FAIL row (exit 1):
                        (["--nproc", "2", "faults.nan_rank=1", "faults.nan_at_step=3"],
-                        "config key faults.nan_rank: rank 1, but this run has 1 process(es)")]:
+                        "config key faults.nan_rank: rank 1, but this run has 1 process(es)"),
+                       (["--checks", "ddp", "--nproc", "2", "data.batch_size=auto", "train.global_batch=8"],
+                        "config key data.batch_size=auto")]:  # its audits train at a given size
         code, err = main(["--out", str(tmp_path / "verify"), *args]), capsys.readouterr().err
         assert code == 2 and said in err, (args, err)
     proc = verify(tmp_path, "model.n_layr=2")  # and once as users run it: the exit code is 2

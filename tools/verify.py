@@ -37,7 +37,7 @@ from loop import determinism
 from loop.build import build_data, build_model
 from loop.config.load import DEFAULT_CONFIG, load_config
 from loop.config.paths import writable_dir
-from loop.config.runtime import check_with_world
+from loop.config.runtime import check_with_world, refuse_auto
 from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.errors import EXIT_BAD_INPUT, BadInput
@@ -94,6 +94,7 @@ def ckpt_every(steps: int) -> int:
 def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     cfg = load_config(a.config, a.overrides, DATASETS, MODELS)  # bad input stops here, before anything runs
     check_with_world(cfg, Dist())  # every check runs one process (a fault on rank 1: exit 2, not a FAIL)
+    refuse_auto(cfg)
     if cfg.lab.break_:
         print(banner(cfg.lab.break_), flush=True)
     if cfg.run.deterministic:

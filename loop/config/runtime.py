@@ -64,14 +64,19 @@ def check_same_config(cfg, dist: Dist) -> None:
                        f"every process (the same config file, overrides and .env on every node).")
 
 
+def refuse_auto(cfg) -> None:
+    """data.batch_size=auto is train.py's to resolve (loop/fit.py); the tools train at given sizes."""
+    if cfg.data.batch_size == "auto":
+        raise BadInput("config key data.batch_size=auto: train.py fits it to the GPU, and this tool "
+                       "trains at a given micro-batch; expected a number for data.batch_size.")
+
+
 def follow_global_batch(cfg, world: int) -> str | None:
     """train.global_batch: set train.grad_accum from it, so a step trains on the same samples
     whatever data.batch_size and the process count are: the loss is the sum over all of them,
     divided by their count, in one micro-batch or many. What it set, for the console; None unset."""
+    refuse_auto(cfg)
     g, b = cfg.train.global_batch, cfg.data.batch_size
-    if b == "auto":  # train.py resolves it first (loop/fit.py); the tools that call this take numbers
-        raise BadInput("config key data.batch_size=auto: train.py fits it to the GPU, and this tool "
-                       "trains at a given micro-batch; expected a number for data.batch_size.")
     if not g:
         return None
     if g % (b * world):
