@@ -63,7 +63,8 @@ class Trainer:
         self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist)
         switch = hasattr(self.raw, "set_activation_checkpointing")  # the model's own way to use less memory
         hint = ", or model.activation_checkpointing=true" if switch else ""
-        self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded, hint)
+        self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded, hint,
+                               bool(tc.global_batch))
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
                                    self.sharded, self.progress, self.oom)
         self.log, self.metadata, self.run_facts = NullLog(), {}, {}

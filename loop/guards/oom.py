@@ -64,10 +64,14 @@ class Attempt:
 
 class OutOfMemory:
     def __init__(self, policy: str, batch_size: int, progress: Progress, dist: Dist, sharded: bool,
-                 hint: str = ""):
-        """`hint`: one more way to use less memory, for the message (a model's own switch)."""
+                 hint: str = "", global_batch: bool = False):
+        """`hint`: one more way to use less memory, for the message (a model's own switch).
+        `global_batch`: train.global_batch is set, so the accumulation follows data.batch_size."""
         self.policy, self.batch_size, self.progress = policy, batch_size, progress
         self.dist, self.sharded, self.hint = dist, sharded, hint
+        self.smaller = ("a smaller data.batch_size (train.global_batch keeps the step), or "
+                        "data.batch_size=auto" if global_batch else
+                        "a smaller data.batch_size and a larger train.grad_accum (the same global batch)")
 
     def micro_batch(self) -> int:
         return -(-self.batch_size // self.progress.micro_split)
@@ -97,8 +101,7 @@ class OutOfMemory:
         p = self.progress
         raise GaveUp(f"rank {self.dist.rank}: step {p.step + 1}: out of memory {where} (micro-batch "
                      f"{self.micro_batch()}). Collectives over the ranks were under way, so it cannot "
-                     f"be retried in place. Rerun with a smaller data.batch_size and a larger "
-                     f"train.grad_accum (the same global batch){self.hint}.")
+                     f"be retried in place. Rerun with {self.smaller}{self.hint}.")
 
     def split(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         """train.oom_policy: halve the micro-batch (the same samples are retried), or give up. Under
