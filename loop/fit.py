@@ -110,8 +110,8 @@ def largest_that_fits(model: nn.Module, data: Data, sizes: list[int], device: to
 
 def runs(model: nn.Module, data: Data, size: int, device: torch.device, precision: Precision,
          reserve: int) -> bool:
-    """Whether a forward and backward of the data set's first `size` samples run out of memory,
-    with `reserve` bytes held beside them (their tensors go when this returns)."""
+    """Whether a forward and backward of the data set's first `size` samples run without running out
+    of memory, with `reserve` bytes held beside them (their tensors go when this returns)."""
     try:
         held = torch.empty(reserve, dtype=torch.uint8, device=device)
         batch = collate([data.train[i % len(data.train)] for i in range(size)])
