@@ -12,8 +12,9 @@ starts again (the run's figures are the run's).
 
 A resumed run takes the micro-batch of the checkpoint it resumes (the newest in out_dir that
 verifies, or run.resume's): the same bits as a run never stopped. After a change of process
-count it takes it where it still divides the per-process share (memory per process does not
-depend on their number), and tries sizes where it does not.
+count it takes it where it still divides the per-process share (a process's memory hardly
+depends on their number: DDP adds its gradient buckets, and the out-of-memory split is there for
+the rest), and tries sizes where it does not.
 """
 from __future__ import annotations
 

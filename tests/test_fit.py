@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import ROOT, load_config, metrics, summary, train_here
+from conftest import ROOT, load_config, metrics, run_train, summary, train_here
 from loop.config.runtime import follow_global_batch
 from loop.errors import BadInput
 from loop.fit import divisors, largest_that_fits
@@ -101,3 +101,20 @@ def test_the_micro_batch_comes_from_the_checkpoint_the_resume_takes(tmp_path, ca
     rerun = train_here(out, cache, *steps, "data.batch_size=auto", "train.max_steps=9")
     assert "data.batch_size=auto: 2, the micro-batch of the checkpoint it resumes" in rerun.stdout
     assert "at step 3" in rerun.stdout, rerun.stdout
+
+
+@pytest.mark.slow
+def test_after_a_change_of_process_count_the_micro_batch_is_kept_where_it_divides(tmp_path, cache):
+    # One process, then two: the per-process share of a global batch of 8 goes from 8 to 4.
+    args = ["train.global_batch=8", "train.ckpt_every=3", "train.eval_every=0", "model.dropout=0"]
+    kept, tried = tmp_path / "kept", tmp_path / "tried"
+    run_train(kept, cache, *args, "data.batch_size=4", "train.max_steps=3")
+    then = run_train(kept, cache, *args, "data.batch_size=auto", "train.max_steps=6", nproc=2)
+    assert "data.batch_size=auto: 4, the micro-batch of the checkpoint it resumes" in then.stdout, then.stdout
+    assert "train.grad_accum=1 (2 process(es) x data.batch_size 4 x 1)" in then.stdout
+    assert "at step 3" in then.stdout and summary(kept)["steps"] == 6
+    # A micro-batch of 8 does not divide a share of 4: sizes are tried anew, which needs a GPU.
+    run_train(tried, cache, *args, "data.batch_size=8", "train.max_steps=3")
+    proc = run_train(tried, cache, *args, "data.batch_size=auto", "train.max_steps=6", nproc=2, check=False)
+    assert proc.returncode != 0 and "data.batch_size=auto: fits the micro-batch to a CUDA GPU" in proc.stderr
+    assert sorted(p.name for p in (tried / "checkpoints").glob("step_*")) == ["step_00000003"]
