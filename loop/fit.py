@@ -66,8 +66,8 @@ def micro_batch(cfg, model: nn.Module, data: Data, device: torch.device, precisi
     copies = 2 + (dist.world > 1) + cfg.ema.enabled  # AdamW's two moments, DDP's buckets, the EMA
     reserve = copies * sum(p.numel() * p.element_size() for p in model.parameters())
     fits = largest_that_fits(model, data, sizes, device, precision, reserve)
-    everyone = dist.gather_to_main(fits)
-    fits = dist.from_main((None if None in everyone else min(everyone)) if everyone else None)
+    everyone = dist.gather_to_main(fits)  # rank 0's list; None on the others
+    fits = dist.from_main(None if not everyone or None in everyone else min(everyone))
     if fits is None:
         raise BadInput(f"{KEY}: not even a micro-batch of {sizes[-1]} sample(s) fits on {device} with "
                        f"{reserve / 1e9:.2f} GB kept for the optimizer; expected a smaller model "
