@@ -16,8 +16,9 @@ Each repetition runs every arm once, in fresh processes, the order alternating:
             per --variant (its overrides separated by spaces); the bare loop runs without them.
 The table shows medians: tokens/s, the ratio to bare (of the medians; and "paired", the median of
 each repetition's own ratio: its arms run back to back, so the machine's drift between repetitions,
-over 20% on a shared 2-core VM, cancels), peak memory (CUDA: max allocated; CPU: the process's max
-RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
+over 20% on a shared 2-core VM, cancels), the micro-batch each arm trained at (data.batch_size=auto's
+pick, or what an out-of-memory split left), peak memory (CUDA: max allocated; CPU: the process's
+max RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
 goes to bench/results/loop_vs_bare.jsonl. A benchmark, not a test: figures depend on the machine
 and on what else runs on it.
 """
@@ -114,7 +115,7 @@ def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     for n in range(steps):
         tokens += loop.step(two[n % 2])
     sync_device(loop.device)
-    out = {"tokens_per_s": tokens / (time.perf_counter() - t0), "data_wait_pct": 0.0}
+    out = {"tokens_per_s": tokens / (time.perf_counter() - t0), "data_wait_pct": 0.0, "micro_batch": b}
     if loop.device.type == "cuda":
         out["peak_gb"] = torch.cuda.max_memory_allocated(loop.device) / 1e9
     return out
@@ -127,7 +128,10 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
     seconds = sum(r["ms_per_step"] * every for r in ends) / 1000
     tokens = by_step[warmup + steps]["tokens"] - (by_step[warmup]["tokens"] if warmup else 0)
     data_ms = sum(by_step[s]["data_ms"] for s in range(warmup + 1, warmup + steps + 1))
-    out = {"tokens_per_s": tokens / seconds, "data_wait_pct": 100 * data_ms / (1000 * seconds)}
+    # The micro-batch the window ended at: data.batch_size=auto's pick, or smaller after an
+    # out-of-memory split, which would make the arm another setting than the one asked for.
+    out = {"tokens_per_s": tokens / seconds, "data_wait_pct": 100 * data_ms / (1000 * seconds),
+           "micro_batch": by_step[warmup + steps]["micro_batch"]}
     if "mfu" in ends[-1]:  # MFU is linear in tokens/s: rescale one interval's to the whole window
         out["mfu"] = ends[-1]["mfu"] * out["tokens_per_s"] / ends[-1]["tokens_per_s"]
     if "cuda_max_alloc_gb" in ends[-1]:
@@ -204,12 +208,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{device} | torch {torch.__version__} | {os.cpu_count()} CPUs | {args.config} "
           f"{' '.join(args.overrides)} | medians of {args.reps} runs, {args.steps} steps after "
           f"{args.warmup} warm-up")
-    print(f"{'arm':<40}{'tokens/s':>11}{'vs bare':>9}{'paired':>8}{'peak GB':>9}{'max RSS GB':>11}"
-          f"{'data wait':>10}{'MFU':>7}")
+    print(f"{'arm':<40}{'tokens/s':>11}{'vs bare':>9}{'paired':>8}{'micro':>7}{'peak GB':>9}"
+          f"{'max RSS GB':>11}{'data wait':>10}{'MFU':>7}")
     for arm, m in med.items():
         mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "-"
         peak = f"{m['peak_gb']:.2f}" if "peak_gb" in m else "-"
-        print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{paired[arm]:>8.3f}{peak:>9}"
+        print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{paired[arm]:>8.3f}"
+              f"{m['micro_batch']:>7g}{peak:>9}"
               f"{m['max_rss_gb']:>11.2f}{m['data_wait_pct']:>9.2f}%{mfu:>7}")
     append_result(args.results, "bench.loop_vs_bare", argv, {
         "device": device, "config": args.config, "overrides": args.overrides, "steps": args.steps,

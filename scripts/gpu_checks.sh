@@ -22,13 +22,14 @@
 #            whether its backward repeats bit for bit (bench/attention.py)
 #   determinism  GPT-2 124M: scaffold vs bare loop with run.deterministic=true as the third arm
 #   levers   GPT-2 124M: scaffold vs bare loop, each speed setting an arm of its own: cuDNN's
-#            attention first, a micro-batch of 32 (the same 64-sample global batch), both, and
-#            data.batch_size=auto
+#            attention first, a micro-batch of 64 (the whole 64-sample global batch at once), both,
+#            a micro-batch of 32, and data.batch_size=auto (which size it picks is in levers.log)
 #   chunked_loss  GPT-2 124M: scaffold vs bare loop, the LM head + loss in chunks of 4,096 tokens, and
 #            so with the whole 64-sample step in one micro-batch (needs torch's F.linear_cross_entropy: 2.13)
 #   compile_modes  GPT-2 124M: scaffold vs bare loop, each torch.compile mode an arm of its own
-#   profile  GPT-2 124M: where the GPU's time goes (train.profile=true), torch's attention order
-#            and cuDNN's first
+#   profile  GPT-2 124M: where the GPU's time goes (train.profile=true), the config as it is
+#            (profile_config.log) and with the levers' candidates, cuDNN's attention and a
+#            micro-batch of 64 (profile_levers.log)
 #   stall    GPT-2 124M: the checkpoint stall, synchronous vs async
 #
 # Uses the interpreter in $PYTHON (default python3: a GPU image with torch already in it).
@@ -83,8 +84,9 @@ for s in "${stages[@]}"; do
         cp bench/results/*.jsonl "$OUT/" ;;
     levers)
         stage levers "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
-            --reps "$BENCH_REPS" --variant train.attention_kernel=cudnn --variant data.batch_size=32 \
-            --variant "train.attention_kernel=cudnn data.batch_size=32" --variant data.batch_size=auto
+            --reps "$BENCH_REPS" --variant train.attention_kernel=cudnn --variant data.batch_size=64 \
+            --variant "train.attention_kernel=cudnn data.batch_size=64" --variant data.batch_size=32 \
+            --variant data.batch_size=auto
         cp bench/results/*.jsonl "$OUT/" ;;
     chunked_loss)
         stage chunked_loss "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
@@ -96,10 +98,11 @@ for s in "${stages[@]}"; do
             --variant train.compile_mode=reduce-overhead
         cp bench/results/*.jsonl "$OUT/" ;;
     profile)
-        for kernel in auto cudnn; do
-            rm -rf "runs/profile_$kernel"
-            stage "profile_$kernel" "$PYTHON" train.py --config configs/gpt2_124m.yaml "run.out_dir=runs/profile_$kernel" \
-                train.max_steps=8 train.profile=true train.eval_every=0 train.ckpt_every=0 "train.attention_kernel=$kernel"
+        for name in config levers; do
+            rm -rf "runs/profile_$name"
+            more=(); [ "$name" = levers ] && more=(train.attention_kernel=cudnn data.batch_size=64)
+            stage "profile_$name" "$PYTHON" train.py --config configs/gpt2_124m.yaml "run.out_dir=runs/profile_$name" \
+                train.max_steps=8 train.profile=true train.eval_every=0 train.ckpt_every=0 "${more[@]}"
         done ;;
     stall)
         stage ckpt_stall "$PYTHON" -m bench.ckpt_stall --config configs/gpt2_124m.yaml --reps "$BENCH_REPS"

@@ -46,12 +46,13 @@ def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
         # The median of two: their mean. Pairs each repetition's arm with its own bare run.
         assert record["paired_ratio_to_bare"][arm] == pytest.approx((one / bare + two / bare2) / 2)
     assert med["bare"]["data_wait_pct"] == 0 and 0 <= med["scaffold"]["data_wait_pct"] < 100
+    assert {m["micro_batch"] for m in med.values()} == {4}  # TINY's data.batch_size, in every arm
 
 
 def test_scaffold_figures_use_only_the_timed_window():
     # Intervals of 2 steps: 10 ms/step while warming up, then 20 ms/step; 100 tokens a step.
     # On a GPU the interval's last record also has MFU (of that interval) and the peak memory so far.
-    recs = [{"step": s, "tokens": 100 * s, "data_ms": 1.0,
+    recs = [{"step": s, "tokens": 100 * s, "data_ms": 1.0, "micro_batch": 8 if s < 6 else 4,  # split at 6
              **({"ms_per_step": 10.0 if s <= 2 else 20.0, "cuda_max_alloc_gb": s / 10,
                  "tokens_per_s": 100 / (0.010 if s <= 2 else 0.016 if s == 6 else 0.020),
                  "mfu": 0.3} if s % 2 == 0 else {})} for s in range(1, 7)]
@@ -60,6 +61,7 @@ def test_scaffold_figures_use_only_the_timed_window():
     assert fig["data_wait_pct"] == pytest.approx(100 * 4.0 / 80.0)
     assert fig["mfu"] == pytest.approx(0.3 * 0.016 / 0.020)  # the last interval's, at the window's rate
     assert fig["peak_gb"] == 0.6
+    assert fig["micro_batch"] == 4  # where the window ended: the arm trained at less than it asked
     # --warmup 0 (allowed): the window starts at step 0, which has no record (it must not be looked
     # up: a KeyError after every arm had run). One interval of 6 steps, its mean ms/step on its
     # last record.
