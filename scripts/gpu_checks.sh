@@ -17,7 +17,8 @@
 #   verify   make verify's audits on the GPU, bf16 and fp16
 #   bench    GPT-2 124M: scaffold vs bare loop (tokens/s ratio, MFU, peak memory, data wait), with
 #            activation checkpointing as a third arm: 3 arms x BENCH_REPS fresh processes, each
-#            compiling the model (start with BENCH_REPS=1 inside a 10-minute device call)
+#            compiling the model (start with BENCH_REPS=1 inside a 10-minute device call);
+#            BENCH_OVERRIDES="key=value ..." go to every arm (settings to try before the config has them)
 #   attention  each attention kernel at GPT-2 124M's shape, deterministic flag off and on: time, and
 #            whether its backward repeats bit for bit (bench/attention.py)
 #   determinism  GPT-2 124M: scaffold vs bare loop with run.deterministic=true as the third arm
@@ -39,6 +40,7 @@ PYTHON=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_checks}
 BENCH_STEPS=${BENCH_STEPS:-50}
 BENCH_REPS=${BENCH_REPS:-3}
+BENCH_OVERRIDES=${BENCH_OVERRIDES:-}
 if ! "$PYTHON" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())'; then
     echo "no CUDA GPU visible to $PYTHON: nothing here can be checked" >&2; exit 2
 fi
@@ -72,8 +74,9 @@ for s in "${stages[@]}"; do
         stage verify_bf16 "$PYTHON" -m tools.verify --out runs/verify_bf16 train.device=cuda train.precision=bf16
         stage verify_fp16 "$PYTHON" -m tools.verify --out runs/verify_fp16 train.device=cuda train.precision=fp16 ;;
     bench)
+        # shellcheck disable=SC2086  # the overrides split at spaces, as make bench's
         stage bench "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
-            --reps "$BENCH_REPS" --variant model.activation_checkpointing=true
+            --reps "$BENCH_REPS" --variant model.activation_checkpointing=true $BENCH_OVERRIDES
         cp bench/results/*.jsonl "$OUT/" ;;
     attention)
         stage attention "$PYTHON" -m bench.attention
