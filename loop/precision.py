@@ -1,6 +1,7 @@
 """Numeric precision: which autocast dtype, and whether fp16 needs a GradScaler.
 
-    auto -> bf16 on CUDA cards that support it, else fp16 (+ GradScaler) on CUDA, else fp32.
+    auto -> bf16 on CUDA cards that compute in it (Ampere on), else fp16 (+ GradScaler) on CUDA,
+            else fp32.
     bf16 -> autocast to bfloat16 (also works on CPU). fp16 -> autocast float16 + GradScaler.
     fp32 -> no autocast.
 The GradScaler object always exists (disabled outside fp16) so the loop has one code path; its
@@ -21,7 +22,8 @@ def resolve(precision: str, device: torch.device) -> str:
     if precision != "auto":
         return precision
     if device.type == "cuda":
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+        # torch also says yes where bf16 is only emulated (before Ampere), slower than fp16 there
+        return "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"
     return "fp32"
 
 

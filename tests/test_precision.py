@@ -17,6 +17,14 @@ def test_resolve_on_cpu():
     assert p.name == "fp32" and p.dtype is None
 
 
+@pytest.mark.parametrize("native, picked", [(True, "bf16"), (False, "fp16")])
+def test_auto_picks_bf16_only_on_a_card_that_computes_in_it(monkeypatch, native, picked):
+    # A card before Ampere emulates bf16, and torch's check says yes to it unless asked not to.
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported",
+                        lambda including_emulation=True: native or including_emulation)
+    assert resolve("auto", torch.device("cuda")) == picked
+
+
 def test_bf16_autocast_on_cpu():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(8, 16, generator=g), torch.randn(16, 4, generator=g)
