@@ -1,10 +1,11 @@
 """The honest loop. `Trainer(...).run()` resumes if it can, trains to train.max_steps (or until early
 stopping or a preemption signal), evaluating and checkpointing on the way, and writes summary.json.
-`step()` is one optimizer step: micro-batches -> forward, backward of each -> the true loss over
-every rank -> unscale -> clip -> one finite check -> step or skip -> schedule, EMA, zero_grad -> log.
+`step()` is one optimizer step: micro-batches -> forward, backward of each -> unscale -> clip -> the
+true loss over every rank -> one finite check -> step or skip -> schedule, EMA, zero_grad -> log.
 
 Exact resume rests on three seams: the data position (`Progress.samples`), every RNG stream in the
-checkpoint (loop/rng.py), and the LR as a pure function of the optimizer step (loop/schedule.py).
+checkpoint (loop/rng.py), and the LR as a pure function of the optimizer steps taken (the
+scheduler's count, loop/schedule.py; `Progress.step` counts skipped steps too).
 A checkpoint is `self.parts`. Lines marked `lab:` break one concern on purpose (loop/lab.py).
 """
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Trainer:
     def __init__(self, cfg, model, data, optimizer, scheduler, precision, device, dist=None, ema=None):
         """`model` as wrapped for the run (DDP, FSDP or plain); `ema`: loop.ema.EMA or None."""
         self.cfg, self.model, self.data, self.device, self.dist = cfg, model, data, device, dist or Dist()
-        self.raw = getattr(model, "module", model)  # unwrapped (DDP keeps it as .module)
+        self.raw = model.module if is_ddp(model) else model  # DDP wraps; a model may own a .module
         self.sharded = fsdp.is_sharded(model)  # FSDP: every rank holds a shard of each weight
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
         self.scaler, self.ema, self.lab = precision.scaler, ema, cfg.lab.break_
@@ -154,7 +155,7 @@ class Trainer:
             return self.skip_empty(micro, data_ms)
         while True:  # out of memory: every rank retries the same samples in smaller micro-batches
             losses, loss, scaled = [], None, None  # (None: a failed attempt's graph goes first)
-            with self.oom.attempt() as attempt:
+            with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
                 pieces = [piece for m in micro for piece in split_batch(m, p.micro_split)]
                 for i, batch in enumerate(pieces):
                     last = i == len(pieces) - 1
@@ -175,10 +176,13 @@ class Trainer:
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
-            if self.lab != "clip_before_unscale":  # lab: not here, so scaler.step unscales after the clip
+            clip_first = self.lab == "clip_before_unscale"  # lab: the clip sees gradients x the loss scale
+            if not clip_first:
                 self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
             grad_norm = clip_grad_norm_(params, tc.clip_grad) if tc.clip_grad > 0 else \
                 get_total_norm([q.grad for q in params if q.grad is not None])
+            if clip_first:
+                self.scaler.unscale_(self.optimizer)
             grad_norm = fsdp.whole(grad_norm).to(losses[0].device)  # FSDP: a DTensor; CPU if offloaded
             losses = torch.stack(losses)
             totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)

@@ -540,6 +540,38 @@ def test_init_from_a_run_dir_names_the_checkpoints_that_would_do(tmp_path, cache
     assert not out.exists()
 
 
+def test_a_model_s_own_submodule_named_module_is_checkpointed_with_the_rest(tmp_path):
+    # Only DDP's wrapper is taken off the model: a user's wrapper may keep its inner model as
+    # `.module`, and the checkpoint, the EMA and evaluation need the whole of it.
+    from conftest import build_data, build_model, load_config
+    from loop.optim import build_optimizer
+    from loop.precision import Precision
+    from loop.schedule import build_scheduler
+    from loop.trainer import Trainer
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, inner: torch.nn.Module):
+            super().__init__()
+            self.module, self.gain = inner, torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, batch: dict):
+            return self.module(batch) * self.gain
+
+    cpu = torch.device("cpu")
+    cfg = load_config(ROOT / "configs" / "default.yaml", [
+        "data.name=markov", f"data.cache_dir={tmp_path / 'cache'}", "data.markov.tokens=4000",
+        "data.seq_len=16", "model.n_layer=1", "model.n_embd=16", "model.n_head=2",
+        f"run.out_dir={tmp_path / 'run'}", "train.device=cpu"])
+    data = build_data(cfg.data)
+    model = Wrapper(build_model(cfg.model, data))
+    opt = build_optimizer(model, cfg.optim, cpu)
+    trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10), Precision("fp32", cpu), cpu)
+    trainer.run_facts = {"config": {}, "config_sha256": "", "world_size": 1, "metadata": {}}
+    trainer.save()
+    saved = torch.load(trainer.checkpoints.root / "step_00000000" / "state.pt", weights_only=True)["model"]
+    assert saved.keys() == model.state_dict().keys() and "gain" in saved
+
+
 def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
     from conftest import build_data, build_model, load_config
     from loop.optim import build_optimizer

@@ -39,6 +39,15 @@ def test_a_switch_that_needs_a_setting_breaks_nothing_without_it(tmp_path, cache
     assert {c: r for c, (r, _) in rows(proc.stdout).items()} == {c: "PASS" for c in s.caught_by}, proc.stdout
 
 
+def test_the_clip_before_unscale_switch_still_skips_a_non_finite_step(tmp_path, cache):
+    # The switch moves the unscale after the clip, not away: the GradScaler still sees a skipped
+    # step's gradients before its update (torch raises where it saw none).
+    out = tmp_path / "run"
+    run_train(out, cache, "train.max_steps=4", "train.precision=fp16", "lab.break=clip_before_unscale",
+              "faults.nan_at_step=2")
+    assert [r["skipped"] for r in metrics(out)] == [False, True, False, False]
+
+
 def test_a_switched_run_says_so_loudly_and_in_its_files(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, "train.max_steps=3", "lab.break=no_rng_restore")
