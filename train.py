@@ -5,7 +5,7 @@
 
 This file only wires parts together: the config, this project's data sets and models (DATASETS,
 MODELS), the processes; the loop lives in loop/trainer.py. Exit codes (docs/failures.md): 0 done,
-2 bad input (nothing in run.out_dir written), 3 gave up, 130 Ctrl-C, 141 the console's reader gone,
+2 bad input (nothing overwritten), 3 gave up, 130 Ctrl-C, 141 the console's reader gone,
 143 preempted after a checkpoint; after the last three, rerun the same command to continue.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The parts of a run, wired in the order train.py needs them: seed, data, model, EMA copy,
-wrapping, optimizer, schedule, precision -> a `Trainer`. Shared by train.py, make verify's
-in-process audits (tools/audit_grads.py) and the benchmarks, so each builds exactly what a real
-run trains. The data set and the model come from the project's builders (DATASETS, MODELS:
-data/__init__.py, model/__init__.py), which the caller hands in; what the loop needs of what they
-build is checked here, before anything is written.
+"""The parts of a run, wired in the order train.py needs them: seed, data, precision, model,
+micro-batch fit, compile, EMA copy, wrapping, optimizer, schedule -> a `Trainer`. Shared by
+train.py, make verify's in-process audits (tools/audit_grads.py) and the benchmarks, so each builds
+exactly what a real run trains. The data set and the model come from the project's builders
+(DATASETS, MODELS: data/__init__.py, model/__init__.py), which the caller hands in; what the loop
+needs of what they build is checked here, before anything is written.
 """
 from __future__ import annotations
 

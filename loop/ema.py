@@ -30,7 +30,7 @@ class EMA(AveragedModel):
     """AveragedModel holds the copy and its update counter (in host memory, so reading it is no
     device sync). Its own `update_parameters` is not used: it pairs a float32 average with bfloat16
     weights but refuses float16 ones, and computes (1 - d) * w in the weights' dtype, rounded the
-    same way each step (a bf16 average settled up to half a bf16 step off)."""
+    same way each step (a bf16 average would settle up to half a bf16 step off)."""
 
     def __init__(self, model: nn.Module, decay: float, warmup: int, shapes_only: bool = False):
         """`shapes_only`: the copy on the meta device (no memory), which FSDP sharding fills with

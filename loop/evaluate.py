@@ -138,8 +138,8 @@ class Evaluator:
             self.dist.say(f"warning: step {step}: val_loss is {metrics['val_loss']}; no text sample drawn",
                           file=sys.stderr)
             return None
-        # Fetched as training fetches (loop/data/seeded.py): a validation set that augments drew
-        # from the training streams here, and evaluating changed the dropout masks after it.
+        # Fetched as training fetches (loop/data/seeded.py): a validation set that augments draws
+        # from its own seeded streams, so evaluating leaves the training streams (dropout) as they are.
         prompt = SeededSamples(self.data.val, self.seed)[(0, 0)]["x"][None, :8].to(self.device)  # (1, 8)
         return text_sample(self.model, prompt, self.tokens, self.seed, self.data.decode)
 

@@ -1,6 +1,6 @@
 """Best-checkpoint tracking and early stopping on one validation metric.
 
-`update(value)` is called after each evaluation; it says whether the value is a new best (the
+`update(step, value)` is called after each evaluation; it says whether the value is a new best (the
 trainer then saves a checkpoint at that step and retention keeps it). Early stopping fires when the
 metric has not improved by `min_delta` for `patience` evaluations in a row; the best checkpoint
 takes any improvement (as Keras and Lightning keep them: min_delta is early stopping's alone). The

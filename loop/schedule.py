@@ -32,7 +32,7 @@ def cosine_restarts(s: int, cfg, max_steps: int) -> float:
     if w is not None:
         return w
     t, period = s - cfg.warmup_steps, cfg.restart_period
-    if cfg.restart_mult == 1:  # equal cycles; the loop below took s/period turns (5 ms at step 1M)
+    if cfg.restart_mult == 1:  # equal cycles in one step; the loop below would take s/period turns
         t %= period
     while t >= period:  # SGDR: cycles of period, period*mult, period*mult^2, ...
         t, period = t - period, period * cfg.restart_mult

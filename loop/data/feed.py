@@ -2,7 +2,7 @@
 
 A DataLoader over the resumable order (loop/data/sampler.py) starts at `Progress.samples`, the
 global samples that optimizer steps took; `draw` hands out the next step's micro-batches, passing
-over windows a rollback marked as never to be trained on (loop/trainer.py::rollback).
+over windows a rollback marked as never to be trained on (loop/guards/nonfinite.py::rollback).
 """
 from __future__ import annotations
 

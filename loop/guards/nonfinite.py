@@ -1,4 +1,5 @@
-"""The non-finite policy (train.nan_policy): what a step whose loss or gradients are not finite does.
+"""The non-finite policy (train.nan_policy): what a step whose loss or gradients are not finite does
+(under fp16, gradients that overflow with a finite loss are the GradScaler's: it skips the step).
 
     skip      the step changes nothing (weights, optimizer, LR, EMA); the data moves on
     rollback  back to the newest valid checkpoint, passing over the bad step's samples from then on

@@ -29,8 +29,8 @@ class Preemption:
         self.reason: str | None = None
         # A worker started by torchrun (RANK set) whose torchrun is gone has nobody left to stop
         # it, restart it or read its exit code: torchrun dies at once of a signal it does not
-        # handle (SIGUSR1, which its workers do) or of SIGKILL, and its workers trained on to the
-        # end unsupervised. They stop as if preempted instead. Not plain python: `nohup python
+        # handle (SIGUSR1, which its workers do) or of SIGKILL, and its workers would train on to
+        # the end unsupervised. They stop as if preempted instead. Not plain python: `nohup python
         # train.py &` outlives its shell on purpose.
         self._launcher = os.getppid() if "RANK" in os.environ else None
         self._previous = {s: signal.signal(s, self._handle) for s in STOP_SIGNALS
