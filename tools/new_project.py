@@ -76,8 +76,11 @@ accumulation, determinism, NaN and out-of-memory handling) is proved by a test.
     make verify       # the loop's promises, checked on your model and data
 
 Yours: `data/mine.py` (the data set), `model/mine.py` (the model), `configs/default.yaml` (the run);
-register more in `data/__init__.py` and `model/__init__.py`. The loop is `loop/`, read from
-`loop/trainer.py`; `docs/` says what each part does and promises.
+register more in `data/__init__.py` and `model/__init__.py`, and run another with its own
+directory: `make train ARGS="model.name=X run.out_dir=runs/X"`. The loop is `loop/`, read from
+`loop/trainer.py`; `docs/` says what each part does and promises, and names the scaffold's tests
+and examples, which stay in the scaffold's repository. Put the project under git (`git init`):
+each run's metadata.json records the commit it ran.
 {more}"""
 
 

@@ -4,7 +4,8 @@ What the loop needs of a model: `forward(batch)` returns the loss SUMMED over th
 targets (never their mean: the loop divides by the whole step's target count, which makes gradient
 accumulation and several processes exact), as a tensor of shape (); or a dict of such sums with
 the loss under "loss" (each is reported divided by the target count, as val_<name>). Targets equal
-to -100 are not counted. Optional: `generate` (text samples), `flops_per_token` (MFU),
+to -100 are not counted: mask them, as below (F.mse_loss and F.l1_loss count every target;
+F.cross_entropy's ignore_index=-100 leaves them out). Optional: `generate` (text samples), `flops_per_token` (MFU),
 `set_activation_checkpointing` (model.activation_checkpointing); see model/gpt.py in the scaffold.
 """
 from __future__ import annotations
