@@ -100,7 +100,7 @@ class Trainer:
         try:  # from the log's opening on: an error anywhere closes what is open (the finally below)
             self.dist.say(summary.start_line(self.raw, self.model, self.sharded, self.device, self.precision.name,
                                              self.dist.world, cfg.data.batch_size * tc.grad_accum, self.data.seq_len))
-            if tc.nan_policy == "rollback" and not store.step_dirs(self.checkpoints.root):
+            if tc.nan_policy == "rollback" and not store.step_dirs(self.checkpoints.root, upto=p.step):
                 self.save()  # something to roll back to before the first periodic checkpoint
             self.feed.start()
             profiler = StepProfiler(self.out / "profile") if tc.profile and self.dist.main else None

@@ -221,6 +221,32 @@ def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache
         assert torch.load(d / "state.pt", weights_only=True)["progress"]["step"] == int(d.name[5:])
 
 
+@pytest.mark.slow
+def test_a_run_resumed_back_in_time_rolls_back_to_its_own_past(tmp_path, cache):
+    # run.resume=step 10 of a directory that holds steps 15 and 20 of the run before: a NaN at
+    # step 13 goes back to step 10, not forward to 20, and the run ends as one that met the NaN
+    # without the detour.
+    import shutil
+
+    args = [cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, *args)
+    run_train(out, cache, *STEPS)
+    proc = run_train(out, *args, f"run.resume={out / 'checkpoints' / 'step_00000010'}")
+    assert "rolled back to step 10" in proc.stderr, proc.stderr
+    assert [r["step"] for r in metrics(out)] == list(range(1, 21))
+    assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
+    # Branched off another directory's step 10 into one that holds only newer steps: the run
+    # writes its own step 10 to go back to.
+    other = tmp_path / "other"
+    shutil.copytree(ref, other)
+    for old in store.step_dirs(other / "checkpoints", upto=15):
+        shutil.rmtree(old)
+    run_train(other, *args, f"run.resume={ref / 'checkpoints' / 'step_00000010'}")
+    assert (other / "checkpoints" / "step_00000010").is_dir()
+    assert summary(other)["params_sha256"] == summary(ref)["params_sha256"]
+
+
 def test_rollback_that_never_gets_past_a_bad_step_gives_up(tmp_path, cache):
     # Step 1 throws the weights to ~1e30 and step 2 is non-finite, whatever its data: each
     # rollback replays step 1 (a good step, which would reset the count of bad steps in a row) and

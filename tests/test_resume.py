@@ -367,6 +367,27 @@ def test_a_command_naming_run_resume_reruns_from_what_it_saved_since(tmp_path, c
 
 
 @pytest.mark.slow
+def test_a_command_naming_the_best_checkpoint_reruns_from_what_it_saved_since(tmp_path, cache):
+    # run.resume=.../checkpoints/best: the pointer moves to a checkpoint this run saves (step 20
+    # here), and a rerun of the same command goes on from its newest (25), not back to the best.
+    first = ["train.max_steps=10", "train.ckpt_every=5", "train.eval_every=10"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    for d in (ref, out):
+        run_train(d, cache, *first)
+    command = ["train.max_steps=30", "train.ckpt_every=5", "train.eval_every=10"]
+    run_train(ref, cache, *command, f"run.resume={ref / 'checkpoints' / 'best'}")
+    best = out / "checkpoints" / "best"
+    killed = run_train(out, cache, *command, f"run.resume={best}", "faults.kill_in_ckpt_at_step=30", check=False)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert best.read_text().strip() == "step_00000020"
+    rerun = run_train(out, cache, *command, f"run.resume={best}")
+    assert f"continuing from {out / 'checkpoints' / 'step_00000025'}" in rerun.stdout, rerun.stdout
+    assert resumed_at(rerun.stdout) == 25
+    assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
+    assert [r["step"] for r in metrics(out)] == list(range(1, 31))
+
+
+@pytest.mark.slow
 def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cache, reference):
     # Going back to step 30 with another optim.lr or weight_decay: the config wins, as for a
     # changed schedule, and only the moments and step counts come from the checkpoint

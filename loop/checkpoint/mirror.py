@@ -4,7 +4,7 @@
 `s3://b/run` with s3fs installed): one fsspec code path for all. Use:
     mirror = Mirror(cfg.run.mirror)       # before anything is written: BadInput if unusable
                                           # (an unknown protocol, a local directory it cannot make)
-    mirror.submit(checkpoint.save(root, ...), {p.name for p in checkpoint.step_dirs(root)})
+    mirror.submit(store.save(root, ...), {p.name for p in store.step_dirs(root)})
     mirror.close()                        # end of run: waits for the queued copies
     fetch_latest(cfg.run.mirror, root)    # no local checkpoint (new machine): get the newest valid
 Object stores have no atomic rename, so the manifest is copied after the data files (then `latest`):

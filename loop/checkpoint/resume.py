@@ -5,7 +5,8 @@
     run.resume=never  fresh start; refused if out_dir already holds checkpoints it would overwrite
     run.resume=PATH   that checkpoint dir, which must verify (checkpoints/latest or /best: the
                       one it names); or, once this run has saved since starting there, its
-                      newest checkpoint from PATH on (`continued`): the same command reruns on
+                      newest checkpoint from PATH on (`continued`): the same command reruns on,
+                      also where the latest or best it named has moved since
     run.init_from=PATH (fresh starts only) model weights from that checkpoint (or exported
                       model.pt), nothing else (loop/checkpoint/weights.py)
 """
@@ -43,7 +44,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
         raise BadInput("config key run.resume is empty; expected auto, never or a checkpoint directory.")
     if resume != "auto":
         given = followed(Path(resume))
-        return continued(ckpt_root, given) or verified(given, "run.resume")
+        return continued(ckpt_root, Path(resume), given) or verified(given, "run.resume")
     if not store.step_dirs(ckpt_root) and mirror:
         from loop.checkpoint.mirror import fetch_latest
 
@@ -58,16 +59,19 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
     return path
 
 
-def continued(ckpt_root: Path, given: Path) -> Path | None:
-    """The newest valid checkpoint in ckpt_root saved by a run that started from `given` (its
-    manifest's `resumed_from`): a rerun of a command naming run.resume=PATH (after a Ctrl-C, a
-    preemption, a torchrun restart, a requeue) went back to PATH and trained those steps again."""
-    start = str(given.resolve())
+def continued(ckpt_root: Path, named: Path, given: Path) -> Path | None:
+    """The newest valid checkpoint in ckpt_root newer than `given` (the checkpoint run.resume=`named`
+    names now) saved by a run that started from `named` (its manifest's `resumed_from`): a rerun of
+    a command naming run.resume=PATH (after a Ctrl-C, a preemption, a torchrun restart, a requeue)
+    went back to PATH and trained those steps again. Keyed on `named`, not on where checkpoints/best
+    or /latest points, which moves as this run saves."""
+    start = str(named.resolve())
     for path in reversed(store.step_dirs(ckpt_root)):
-        if path.resolve() != given.resolve() and store.manifest(path).get("resumed_from") == start \
-                and store.verify(path) is None:
-            print(f"note: run.resume={given}: continuing from {path}, which this run saved after "
-                  f"starting there (to start from {given} again, give a new run.out_dir)")
+        if path.resolve() == given.resolve():
+            return None  # the rest are older than the start
+        if store.manifest(path).get("resumed_from") == start and store.verify(path) is None:
+            print(f"note: run.resume={named}: continuing from {path}, which this run saved after "
+                  f"starting there (to start from {named} again, give a new run.out_dir)")
             return path
     return None
 
@@ -78,9 +82,9 @@ def origin(resume: str, path: Path | None) -> str | None:
     if path is None:
         return None
     recorded = store.manifest(path).get("resumed_from")
-    if resume in ("auto", "never") or recorded == str(followed(Path(resume)).resolve()):
+    if resume in ("auto", "never") or recorded == str(Path(resume).resolve()):
         return recorded
-    return str(path.resolve())
+    return str(Path(resume).resolve())
 
 
 def followed(path: Path) -> Path:

@@ -46,12 +46,12 @@ def params_sha256(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def step_dirs(root: Path) -> list[Path]:
-    """Complete-looking checkpoint dirs, oldest first."""
+def step_dirs(root: Path, upto: int | None = None) -> list[Path]:
+    """Complete-looking checkpoint dirs, oldest first; with `upto`, those of that step or before."""
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir() if (m := STEP_DIR.match(p.name))]
-    return [p for _, p in sorted(found)]
+    return [p for step, p in sorted(found) if upto is None or step <= upto]
 
 
 def verify(path: Path) -> str | None:
@@ -82,9 +82,10 @@ def manifest(path: Path) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def newest_valid(root: Path) -> Path | None:
-    """The newest checkpoint that verifies; invalid newer ones are skipped with a warning."""
-    dirs = step_dirs(root)
+def newest_valid(root: Path, upto: int | None = None) -> Path | None:
+    """The newest checkpoint that verifies (of step `upto` or before); invalid newer ones are
+    skipped with a warning."""
+    dirs = step_dirs(root, upto)
     for path in reversed(dirs):
         reason = verify(path)
         if reason is None:

@@ -73,7 +73,8 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     parts["optimizer"].zero_grad(set_to_none=True)
     parts["scaler"].update()  # consume this step's inf checks before the scaler state is replaced
     checkpoints.wait()  # the newest checkpoint may still be being written
-    path = dist.on_main(lambda: store.newest_valid(checkpoints.root))
+    # Not past this step: a run resumed back in time has the newer checkpoints of the run before.
+    path = dist.on_main(lambda: store.newest_valid(checkpoints.root, upto=p.step))
     checkpoints.origin = state.restore(path, parts, cfg, dist, metadata, cfg.lab.break_)
     p.rollbacks, p.skip_windows, p.micro_split = carry
     log.rewind(p.step, p.tokens, p.samples)
