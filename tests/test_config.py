@@ -151,6 +151,13 @@ def test_integers_are_decimal_in_files_and_overrides(tmp_path):
     assert bad(path=f) == "config key run.seed: expected int, got '0042' (str)."
     cfg = load_config(DEFAULT, ["train.max_steps=1_000", "run.seed=0", "optim.lr=1e-3"])
     assert (cfg.train.max_steps, cfg.run.seed, cfg.optim.lr) == (1000, 0, 1e-3)
+    # Floats too: 1:30.0 is not 90.0; the decimal forms still read as numbers.
+    assert bad(["optim.lr=1:30.0"]) == "config key optim.lr: expected float, got '1:30.0' (str)."
+    f.write_text(NAMES + "optim:\n  lr: 1:30.0\n")
+    assert bad(path=f) == "config key optim.lr: expected float, got '1:30.0' (str)."
+    f.write_text(NAMES + "optim:\n  lr: .5\n  eps: 1.0e-8\n  betas: [0.9, 0.]\n")
+    cfg = load_config(f, [])
+    assert (cfg.optim.lr, cfg.optim.eps, cfg.optim.betas) == (0.5, 1e-8, [0.9, 0.0])
 
 
 def test_none_words_for_a_key_whose_none_is_empty_are_refused():
@@ -161,6 +168,21 @@ def test_none_words_for_a_key_whose_none_is_empty_are_refused():
             assert bad(["data.name=mnist", f"{key}={word}"]) == (f"config key {key}: {word!r} would be taken as a path called "
                                               f"{word}; expected a path, or {key}= (empty) for none.")
     assert load_config(DEFAULT, ["run.mirror="]).run.mirror == ""
+
+
+def test_a_config_file_is_held_to_what_overrides_are(tmp_path):
+    # A none word, a float past float's range, a NUL in a path, a name that is not a name, a
+    # section that is not a mapping: each refused by key, as on the command line.
+    f = tmp_path / "c.yaml"
+    for text, message in [
+            ("run:\n  mirror: none\n", "config key run.mirror: 'none' would be taken as a path called none"),
+            (f"optim:\n  lr: 1{'0' * 400}\n", "config key optim.lr: expected a finite number"),
+            ('run:\n  out_dir: "a\\0b"\n', "config key run.out_dir: expected text without a NUL character"),
+            ("data:\n  name: [text]\nmodel:\n  name: gpt\n", "config key data.name: expected one of text,"),
+            ("data: text\nmodel:\n  name: gpt\n", f"config data in {f}: expected a mapping of keys, got 'text'.")]:
+        f.write_text(text if text.startswith("data") else NAMES + text)
+        assert bad(path=f).startswith(message), text
+    assert bad([f"optim.lr=1{'0' * 400}"]).startswith("config key optim.lr: expected a finite number")
 
 
 def test_a_path_starting_with_a_tilde_is_in_the_home_directory(tmp_path, monkeypatch):

@@ -92,23 +92,26 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
         return
     if rest:
         raise UnknownKey(key)
-    f = next(f for f in dataclasses.fields(obj) if f.name == name)  # run.mirror=none made ./none:
-    if hint is str and text.lower() in NONE_WORDS and f.default == "" and not f.metadata.get("choices"):
-        raise BadInput(f"config key {key}: {text!r} would be taken as a path called {text}; expected "
-                       f"a path, or {key}= (empty) for none.")
+    f = next(f for f in dataclasses.fields(obj) if f.name == name)
     setattr(obj, name, _value(f, _parse(text, hint), hint, key))
 
 
 class DecimalLoader(yaml.SafeLoader):
-    """yaml.safe_load with decimal integers only: YAML 1.1's 010 is 8 (train.max_steps=010 trained 8
-    steps), 1:30 is 90, 0x10 is 16. Those are text here, which an integer key refuses by name."""
+    """yaml.safe_load with decimal numbers only: YAML 1.1's 010 is 8 (train.max_steps=010 would train
+    8 steps), 1:30 is 90 (and 1:30.0 is 90.0), 0x10 is 16. Those are text here, which a number key
+    refuses by name."""
 
 
 DecimalLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:int"]
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
 DecimalLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"),
                                     list("-+0123456789"))
+DecimalLoader.add_implicit_resolver(  # PyYAML's float pattern without its base-60 branch
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
 
 
 def _int_or_text(loader: yaml.SafeLoader, node: yaml.ScalarNode):
@@ -136,6 +139,12 @@ def _parse(text: str, hint):
 
 def _value(f: dataclasses.Field, value, hint, key: str):
     """`value` for field `f`: of the field's type, or the word auto where the field takes it."""
+    if hint is str and isinstance(value, str) and value.lower() in NONE_WORDS and f.default == "" \
+            and not f.metadata.get("choices"):  # run.mirror=none would mirror into ./none
+        raise BadInput(f"config key {key}: {value!r} would be taken as a path called {value}; expected "
+                       f"a path, or {key}= (empty) for none.")
+    if hint is str and isinstance(value, str) and "\0" in value:  # a path: the OS takes no NUL
+        raise BadInput(f"config key {key}: expected text without a NUL character, got {shown(value)}.")
     if not f.metadata.get("auto"):
         return _coerce(value, hint, key)
     if value == "auto":
@@ -171,8 +180,13 @@ def _coerce(value, hint, key: str):
 
 
 def _float(value) -> float | None:
-    if isinstance(value, (int, float)):
-        return float(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return float(value)
+        except OverflowError:  # over 1.8e308: inf, which the caller refuses by name
+            return math.inf
+    if isinstance(value, float):
+        return value
     try:  # PyYAML reads 3e-4 (no dot) as a string
         return float(value) if isinstance(value, str) else None
     except ValueError:

@@ -23,7 +23,7 @@ import yaml
 
 from loop.checkpoint.atomic import atomic_write
 from loop.config.builders import BASES, options_of, unknown
-from loop.config.fields import DecimalLoader, UnknownKey, check, from_dict, override, to_dict
+from loop.config.fields import DecimalLoader, UnknownKey, check, from_dict, override, shown, to_dict
 from loop.config.paths import check_paths
 from loop.config.schema import Config
 from loop.errors import BadInput
@@ -61,7 +61,7 @@ def read(path: Path) -> dict:
 def build(raw: dict, source: str, overrides: list[str], datasets: dict, models: dict) -> Config:
     """A Config from a mapping (a file's, or a checkpoint's) and dotted overrides."""
     registries = {"data": datasets, "model": models}
-    names = chosen(raw, overrides, registries)
+    names = chosen(raw, overrides, registries, source)
     sections = {s: options_of(s, name, registries[s][name]) for s, name in names.items()}
     try:
         cfg = from_dict(Config, raw, "", source, sections)
@@ -78,16 +78,18 @@ def build(raw: dict, source: str, overrides: list[str], datasets: dict, models: 
     return cfg
 
 
-def chosen(raw: dict, overrides: list[str], registries: dict[str, dict]) -> dict[str, str]:
+def chosen(raw: dict, overrides: list[str], registries: dict[str, dict], source: str) -> dict[str, str]:
     """data.name and model.name: the last override that sets one, else the file's."""
     names = {}
     for section, registry in registries.items():
         given = raw.get(section)
-        name = given.get("name", BASES[section].name) if isinstance(given, dict) else BASES[section].name
+        if given is not None and not isinstance(given, dict):  # `data: text`: no name, a wrong shape
+            raise BadInput(f"config {section} in {source}: expected a mapping of keys, got {shown(given)}.")
+        name = given.get("name", BASES[section].name) if given else BASES[section].name
         for item in overrides:
             key, _, value = item.partition("=")
             name = value if key == f"{section}.name" else name
-        if name not in registry:
+        if not isinstance(name, str) or name not in registry:
             raise BadInput(f"config key {section}.name: expected one of {', '.join(registry)}; got {name!r}.")
         names[section] = name
     return names
