@@ -127,6 +127,16 @@ def test_a_new_project_trains_passes_its_own_tests_and_make_verify_with_no_examp
     assert again.returncode == 2 and "DEST" in again.stderr and str(project) in again.stderr
 
 
+def test_a_dest_that_cannot_be_made_or_lies_in_what_is_copied_is_bad_input(tmp_path):
+    # Not a traceback; and not a copy of tools/ into tools/sub, which would copy itself until the
+    # disk is full.
+    (tmp_path / "a_file").write_text("kept")
+    for dest, says in ((tmp_path / "a_file" / "proj", "cannot be made"), (ROOT / "tools" / "sub", "inside tools")):
+        made = new_project(dest)
+        assert made.returncode == 2 and f"DEST={dest}: {says}" in made.stderr, made.stderr
+        assert not dest.exists()
+
+
 def test_models_and_data_sets_registered_beside_ones_own_train_and_are_verified(tmp_path):
     # Bring your own model and data: a module each, one line each to register them, a config.
     project = tmp_path / "myproj"

@@ -117,7 +117,9 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     run = tmp_path / "gpu_run"
     shutil.copytree(runs["finished"], run)
     meta = json.loads((run / "metadata.json").read_text())
-    (run / "metadata.json").write_text(json.dumps({**meta, "world_size": 2, "gpu": "FakeGPU"}))
+    gpus = [{"name": "FakeGPU", "memory_gb": 80.0}]  # as loop/observe/metadata.py writes them
+    (run / "metadata.json").write_text(json.dumps({**meta, "world_size": 2, "device": "cuda:0",
+                                                   "hardware": {**meta["hardware"], "gpus": gpus}}))
     recs = metrics(run)
     energy = iter([1000.0, 2000.0, 500.0, 1500.0])  # a resume after the second interval resets NVML's count
     for r in recs:
@@ -129,7 +131,7 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     row = rows(write_report([run], tmp_path / "out", price_per_hour={"FakeGPU": 2.0}, co2_g_per_kwh=250).read_text())["gpu_run"]
     kwh = (2000.0 + 1600.0) / 3.6e6
     assert row["energy kWh"] == f"{kwh:.4f}" and row["CO2 kg"] == f"{kwh * 250 / 1000:.4f}"
-    assert row["peak memory GB"] == "2.00" and row["MFU"] == "25.0%"
+    assert row["peak memory GB"] == "2.00" and row["MFU"] == "25.0%" and row["device"] == "FakeGPU x2"
     assert row["cost $"] == f"{s['wall_s'] / 3600 * 2 * 2.0:,.4f}"
     for prices, cost in (({"H100": 9.0, "default": 3.0}, f"{s['wall_s'] / 3600 * 2 * 3.0:,.4f}"),
                          ({"H100": 9.0}, None)):  # a device the prices do not name: no cost
@@ -306,11 +308,15 @@ def test_the_loss_is_drawn_on_a_log_axis_where_every_value_is_positive(tmp_path,
 
     from loop.observe.plots import plot
 
-    scales = {}
-    monkeypatch.setattr(Figure, "savefig", lambda fig, path: scales.update({Path(path).stem: fig.axes[0].get_yscale()}))
+    scales, labels = {}, {}
+    monkeypatch.setattr(Figure, "savefig", lambda fig, path: scales.update({Path(path).stem: fig.axes[0].get_yscale()})
+                        or labels.update({Path(path).stem: fig.axes[0].get_xlabel()}))
     recs = [{"step": s, "tokens": 8 * s, "loss": 1 / s, "lr": 1e-3} for s in range(1, 200)]
     plot([{"name": "run", "recs": recs}], tmp_path)
     assert scales == {"loss_vs_step": "log", "loss_vs_tokens": "log", "lr": "linear"}
+    assert labels["loss_vs_tokens"] == "tokens"
+    plot([{"name": "run", "recs": recs}], tmp_path, "targets")  # a regression's targets are not tokens
+    assert labels["loss_vs_tokens"] == "targets"
     plot([{"name": "run", "recs": [*recs, {"step": 200, "tokens": 1600, "loss": 0.0, "lr": 1e-3}]}], tmp_path)
     assert scales["loss_vs_step"] == "linear"  # a loss of 0 has no place on a log axis
 

@@ -12,7 +12,8 @@ DEST gets loop/, tools/, bench/, docs/, train.py, the Makefile and the files tha
 As made, it trains (`make train`), passes its tests (`make test-fast`, `make test`) and `make
 verify`. With EXAMPLES=1 the scaffold's data sets and models (text, markov, random, tokens,
 shakespeare, mnist; gpt, cnn) and their configs come too, registered beside mine. Exit codes: 0
-made, 2 bad input (DEST exists and is not an empty directory).
+made, 2 bad input (DEST exists and is not an empty directory, cannot be made, or is inside what is
+copied).
 """
 from __future__ import annotations
 
@@ -36,7 +37,14 @@ EXAMPLES = {"data": "DATASETS", "model": "MODELS"}  # package -> its registry
 def make(dest: Path, examples: bool) -> None:
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise BadInput(f"DEST={dest}: already exists and is not an empty directory; expected a new path.")
-    dest.mkdir(parents=True, exist_ok=True)
+    for name in COPIED:  # a copy into what it copies would go on until the disk is full
+        if dest.resolve().is_relative_to((ROOT / name).resolve()):
+            raise BadInput(f"DEST={dest}: inside {name}, which a new project copies; expected a path outside it.")
+    try:
+        dest.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in the way, a place no directory can be made
+        raise BadInput(f"DEST={dest}: cannot be made ({e.strerror}); expected a path where a directory "
+                       f"can be made.") from None
     for name in COPIED:
         src, to = ROOT / name, dest / name
         to.parent.mkdir(parents=True, exist_ok=True)

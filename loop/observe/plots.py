@@ -6,8 +6,9 @@ import sys
 from pathlib import Path
 
 
-def plot(runs: list[dict], out_dir: Path) -> list[str]:
-    """One PNG per figure, one line per run; returns the file names written."""
+def plot(runs: list[dict], out_dir: Path, unit: str = "tokens") -> list[str]:
+    """One PNG per figure, one line per run; returns the file names written. `unit`: what the runs'
+    targets are (tokens, or targets of a data set that is not text), for the axes' labels."""
     import matplotlib
     if "matplotlib.pyplot" not in sys.modules:
         # Headless: never open a window. Not forced when pyplot is already in use (a notebook),
@@ -22,9 +23,9 @@ def plot(runs: list[dict], out_dir: Path) -> list[str]:
     figures = {  # name: (x key, [(y key, style suffix)], x label, y label, log y)
         # Loss on a log axis: late progress is a small change of a small number, flat on a linear one.
         "loss_vs_step": ("step", [("loss", "train"), ("val_loss", "val")], "step", "loss", True),
-        "loss_vs_tokens": ("tokens", [("loss", "train"), ("val_loss", "val")], "tokens", "loss", True),
+        "loss_vs_tokens": ("tokens", [("loss", "train"), ("val_loss", "val")], unit, "loss", True),
         "lr": ("step", [("lr", "")], "step", "learning rate", False),
-        "tokens_per_s": ("step", [("tokens_per_s", "")], "step", "tokens/s (per log interval)", True),
+        "tokens_per_s": ("step", [("tokens_per_s", "")], "step", f"{unit}/s (per log interval)", True),
         "gpu_memory": ("step", [("cuda_max_alloc_gb", "")], "step", "peak CUDA memory allocated (GB)", False),
     }
     written = []

@@ -92,8 +92,7 @@ def load_run(run_dir: Path) -> dict:
         "final_loss": summ.get("final_loss") if finished else last.get("loss"),
         "best_val": min(vals) if vals else None, "world": int(meta.get("world_size") or 1),
         "best": summ.get("best") or _best_so_far(run_dir, cfg, recs),  # train.best_metric's pick
-        "device": meta.get("gpu") or meta.get("device") or summ.get("device")
-        or (cfg.get("train") or {}).get("device") or "unknown",
+        "device": _device(meta, summ, cfg),
         "unit": (meta.get("data") or {}).get("unit") or "tokens",  # what a target is: tokens or targets
     }
 
@@ -107,6 +106,17 @@ def _best_so_far(run_dir: Path, cfg: dict, recs: list[dict]) -> dict | None:
     metric = (cfg.get("train") or {}).get("best_metric") or "val_loss"
     value = next((r[metric] for r in recs if r.get("step") == step and metric in r), None)
     return {"metric": metric, "value": value, "step": step}
+
+
+def _device(meta: dict, summ: dict, cfg: dict) -> str:
+    """What the run trained on: the GPU's name (metadata.json's hardware.gpus, what a price per device
+    names), else the device as configured (cpu, mps)."""
+    device = str(meta.get("device") or summ.get("device") or (cfg.get("train") or {}).get("device") or "unknown")
+    gpus = (meta.get("hardware") or {}).get("gpus") or []
+    index = device.partition(":")[2]
+    if device.startswith("cuda") and gpus:
+        return str(gpus[int(index) if index.isdigit() and int(index) < len(gpus) else 0].get("name", device))
+    return device
 
 
 def _price(price_per_hour: float | dict[str, float], device: str) -> float:
@@ -133,10 +143,15 @@ def _best(best: dict | None) -> str:
     return f"{best['metric']} {best['value']:.4g} at step {best['step']}"
 
 
+def unit_of(runs: list[dict]) -> str:
+    """What the runs' targets are called: tokens where every run's are, else targets."""
+    return "tokens" if all(r["unit"] == "tokens" for r in runs) else "targets"
+
+
 def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_kwh: float) -> str:
     """One row per run; a column no run has a value for (no NVML, no CUDA, no price: a run on a
     CPU) is left out rather than shown as a column of n/a."""
-    unit = "tokens" if all(r["unit"] == "tokens" for r in runs) else "targets"
+    unit = unit_of(runs)
     head = ["run", "status", "device", "steps", unit, "wall time", f"mean {unit}/s", "peak memory GB",
             "MFU", "energy kWh", "CO2 kg", "cost $", "final train loss", "best val loss", "best checkpoint"]
     rows = []
@@ -172,7 +187,7 @@ def write_report(run_dirs: list[Path], out_dir: Path,
         plots = "Plots off (report.plots=false); `python -m tools.report RUN_DIR` draws them."
     else:
         try:
-            names = plot(runs, out_dir)
+            names = plot(runs, out_dir, unit_of(runs))
             plots = "\n\n".join(f"![{n[:-4]}]({n})" for n in names) or "No plottable records."
         except ImportError:
             plots = "Plots skipped: matplotlib is not installed (`pip install '.[report]'`)."
