@@ -249,9 +249,9 @@ def markov_prompted(cfg: MarkovOptions):
 
 @pytest.mark.parametrize("lab_break", ["", "mean_loss_per_microbatch"])
 def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_path, monkeypatch, lab_break):
-    # make verify hides all but one target in each micro-batch after the first, so the counts
-    # differ. The one it keeps must be a real target, not the first *position*: with masked
-    # prompts that is -100 already, those micro-batches would hold no target at all ([64, 0]), and
+    # make verify keeps a quarter of the targets in each micro-batch after the first, so the counts
+    # differ. Those it keeps must be real targets, not the first *positions*: with masked prompts
+    # those are -100 already, the micro-batches could hold no target at all ([64, 0]), and
     # the naive per-micro-batch mean the audit is there to catch would divide 0 by 0 ("no
     # optimizer step was taken", pointing at the learning rate) instead of failing the audit.
     from tools.audit_grads import gradient_audits
@@ -262,5 +262,5 @@ def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_
                  "model.n_head=2", "model.n_embd=16", "train.device=cpu", f"run.out_dir={tmp_path / 'run'}",
                  f"lab.break={lab_break}"]
     [result] = gradient_audits(str(ROOT / "configs" / "default.yaml"), overrides, {"accumulation"})
-    assert "2 x 4 vs 1 x 8 (targets per micro-batch [64, 1])" in result.numbers, result
-    assert result.ok == (not lab_break) and "gradient rel. difference" in result.numbers, result
+    assert "2 x 4 vs 1 x 8 (targets per micro-batch [64, 16])" in result.numbers, result
+    assert result.ok == (not lab_break) and "gradient, norm and loss rel. difference" in result.numbers, result

@@ -212,11 +212,11 @@ def test_mnist_resume_is_exact(digits, tmp_path):
 @pytest.mark.slow
 def test_mnist_passes_make_verify(digits, tmp_path):
     """Every make verify check holds for the classifier too (dropout on, one target per sample: the
-    accumulation check keeps 32 targets in one micro-batch and 1 in the other)."""
+    accumulation check keeps 32 targets in one micro-batch and 8 in the other)."""
     proc = verify(tmp_path, "--steps", "12", f"data.path={digits}", "data.batch_size=32",
                   "model.cnn.channels=8", "model.cnn.hidden=32", "train.eval_batches=4", *MNIST)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     table = rows(proc.stdout)
     assert {c: r for c, (r, _) in table.items()} == {c: "PASS" for c in (
         "resume", "determinism", "accumulation", "clipping", "data", "eval")}, proc.stdout
-    assert "targets per micro-batch [32, 1]" in table["accumulation"][1]
+    assert "targets per micro-batch [32, 8]" in table["accumulation"][1]

@@ -42,7 +42,7 @@ def test_verify_passes_on_the_default_config(tmp_path, cache):
     assert all(result == "PASS" for result, _ in table.values()), proc.stdout
     assert "final checkpoint state identical" in table["resume"][1]
     assert "2 x 4 vs 1 x 8" in table["accumulation"][1]  # the config's own grad_accum and batch
-    assert "targets per micro-batch [128, 1]" in table["accumulation"][1]  # unequal on purpose
+    assert "targets per micro-batch [128, 32]" in table["accumulation"][1]  # unequal on purpose
     assert "96 sample ids over 12 steps" in table["data"][1]
     assert not list((tmp_path / "verify").iterdir()), "runs are deleted when every check passes"
 
@@ -263,6 +263,50 @@ def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monke
     assert float(re.search(r"rel. difference ([0-9.e+-]+)", result.numbers).group(1)) < 1e-4
 
 
+def test_the_accumulation_check_fails_a_loop_that_leaves_a_micro_batch_out_in_bf16(cache, monkeypatch):
+    # Each micro-batch after the first keeps a quarter of its targets: enough weight that a step
+    # without one is past bf16's tolerance (with one target kept it was 1/129 of the gradient).
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.data.feed import Feed
+    from tools.audit_grads import gradient_audits
+
+    draw = Feed.draw
+    monkeypatch.setattr(Feed, "draw", lambda feed: (lambda b: b[:1] if len(b) > 1 else b)(draw(feed)))
+    [result] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "train.precision=bf16"], {"accumulation"})
+    assert not result.ok and "(targets per micro-batch [128, 32])" in result.numbers, result
+
+
+def test_the_accumulation_check_sees_a_wrong_factor_that_the_clip_hides(cache, monkeypatch):
+    # The loss divided by grad_accum once more: the same factor on the whole step, which the clip
+    # takes out of the gradient it applies (both sides clipped to one norm); the logged gradient
+    # norm and loss are half the one-batch step's.
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.trainer import Trainer
+    from tools.audit_grads import gradient_audits
+
+    forward = Trainer.forward
+    monkeypatch.setattr(Trainer, "forward", lambda t, batch: forward(t, batch) / t.cfg.train.grad_accum)
+    [result] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "train.clip_grad=0.1"], {"accumulation"})
+    assert not result.ok and "rel. difference 5.0e-01" in result.numbers, result
+
+
+def test_the_clipping_check_sets_a_clip_that_acts_and_fails_a_loop_that_does_not_clip(cache, monkeypatch):
+    # train.clip_grad=5 is above the step's gradient norm: compared at 5, a loop that never clips
+    # would pass. The check clips at half the norm instead, and says so.
+    from loop.config.load import DEFAULT_CONFIG
+    from tools.audit_grads import gradient_audits
+
+    overrides = [*TINY, cache, "train.clip_grad=5"]
+    [result] = gradient_audits(DEFAULT_CONFIG, overrides, {"clipping"})
+    assert result.ok and "set below the norm: the config's 5 would not clip" in result.numbers, result
+    norm, clip = (float(re.search(rf"{k}([0-9.]+)", result.numbers).group(1)) for k in ("reference ", "clip_grad="))
+    assert clip == pytest.approx(norm / 2, rel=1e-3), result
+    monkeypatch.setattr("loop.trainer.clip_grad_norm_", lambda params, max_norm, **kw: torch.nn.utils.get_total_norm(
+        [q.grad for q in params if q.grad is not None]))
+    [result] = gradient_audits(DEFAULT_CONFIG, overrides, {"clipping"})
+    assert not result.ok and "rel. difference 1.0e+00" in result.numbers, result
+
+
 def test_the_accumulation_check_says_when_equal_target_counts_cannot_tell(cache):
     # One target per micro-batch (batch 1, seq_len 1): a per-micro-batch mean is then the right
     # division too, so the pass proves less; the row says so.
@@ -332,9 +376,10 @@ def test_an_accumulation_failure_with_equal_target_counts_names_a_loss_that_does
 
 
 def test_a_loss_that_is_not_finite_in_an_audit_is_its_fail_row_naming_the_usual_causes(cache, monkeypatch):
-    # A library causal LM given labels= shifts the targets again: a micro-batch the audit leaves a
-    # single target is left none, and its mean over none is NaN: a FAIL row naming the usual
-    # causes, not a GaveUp traceback advising a lower learning rate.
+    # A model that averages per sequence, then over sequences: the audit keeps the first quarter of
+    # each later micro-batch's targets (whole sequences first), so that micro-batch has sequences
+    # without targets, whose mean over none is NaN: a FAIL row naming the usual causes, not a
+    # GaveUp traceback advising a lower learning rate.
     import torch.nn.functional as F
 
     from conftest import gpt_then
@@ -342,15 +387,17 @@ def test_a_loss_that_is_not_finite_in_an_audit_is_its_fail_row_naming_the_usual_
     from model import MODELS
     from tools.audit_grads import gradient_audits
 
-    class ShiftingAgain(torch.nn.Module):
+    class PerSequenceMean(torch.nn.Module):
         def __init__(self, gpt):
             super().__init__()
             self.gpt = gpt
 
         def forward(self, batch):
-            logits, y = self.gpt.logits(batch["x"])[:, :-1], batch["y"][:, 1:]  # as labels= does
-            return F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100)  # a mean
+            y = batch["y"]
+            token = F.cross_entropy(self.gpt.logits(batch["x"]).transpose(1, 2), y, ignore_index=-100,
+                                    reduction="none")  # (B, T)
+            return (token.sum(1) / (y != -100).sum(1)).mean()
 
-    monkeypatch.setitem(MODELS, "gpt_shifting", gpt_then(ShiftingAgain))
-    [r] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_shifting"], {"accumulation"})
-    assert not r.ok and r.numbers.endswith("the loss was nan") and "labels=" in r.hint, r
+    monkeypatch.setitem(MODELS, "gpt_per_sequence", gpt_then(PerSequenceMean))
+    [r] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_per_sequence"], {"accumulation"})
+    assert not r.ok and r.numbers.endswith("the loss was nan") and "per sequence" in r.hint, r

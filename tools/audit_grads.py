@@ -2,13 +2,17 @@
 step (a step pre-hook), for one real optimizer step of the loop (`Trainer.step`, wired by
 loop/build.py exactly as train.py wires it).
 
-    accumulation  train.grad_accum=k with micro-batch b  vs  1 x k*b, on the same k*b samples
+    accumulation  train.grad_accum=k with micro-batch b  vs  1 x k*b, on the same k*b samples: the
+                  gradient applied, and the loss and gradient norm logged
     clipping      that one-batch step  vs  a plain float32 reference: mean loss over the targets,
-                  backward, clip_grad_norm_'s formula, by hand
+                  backward, clip_grad_norm_'s formula, by hand; with train.clip_grad set below the
+                  step's gradient norm where the config's would not clip it (a clip that never acts
+                  proves nothing)
 
-Both run in eval mode, so dropout draws nothing and both sides compute the same function, and both
-hide all but one target in every micro-batch after the first, so the micro-batches hold different
-target counts: the case where only dividing by the whole step's target count is exact.
+Both run in eval mode, so dropout draws nothing and both sides compute the same function, and every
+micro-batch after the first keeps a quarter of its real targets, so the micro-batches hold
+different target counts (the case where only dividing by the whole step's target count is exact)
+and each still weighs enough that a loop that leaves one out fails.
 """
 from __future__ import annotations
 
@@ -97,14 +101,15 @@ class Probe:
 
 def step_batches(ds, seed: int, k: int, b: int) -> list[dict]:
     """The first k*b training samples in the loop's order, as k micro-batches of b; every
-    micro-batch after the first keeps only its first real target (when targets are ids; not its
-    first position, which a masked prompt leaves without one)."""
+    micro-batch after the first keeps the first quarter of its real targets (when targets are ids;
+    real ones, not positions, which a masked prompt leaves without any)."""
     batch = next(iter(train_loader(ds, k * b, seed, 0, 0, 2, False)))
     micro = split_batch(batch, k)
     if not torch.is_floating_point(batch["y"]):
         for m in micro[1:]:
             y = m["y"].flatten()
-            first = (y != IGNORE_INDEX).nonzero()[:1, 0]
+            real = (y != IGNORE_INDEX).nonzero()[:, 0]
+            first = real[:max(1, len(real) // 4)]
             kept = torch.full_like(y, IGNORE_INDEX)
             kept[first] = y[first]
             m["y"], m["n_targets"] = kept.view_as(m["y"]), len(first)
@@ -119,14 +124,14 @@ def _join(micro: list[dict]) -> dict:
 
 def no_step(check: str, loss: float) -> Result:
     """A check whose step was never taken: the loss was not finite (the model's doing, on these
-    batches: one micro-batch holds a single target), or the gradients were not (fp16 overflow, a
-    learning rate too high)."""
+    batches: a micro-batch after the first holds a quarter of its targets), or the gradients were
+    not (fp16 overflow, a learning rate too high)."""
     if not math.isfinite(loss):
         return Result(check, False, f"no optimizer step was taken in 8 tries: the loss was {loss}",
-                      "a model that shifts its targets itself (a library model given labels=, whose "
-                      "targets the loop has shifted already: one left per micro-batch is none after a "
-                      "second shift), or a mean over a micro-batch without targets (0/0); return the "
-                      "loss summed over batch[\"y\"]'s real targets")
+                      "a model that averages per sequence (or over some positions only), which is "
+                      "0/0 for one without targets: the audit keeps the first quarter of a later "
+                      "micro-batch's targets, whole sequences first; return the loss summed over "
+                      "batch[\"y\"]'s real targets")
     return Result(check, False, "no optimizer step was taken in 8 tries (non-finite gradients every time)",
                   "lower optim.lr or check the data")
 
@@ -139,10 +144,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def reference(model: torch.nn.Module, batch: dict, device, clip: float):
-    """Plain float32, one batch, mean loss over the real targets, backward; clipped by hand. Returns
-    (gradients, their norm, the reference's arithmetic): the model's own dtypes where its forward
-    casts to one of them (`x.to(torch.bfloat16)` before a bf16 layer), which float32 weights fail."""
+def reference(model: torch.nn.Module, batch: dict, device):
+    """Plain float32, one batch, mean loss over the real targets, backward. Returns (gradients,
+    their norm, the reference's arithmetic): the model's own dtypes where its forward casts to one
+    of them (`x.to(torch.bfloat16)` before a bf16 layer), which float32 weights fail."""
     on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
     try:
         ref, what = copy.deepcopy(model).float(), "float32"
@@ -152,9 +157,7 @@ def reference(model: torch.nn.Module, batch: dict, device, clip: float):
         loss = loss_and_sums(ref(on_device))[0]
     (loss / batch["n_targets"]).backward()
     grads = {name: p.grad.detach().double() for name, p in ref.named_parameters() if p.grad is not None}
-    norm = float(_flat(grads).norm())
-    scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # clip_grad_norm_'s rule
-    return {name: g * scale for name, g in grads.items()}, norm, what
+    return grads, float(_flat(grads).norm()), what
 
 
 def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list[Result]:
@@ -169,15 +172,25 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
     w = whole.trainer
     kind = arithmetic(w.precision.name, w.raw)
     tol, kind = TOLERANCE[kind], kind if kind == w.precision.name else f"{kind} weights"
-    start = copy.deepcopy(w.raw)  # the weights before the step, for the reference
+    # The reference from the weights before the step; its norm sets a clip that acts.
+    ref, norm, what = reference(copy.deepcopy(w.raw), _join(micro), w.device)
+    clip = asked = w.cfg.train.clip_grad
+    if 0 < norm <= clip:
+        clip = norm / 2
+        for probe in (accum, whole):
+            probe.trainer.cfg.train.clip_grad = clip  # read by Trainer.step at each step
     g_whole, norm_whole, loss_whole = whole.applied([_join(micro)])
     out = []
     if "accumulation" in checks:
-        g_accum, _, loss_accum = accum.applied(micro)
+        g_accum, norm_accum, loss_accum = accum.applied(micro)
         if not (g_accum and g_whole):
             out.append(no_step("accumulation", loss_accum if not g_accum else loss_whole))
         else:
-            diff = _rel(_flat(g_accum), _flat(g_whole))
+            # The applied gradients alone miss a wrong factor where the clip rescales both sides
+            # to one norm: the logged norm and loss (the true loss of the step) must agree too.
+            diff = max(_rel(_flat(g_accum), _flat(g_whole)),
+                       abs(norm_accum - norm_whole) / max(norm_whole, 1e-30),
+                       abs(loss_accum - loss_whole) / max(abs(loss_whole), 1e-30))
             ok, equal = diff <= tol, len(set(counts)) == 1
             note = "; equal target counts, so a per-micro-batch mean would pass too" if ok and equal else ""
             hint = ("with equal target counts a per-micro-batch mean divides right, so the usual cause is "
@@ -188,19 +201,20 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
                     "averaged per micro-batch), so the model's forward must return the loss summed over "
                     "its targets (reduction=\"sum\"), not their mean")
             out.append(Result("accumulation", ok, f"{k} x {b} vs 1 x {k * b} (targets per micro-batch "
-                              f"{counts}): gradient rel. difference {diff:.1e} (tolerance {tol:g}, {kind}){note}",
+                              f"{counts}): gradient, norm and loss rel. difference {diff:.1e} (tolerance {tol:g}, {kind}){note}",
                               hint))
     if "clipping" in checks:
         if not g_whole:
             out.append(no_step("clipping", loss_whole))
         else:
-            want, norm, what = reference(start, _join(micro), w.device, w.cfg.train.clip_grad)
-            diff = _rel(_flat(g_whole), _flat(want))
+            scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # clip_grad_norm_'s rule
+            diff = _rel(_flat(g_whole), _flat({name: g * scale for name, g in ref.items()}))
             ok = diff <= tol and abs(norm_whole - norm) <= max(tol * norm, 1e-6)
+            set_for = f", set below the norm: the config's {asked:g} would not clip" if clip != asked else ""
             out.append(Result("clipping", ok,
                               f"applied gradient vs a plain {what} reference: rel. difference "
                               f"{diff:.1e}; gradient norm logged {norm_whole:.4g}, reference {norm:.4g}"
-                              f" (train.clip_grad={w.cfg.train.clip_grad:g}, {kind})",
+                              f" (train.clip_grad={clip:.4g}{set_for}, {kind})",
                               "unscale the gradients (GradScaler.unscale_) before clipping and before "
                               "measuring their norm; clip after the last micro-batch only"))
     return out
