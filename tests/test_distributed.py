@@ -179,6 +179,7 @@ def test_a_global_batch_keeps_the_step_when_the_process_count_changes(tmp_path, 
     then = run_train(out, cache, *args, nproc=2)
     assert "train.grad_accum=2 (2 process(es) x data.batch_size 4 x 2)" in then.stdout, then.stdout
     assert "at step 10" in then.stdout and "a step now takes" not in then.stdout, then.stdout
+    assert not re.search(r"config differs[^\n]*train\.grad_accum", then.stdout), then.stdout  # derived, not set
     assert ids(out) == ids(two_proc)
     for x, y in zip(metrics(two_proc), metrics(out)):
         assert y["loss"] == pytest.approx(x["loss"], rel=1e-5), x["step"]

@@ -21,6 +21,8 @@ def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
         notes.append(f"run.init_from={cfg.run.init_from} is not used: it starts a fresh run, and this "
                      f"one resumes from its checkpoint; to start from those weights, give the run a "
                      f"new run.out_dir")
+    if "train.grad_accum" in changed and cfg.train.global_batch and "train.global_batch" not in changed:
+        changed.remove("train.grad_accum")  # derived from the global batch, said by loop/config/runtime.py
     if changed:
         notes.append(f"config differs from the checkpoint's in: {', '.join(changed)}; this run's "
                      f"values apply from here on")
