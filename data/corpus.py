@@ -99,6 +99,8 @@ def prepare_text(text: str, source: str, cache_dir: str, val_fraction: float) ->
     out = Path(cache_dir) / f"text-{sha[:16]}-val{val_fraction!r}"
     if (out / "meta.json").exists():
         return out
+    if not text:  # else named as a split of 0 tokens, blaming data.val_fraction
+        raise BadInput(f"data: {source} is empty; expected text to train on.")
     held_out(len(text), val_fraction)  # a split that cannot work is refused before "preparing"
     chars = sorted(set(text))
     if len(chars) > 2**16:  # ids 0-65535

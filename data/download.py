@@ -46,7 +46,10 @@ def fetch(name: str, urls: list[str], sha256: str, dest_dir: Path, origin: str =
         if got == sha256:
             return dest
         failures.append(f"the cached {dest} (checksum mismatch: got {got}, expected {sha256})")
-    writable_dir("config key data.cache_dir", str(dest.parent))  # a read-only one: downloaded only
+    try:
+        writable_dir("config key data.cache_dir", str(dest.parent))  # a read-only one: downloaded only
+    except BadInput as e:  # a file placed by hand that does not match is the cause to name first
+        raise BadInput(f"{e} {'; '.join(failures)}." if failures else str(e)) from None
     dest.parent.mkdir(parents=True, exist_ok=True)
     for url in urls:
         print(f"downloading {url} -> {dest}")

@@ -34,6 +34,9 @@ class TokenWindows(Dataset):
     def __len__(self) -> int:
         return self.n
 
+    def __getstate__(self) -> dict:  # a worker started by spawn (macOS, Windows): not the whole file
+        return {**self.__dict__, "_tokens": None}
+
     def __getitem__(self, i: int) -> dict:
         if self._tokens is None:
             self._tokens = np.memmap(self.path, dtype=np.uint16, mode="r")
@@ -51,11 +54,14 @@ def token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
         raise BadInput(f"data: {root}: expected a meta.json holding vocab_size ({e}).")
     # A string of digits as another tool may write it. uint16 ids: 1e10 built an embedding of
     # 1.28 TB (a traceback), and 103.5 passed as 103.
-    vocab = int(given) if isinstance(given, str) and given.isdigit() else given
+    vocab = int(given) if isinstance(given, str) and given.isdecimal() else given
     if type(vocab) is not int or not 1 <= vocab <= 2**16:
         raise BadInput(f"data: {root / 'meta.json'} says vocab_size {given!r}; expected an integer "
                        f"from 1 to 65536 (the files hold uint16 token ids).")
     meta["vocab_size"] = vocab
+    if meta.get("dtype", "uint16") != "uint16":  # read as uint16, each id would be two wrong ones
+        raise BadInput(f"data: {root / 'meta.json'} says dtype {meta['dtype']!r}; expected uint16 "
+                       f"token ids (write the files as uint16).")
     again = f" (a cache in data.cache_dir: delete {root} and it is prepared again)" if prepared else ""
     if missing := [n for n in ("train.bin", "val.bin") if not (root / n).is_file()]:
         raise BadInput(f"data: {root} has no {' or '.join(missing)}; expected train.bin, val.bin and "
@@ -87,7 +93,11 @@ def check_files(root: Path, meta: dict, again: str) -> None:
     the maximum, about 0.1 s a GB from the page cache, and sha256 (1.7 GB/s on this 2-core VM)."""
     for name in ("train.bin", "val.bin"):
         f, want = root / name, meta.get(f"{name[:-4]}_tokens")
-        if isinstance(want, int) and (size := f.stat().st_size) != 2 * want:
+        want = int(want) if isinstance(want, str) and want.isdecimal() else want  # as another tool may write it
+        if want is not None and type(want) is not int:  # "4000 tokens" would pass unchecked
+            raise BadInput(f"data: {root / 'meta.json'} says {name[:-4]}_tokens {want!r}; expected an "
+                           f"integer, the tokens in {name}.")
+        if want is not None and (size := f.stat().st_size) != 2 * want:
             raise BadInput(f"data: {f} has {size} bytes, but {root / 'meta.json'} says {want} tokens "
                            f"({2 * want} bytes): cut short or replaced since{again}.")
         top = int(np.memmap(f, dtype=np.uint16, mode="r").max())

@@ -5,6 +5,7 @@ import errno
 import json
 import math
 import os
+import pickle
 import random
 import re
 import shutil
@@ -258,6 +259,12 @@ def test_token_windows_shift_by_one(tmp_path):
     assert s["idx"] == 2
     assert s["x"].tolist() == list(range(16, 24)) and s["y"].tolist() == list(range(17, 25))
     assert tw[5]["y"].tolist()[-1] == 48
+    # Pickled for a DataLoader worker started by spawn (macOS, Windows): the path, not the tokens
+    # the file maps, which reading a sample opened.
+    np.arange(100_000, dtype=np.uint16).tofile(tmp_path / "big.bin")
+    big = TokenWindows(tmp_path / "big.bin", 8)
+    assert big[2]["x"].tolist() == list(range(16, 24)) and len(pickle.dumps(big)) < 1000  # not 200 kB
+    assert pickle.loads(pickle.dumps(big))[2]["x"].tolist() == list(range(16, 24))
 
 
 # ------------------------------------------------------------------------------- prepare
@@ -422,6 +429,11 @@ def test_missing_data_path(tmp_path):
         build_data(data_options("text", path=str(missing), cache_dir=str(cache)))
     assert str(e.value).startswith(f"data.path {missing}: cannot read it as UTF-8 text")
     assert not cache.exists()
+    empty = tmp_path / "empty.txt"  # named as such, not as a data.val_fraction that splits 0 tokens
+    empty.write_text("")
+    with pytest.raises(BadInput) as e:
+        build_data(data_options("text", path=str(empty), cache_dir=str(cache)))
+    assert str(e.value) == f"data: {empty} is empty; expected text to train on."
 
 
 def test_unknown_data_name():
@@ -632,6 +644,18 @@ def test_a_token_directory_s_vocab_size_may_be_a_string_of_digits(tmp_path):
     assert build_data(cfg.data).vocab_size == 10
     (root / "meta.json").write_text(json.dumps({"size": 10}))
     with pytest.raises(BadInput, match=f"data: {root}: expected a meta.json holding vocab_size"):
+        build_data(cfg.data)
+    # What meta.json says of the files is held to them: a count as text, another dtype.
+    (root / "meta.json").write_text(json.dumps({"vocab_size": "\u00b2"}))  # isdigit, but no int
+    with pytest.raises(BadInput, match="says vocab_size '\u00b2'; expected an integer"):
+        build_data(cfg.data)
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 10, "train_tokens": "3000", "val_tokens": 3000}))
+    assert build_data(cfg.data).vocab_size == 10
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 10, "train_tokens": "3,000"}))
+    with pytest.raises(BadInput, match="says train_tokens '3,000'; expected an integer"):
+        build_data(cfg.data)
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 10, "dtype": "uint32"}))
+    with pytest.raises(BadInput, match="says dtype 'uint32'; expected uint16"):
         build_data(cfg.data)
 
 

@@ -200,6 +200,22 @@ def test_a_cache_dir_that_cannot_be_made_is_named(tmp_path):
                             f"a file; expected a directory, or a path where one can be made.")
 
 
+def test_a_wrong_file_in_a_cache_that_cannot_be_written_is_named_with_it(tmp_path, monkeypatch):
+    # A read-only cache (a shared, prepared one) holding a file placed by hand that does not match:
+    # the checksum is the cause to fix, not only the cache's permissions.
+    import data.download
+
+    def read_only(name, path, write=True):
+        raise BadInput(f"{name}={path}: cannot write in {path}; expected a directory this user can write to.")
+
+    monkeypatch.setattr(data.download, "writable_dir", read_only)
+    (tmp_path / "blob.bin").write_bytes(b"wrong")
+    with pytest.raises(BadInput) as e:
+        fetch("blob.bin", ["http://127.0.0.1:9/blob.bin"], BLOB_SHA, tmp_path)
+    assert f"cannot write in {tmp_path}" in str(e.value) and f"the cached {tmp_path / 'blob.bin'} (checksum " \
+        f"mismatch: got {hashlib.sha256(b'wrong').hexdigest()}, expected {BLOB_SHA})" in str(e.value)
+
+
 # ------------------------------------------------------------------------------- the data sets
 def test_mnist_download_good_path(server, tmp_path, monkeypatch):
     src = write_fake_mnist(tmp_path / "src", n_train=300, n_val=100, seed=1)
