@@ -4,8 +4,7 @@ stopping or a preemption signal), evaluating and checkpointing on the way, and w
 true loss over every rank -> one finite check -> step or skip -> schedule, EMA, zero_grad -> log.
 
 Exact resume rests on three seams: the data position (`Progress.samples`), every RNG stream in the
-checkpoint (loop/rng.py), and the LR as a pure function of the optimizer steps taken (the
-scheduler's count, loop/schedule.py; `Progress.step` counts skipped steps too).
+checkpoint (loop/rng.py), and the LR as a pure function of the steps taken (loop/schedule.py).
 A checkpoint is `self.parts`. Lines marked `lab:` break one concern on purpose (loop/lab.py).
 """
 from __future__ import annotations
@@ -176,12 +175,11 @@ class Trainer:
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
-            clip_first = self.lab == "clip_before_unscale"  # lab: the clip sees gradients x the loss scale
-            if not clip_first:
+            if self.lab != "clip_before_unscale":  # lab: not here, but after the clip (still x the scale)
                 self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
             grad_norm = clip_grad_norm_(params, tc.clip_grad) if tc.clip_grad > 0 else \
                 get_total_norm([q.grad for q in params if q.grad is not None])
-            if clip_first:
+            if self.lab == "clip_before_unscale":
                 self.scaler.unscale_(self.optimizer)
             grad_norm = fsdp.whole(grad_norm).to(losses[0].device)  # FSDP: a DTensor; CPU if offloaded
             losses = torch.stack(losses)

@@ -12,11 +12,11 @@ import argparse
 import dataclasses
 import keyword
 import math
-import re
 import typing
 
 import yaml
 
+from loop.config.decimal_yaml import DecimalLoader
 from loop.errors import BadInput
 
 
@@ -96,34 +96,6 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
     setattr(obj, name, _value(f, _parse(text, hint), hint, key))
 
 
-class DecimalLoader(yaml.SafeLoader):
-    """yaml.safe_load with decimal numbers only: YAML 1.1's 010 is 8 (train.max_steps=010 would train
-    8 steps), 1:30 is 90 (and 1:30.0 is 90.0), 0x10 is 16. Those are text here, which a number key
-    refuses by name."""
-
-
-DecimalLoader.yaml_implicit_resolvers = {
-    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
-DecimalLoader.add_implicit_resolver("tag:yaml.org,2002:int", re.compile(r"^[-+]?(0|[1-9][0-9_]*)$"),
-                                    list("-+0123456789"))
-DecimalLoader.add_implicit_resolver(  # PyYAML's float pattern without its base-60 branch
-    "tag:yaml.org,2002:float",
-    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9_]+(?:[eE][-+][0-9]+)?"
-               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
-    list("-+0123456789."))
-
-
-def _int_or_text(loader: yaml.SafeLoader, node: yaml.ScalarNode):
-    """An integer, or its text where it has more digits than Python reads as int (4,300): a key that
-    takes an int then refuses it by name, one that takes a float reads it as inf and refuses that."""
-    try:
-        return loader.construct_yaml_int(node)
-    except ValueError:
-        return node.value
-
-
-DecimalLoader.add_constructor("tag:yaml.org,2002:int", _int_or_text)
 NONE_WORDS = {"none", "null", "~", "off", "false", "no"}  # meant as "none" for a key whose none is ''
 
 
@@ -180,13 +152,11 @@ def _coerce(value, hint, key: str):
 
 
 def _float(value) -> float | None:
-    if isinstance(value, int) and not isinstance(value, bool):
+    if isinstance(value, (int, float)):
         try:
             return float(value)
-        except OverflowError:  # over 1.8e308: inf, which the caller refuses by name
+        except OverflowError:  # an int over 1.8e308: inf, which the caller refuses by name
             return math.inf
-    if isinstance(value, float):
-        return value
     try:  # PyYAML reads 3e-4 (no dot) as a string
         return float(value) if isinstance(value, str) else None
     except ValueError:

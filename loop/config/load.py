@@ -23,7 +23,8 @@ import yaml
 
 from loop.checkpoint.atomic import atomic_write
 from loop.config.builders import BASES, options_of, unknown
-from loop.config.fields import DecimalLoader, UnknownKey, check, from_dict, override, shown, to_dict
+from loop.config.decimal_yaml import DecimalLoader
+from loop.config.fields import UnknownKey, check, from_dict, override, shown, to_dict
 from loop.config.paths import check_paths
 from loop.config.schema import Config
 from loop.errors import BadInput
