@@ -4,6 +4,7 @@ sets registered beside its own break none of that, and the examples come only on
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -95,8 +96,11 @@ def new_project(dest: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def make(project: Path, target: str, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    # Without the make this test runs under, which exports its command line's variables: this
+    # suite's ARGS would reach the project's make (`make test ARGS="-k copy"`: all deselected).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "ARGS")}
     return subprocess.run(["make", target, f"PYTHON={sys.executable}", *args], cwd=project,
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def passed(stdout: str) -> set[str]:
