@@ -1,13 +1,14 @@
-"""train.py with two more models, for the tests of what users' own models do under DDP and FSDP:
-`gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient), and
-`gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates), and
-`gpt_wrong`, the GPT with a bug in its forward (embeddings one feature too wide), and two that FSDP
-cannot shard: `gpt_scalar`, with a parameter of shape (), and `gpt_shared`, its second block the
-first one again (weights shared across layers); `gpt_bf16`, the GPT with its weights in bfloat16 (a
-checkpoint loaded in bf16 to fine-tune); and two more
-datasets, `text_broken`, the text corpus with training samples that raise (a user's Dataset bug),
-and `text_augmented`, the text corpus with random augmentation (conftest.augment), and
-`text_masked`, the text corpus with a varying number of each sample's targets masked (-100).
+"""train.py with more models and data sets, for the tests of what users' own do under DDP and FSDP.
+
+Models: `gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient);
+`gpt_bn_spare_bf16`, that model with batch norm over its embeddings (buffers the forward updates)
+and its weights in bfloat16 (a checkpoint loaded in bf16 to fine-tune); `gpt_wrong`, the GPT with a
+bug in its forward (embeddings one feature too wide); and two that FSDP cannot shard: `gpt_scalar`,
+with a parameter of shape (), and `gpt_shared`, its second block the first one again (weights
+shared across layers). Data sets: `text_broken`, the text corpus with training samples that raise
+(a user's Dataset bug); `text_augmented`, the text corpus with random augmentation
+(conftest.augment); `text_masked`, the text corpus with a varying number of each sample's targets
+masked (-100).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
 """
@@ -71,10 +72,10 @@ def gpt_spare(cfg: GPTOptions, data: Data) -> nn.Module:
     return m
 
 
-def gpt_bn(cfg: GPTOptions, data: Data) -> nn.Module:
-    m = build_gpt(cfg, data)
+def gpt_bn_spare_bf16(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = gpt_spare(cfg, data)
     m.drop = nn.Sequential(TokenNorm(cfg.n_embd), m.drop)  # applied to the embeddings
-    return m
+    return m.to(torch.bfloat16)
 
 
 def gpt_wrong(cfg: GPTOptions, data: Data) -> nn.Module:
@@ -95,12 +96,8 @@ def gpt_shared(cfg: GPTOptions, data: Data) -> nn.Module:
     return m
 
 
-def gpt_bf16(cfg: GPTOptions, data: Data) -> nn.Module:
-    return build_gpt(cfg, data).to(torch.bfloat16)
-
-
 if __name__ == "__main__":
-    MODELS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar,
-                  gpt_shared=gpt_shared, gpt_bf16=gpt_bf16)
+    MODELS.update(gpt_spare=gpt_spare, gpt_bn_spare_bf16=gpt_bn_spare_bf16, gpt_wrong=gpt_wrong,
+                  gpt_scalar=gpt_scalar, gpt_shared=gpt_shared)
     DATASETS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked)
     sys.exit(train.main())
