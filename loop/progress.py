@@ -24,10 +24,10 @@ class Progress:
     rollbacks: int = 0  # times training went back to a checkpoint after a non-finite step
     skip_windows: list[int] = field(default_factory=list)  # data positions never trained on
 
-    def advance(self, micro: list[dict], n_targets: int, world: int) -> None:
-        """Count one optimizer step over `micro` (this rank's batches; every rank took as many)."""
+    def advance(self, batches: list[dict], n_targets: int, world: int) -> None:
+        """Count one optimizer step over `batches` (this rank's batches; every rank took as many)."""
         self.step += 1
-        self.samples += sum(len(b["idx"]) for b in micro) * world
+        self.samples += sum(len(b["idx"]) for b in batches) * world
         self.tokens += n_targets
 
     def state_dict(self) -> dict:

@@ -142,20 +142,20 @@ class Trainer:
         return self.finish()
 
     def step(self) -> bool:
-        """One optimizer step over train.grad_accum micro-batches. False if it rolled back instead."""
+        """One optimizer step: train.grad_accum micro-batches, in p.micro_split pieces each. False: rolled back."""
         tc, p = self.cfg.train, self.progress
         t0 = time.perf_counter()
         with record_function("data"):
-            micro = self.feed.draw()
+            batches = self.feed.draw()  # this rank's train.grad_accum micro-batches
         data_ms = 1000 * (time.perf_counter() - t0)  # waiting for the DataLoader
         # Targets in the step on every rank: counted by the collate, summed on the CPU (no GPU sync).
-        n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in micro)])[0])
+        n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in batches)])[0])
         if not n_targets:  # every y is -100 on every rank (e.g. prompts only): nothing to learn
-            return self.skip_empty(micro, data_ms)
+            return self.skip_empty(batches, data_ms)
         while True:  # out of memory: every rank retries the same samples in smaller micro-batches
             losses, loss, scaled = [], None, None  # (None: a failed attempt's graph goes first)
             with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
-                pieces = [piece for m in micro for piece in split_batch(m, p.micro_split)]
+                pieces = [piece for m in batches for piece in split_batch(m, p.micro_split)]
                 for i, batch in enumerate(pieces):
                     last = i == len(pieces) - 1
                     with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
@@ -199,7 +199,7 @@ class Trainer:
                 return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-        self.count(micro, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
+        self.count(batches, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
         return True
 
     def forward(self, batch: dict) -> torch.Tensor:
@@ -210,23 +210,23 @@ class Trainer:
         with self.precision.autocast(), record_function("forward"):
             return loss_and_sums(self.model(batch))[0]
 
-    def count(self, micro: list[dict], n_targets: int, lr: float, skipped: bool, data_ms: float,
+    def count(self, batches: list[dict], n_targets: int, lr: float, skipped: bool, data_ms: float,
               loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         """Count the step and its data, and log it (the loss and norm stay on the device)."""
         p = self.progress
-        p.advance(micro, n_targets, self.dist.world)
-        ids = {"ids": self.feed.ids(micro)} if self.cfg.data.log_ids else {}  # for audits: its samples
+        p.advance(batches, n_targets, self.dist.world)
+        ids = {"ids": self.feed.ids(batches)} if self.cfg.data.log_ids else {}  # for audits: its samples
         self.log.record({"step": p.step, "lr": lr, "tokens": p.tokens, "samples": p.samples, "skipped": skipped,
                          "data_ms": data_ms, "micro_batch": self.oom.micro_batch(), **ids}, loss, grad_norm)
 
-    def skip_empty(self, micro: list[dict], data_ms: float) -> bool:
+    def skip_empty(self, batches: list[dict], data_ms: float) -> bool:
         """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
         changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
         p, nan = self.progress, torch.tensor(float("nan"), device=self.device)
         p.empty += 1
         self.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is -100, at "
                       f"sample position {p.samples}); nothing to learn from, step skipped", file=sys.stderr)
-        self.count(micro, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
+        self.count(batches, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
         return True
 
     def recover_from_oom(self) -> None:

@@ -80,7 +80,7 @@ def big_batch_grads(model, batch) -> dict:
 
 def loop_rule_grads(model, batch) -> dict:
     micro = micro_batches(batch)
-    n_targets = sum(m["n_targets"] for m in micro)  # as Trainer._step: the whole step's count
+    n_targets = sum(m["n_targets"] for m in micro)  # as Trainer.step: the whole step's count
     for m in micro:
         (summed_ce_f64(model, m) / n_targets).backward()
     return grads(model)

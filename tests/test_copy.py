@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT
+from tools.new_project import project_name
 
 pytestmark = pytest.mark.slow
 
@@ -115,6 +116,9 @@ def test_a_new_project_trains_passes_its_own_tests_and_make_verify_with_no_examp
     assert sorted(p.name for p in (project / "data").glob("*.py")) == ["__init__.py", "mine.py"]
     loop = "\n".join(p.read_text() for p in (project / "loop").rglob("*.py"))
     assert not re.search(r"model\.gpt|import GPT|from data[ .]|from model[ .]", loop)
+    for path in ("pyproject.toml", "README.md", "Dockerfile", "scripts/slurm.sbatch"):  # named for DEST
+        text = (project / path).read_text()
+        assert "myproj" in text and "honest-loop" not in text, path
 
     tests = make(project, "test-fast", "JOBS=1")
     assert tests.returncode == 0, tests.stdout + tests.stderr
@@ -139,6 +143,11 @@ def test_a_dest_that_cannot_be_made_or_lies_in_what_is_copied_is_bad_input(tmp_p
         made = new_project(dest)
         assert made.returncode == 2 and f"DEST={dest}: {says}" in made.stderr, made.stderr
         assert not dest.exists()
+
+
+def test_a_project_is_named_for_its_directory_in_letters_digits_and_dashes():
+    assert [project_name(Path(p)) for p in ("/x/My Proj_2", "/x/v1.0", "/x/--", "/x/ok")] == \
+        ["my-proj-2", "v1-0", "my-project", "ok"]
 
 
 def test_models_and_data_sets_registered_beside_ones_own_train_and_are_verified(tmp_path):

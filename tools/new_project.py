@@ -9,6 +9,7 @@ DEST gets loop/, tools/, bench/, docs/, train.py, the Makefile and the files tha
     data/mine.py, model/mine.py    a small regression task and an MLP (tools/skeleton/): replace them
     configs/default.yaml           the run `make train` makes: data.name=mine, model.name=mine
     tests/test_project.py          the loop's promises on the project's own default run
+DEST's directory name names the project (pyproject.toml, the README, the Docker image, the SLURM job).
 As made, it trains (`make train`), passes its tests (`make test-fast`, `make test`) and `make
 verify`. With EXAMPLES=1 the scaffold's data sets and models (text, markov, random, tokens,
 shakespeare, mnist; gpt, cnn) and their configs come too, registered beside mine. Exit codes: 0
@@ -18,6 +19,7 @@ copied).
 from __future__ import annotations
 
 import argparse
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -31,6 +33,7 @@ COPIED = ["loop", "tools", "bench", "docs", "scripts/slurm.sbatch", ".ci", "trai
           "pyproject.toml", "requirements.lock", "Dockerfile", ".dockerignore", ".gitignore",
           ".env.example", "tests/test_project.py", "tests/test_jsonl.py", "tests/test_metrics.py"]
 LEFT_OUT = ("__pycache__", "*.pyc", "results")  # bench/results: this project's measurements
+NAMED = ["pyproject.toml", "Dockerfile", "scripts/slurm.sbatch"]  # where this project's name is said
 EXAMPLES = {"data": "DATASETS", "model": "MODELS"}  # package -> its registry
 
 
@@ -67,14 +70,24 @@ def make(dest: Path, examples: bool) -> None:
         for config in (ROOT / "configs").glob("*.yaml"):
             name = "text.yaml" if config.name == "default.yaml" else config.name
             shutil.copy2(config, dest / "configs" / name)
-    (dest / "README.md").write_text(readme(examples))
+    ours = re.search(r'^name = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.M)[1]
+    name = project_name(dest)
+    for path in NAMED:  # the package, the image tag and the SLURM job are the new project's
+        (dest / path).write_text((dest / path).read_text().replace(ours, name))
+    (dest / "README.md").write_text(readme(name, examples))
 
 
-def readme(examples: bool) -> str:
+def project_name(dest: Path) -> str:
+    """DEST's directory name as a package name and an image tag: lowercase letters, digits and
+    single dashes ("My Proj_2" -> "my-proj-2")."""
+    return "-".join(re.findall(r"[a-z0-9]+", dest.resolve().name.lower())) or "my-project"
+
+
+def readme(name: str, examples: bool) -> str:
     more = ("\nThe scaffold's examples are here too (data/examples.py, model/examples.py name them; "
             "configs/text.yaml is its default run): `python train.py --config configs/mnist.yaml`.\n"
             if examples else "")
-    return f"""# My project
+    return f"""# {name}
 
 Made from the honest loop: a plain-PyTorch training loop whose every promise (exact resume,
 accumulation, determinism, NaN and out-of-memory handling) is proved by a test.

@@ -18,11 +18,12 @@ honest. It runs short audits on the config as given and prints a table of check,
 Exit codes: 0 every check passed; 1 a check failed (the table names it, and the usual cause where
 its runs finished and differ, or the log of the run that did not finish);
 2 bad input (the config). The runs go to runs/verify/<time>/, deleted when every check passes
-unless --keep. tools/audit_runs.py and tools/audit_grads.py say how each check works.
+unless --keep (and runs/verify too, if this made it and it is left empty). tools/audit_runs.py and tools/audit_grads.py say how each check works.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import random
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         checks = chosen(a)
         writable_dir("option --out", a.out)
+        made = [d for d in (Path(a.out), *Path(a.out).parents) if not d.exists()]  # deepest first
         Path(a.out).mkdir(parents=True, exist_ok=True)
         root = Path(tempfile.mkdtemp(prefix=time.strftime("%Y%m%d-%H%M%S-"), dir=a.out))
         results = audit(a, checks, root)
@@ -154,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         if "root" in locals():
             shutil.rmtree(root, ignore_errors=True)
+            remove_if_empty(made)
         return EXIT_BAD_INPUT
     print(table(results), flush=True)
     (root / "verify.json").write_text(json.dumps(
@@ -163,7 +166,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"runs kept in {root}")
     else:
         shutil.rmtree(root)
+        remove_if_empty(made)
     return 1 if failed else 0
+
+
+def remove_if_empty(made: list[Path]) -> None:
+    """The directories main made for --out, deepest first, where nothing else was put in them."""
+    for d in made:
+        with contextlib.suppress(OSError):
+            d.rmdir()
 
 
 if __name__ == "__main__":

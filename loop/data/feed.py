@@ -35,11 +35,11 @@ class Feed:
             p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k)) * self.dist.world
         return [next(self.batches) for _ in range(k)]
 
-    def ids(self, micro: list[dict]) -> list[int] | None:
+    def ids(self, batches: list[dict]) -> list[int] | None:
         """The global ids of a step's samples in the order they were trained on, on rank 0 (data.log_ids,
         for audits: make verify's data check); a collective."""
-        ranks = self.dist.gather_to_main([b["idx"].tolist() for b in micro])  # None off rank 0
-        return ranks and [i for m in range(len(micro)) for r in ranks for i in r[m]]
+        ranks = self.dist.gather_to_main([b["idx"].tolist() for b in batches])  # None off rank 0
+        return ranks and [i for m in range(len(batches)) for r in ranks for i in r[m]]
 
     def close(self) -> None:
         """Stop the loader's worker processes now (loop/data/sampler.py::close_loader)."""
