@@ -97,7 +97,10 @@ class Evaluator:
         self.model, self.data, self.precision, self.device, self.dist = model, data, precision, device, dist
         self.sharded, self.progress, self.oom, self.lab = sharded, progress, oom, cfg.lab.break_
         self.seed, self.tokens = cfg.run.seed, cfg.train.sample_tokens
-        self.batch_size, self.n_batches = cfg.data.batch_size, cfg.train.eval_batches
+        # train.eval_batches x (data.batch_size x processes) samples; with train.global_batch, x its
+        # samples: the set then stays whatever the micro-batch (auto: the GPU) and process count.
+        per_step = cfg.train.grad_accum if cfg.train.global_batch else 1
+        self.batch_size, self.n_batches = cfg.data.batch_size, cfg.train.eval_batches * per_step
         self.batches = val_batches(data.val, self.batch_size, self.n_batches, self.seed, dist.rank, dist.world)
         self.last: tuple[int, dict[str, float]] | None = None  # (step, {val_loss, val_...})
 

@@ -10,22 +10,20 @@ already held (a block the size of them). Each process tries its own GPU; all tak
 The model's weights and buffers are put back as they were, and the GPU's peak-memory count
 starts again (the run's figures are the run's).
 
-A resumed run takes the micro-batch of the checkpoint it resumes (the newest in out_dir that
-verifies, or run.resume's): the same bits as a run never stopped. After a change of process
+A resumed run takes the micro-batch of the checkpoint it resumes (chosen as the run chooses it,
+loop/checkpoint/resume.py): the same bits as a run never stopped. After a change of process
 count it takes it where it still divides the per-process share (a process's memory hardly
 depends on their number: DDP adds its gradient buckets, and the out-of-memory split is there for
 the rest), and tries sizes where it does not.
 """
 from __future__ import annotations
 
-import pickle
 from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from loop.checkpoint import store
-from loop.checkpoint.resume import followed
+from loop.checkpoint import resume, runlock
 from loop.data.bundle import Data
 from loop.data.sampler import collate
 from loop.distributed.group import Dist
@@ -129,21 +127,14 @@ def runs(model: nn.Module, data: Data, size: int, device: torch.device, precisio
 
 
 def resumed_micro_batch(run, out: Path) -> int | None:
-    """data.batch_size of the checkpoint this run would resume (loop/checkpoint/resume.py decides
-    which, later, and checks it): the newest in out_dir, or run.resume's. None for a fresh start
-    or one it cannot read (a checkpoint from run.mirror, fetched later: tried anew)."""
-    if run.resume == "never":
+    """data.batch_size of the checkpoint this run resumes, as loop/checkpoint/resume.py chooses it
+    (and will again, when the run starts), with out_dir locked first: a second run on it stops
+    before trying sizes on the GPU the first one uses, and a bad run.resume is named as such. None
+    for a fresh start, or one from run.mirror (fetched when the run starts: sizes are tried)."""
+    runlock.hold(out)
+    path = resume.choose(run.resume, out / "checkpoints", mirror="", say=lambda _: None)
+    if path is None:
         return None
-    try:
-        if run.resume == "auto":
-            newest_first = reversed(store.step_dirs(out / "checkpoints"))
-            path = next((p for p in newest_first if store.verify(p) is None), None)
-        else:
-            path = followed(Path(run.resume))
-        if path is None:
-            return None
-        state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)
-        size = state["config"]["data"]["batch_size"]
-    except (BadInput, OSError, RuntimeError, KeyError, TypeError, pickle.UnpicklingError):
-        return None
+    state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)  # verified
+    size = state["config"]["data"]["batch_size"]
     return size if isinstance(size, int) else None

@@ -1,6 +1,7 @@
 """data.batch_size=auto: the largest micro-batch that fits, found by trying the divisors of
 the per-process share of train.global_batch; the model is left as it was; a resumed run takes its
-checkpoint's micro-batch (so it stays bit-exact); what auto cannot do is exit 2. The try on a real
+checkpoint's micro-batch (so it stays bit-exact), chosen as the run chooses it; the validation set
+does not move with the micro-batch; what auto cannot do is exit 2. The try on a real
 GPU: tests/test_cuda.py::test_an_auto_micro_batch_fits_the_gpu_without_running_out_of_memory."""
 from __future__ import annotations
 
@@ -101,6 +102,38 @@ def test_the_micro_batch_comes_from_the_checkpoint_the_resume_takes(tmp_path, ca
     rerun = train_here(out, cache, *steps, "data.batch_size=auto", "train.max_steps=9")
     assert "data.batch_size=auto: 2, the micro-batch of the checkpoint it resumes" in rerun.stdout
     assert "at step 3" in rerun.stdout, rerun.stdout
+
+
+def test_the_validation_set_of_a_global_batch_stays_whatever_the_micro_batch(tmp_path, cache):
+    # Without dropout the two runs' maths agree to rounding; evaluated on one set (eval_batches x
+    # global_batch samples), so do their val_loss. On eval_batches x batch_size samples, the
+    # micro-batch that auto picks on a GPU would decide the set (seen: 4.2816 vs 4.3121).
+    args = ["train.global_batch=16", "train.max_steps=10", "model.dropout=0", "train.ckpt_every=0"]
+    for size in (4, 2):
+        train_here(tmp_path / str(size), cache, *args, f"data.batch_size={size}")
+    four, two = ([r["val_loss"] for r in metrics(tmp_path / size) if "val_loss" in r] for size in ("4", "2"))
+    assert len(four) == len(two) == 1 and two[0] == pytest.approx(four[0], rel=1e-5), (four, two)
+
+
+def test_auto_follows_a_run_resume_path_as_the_run_does_and_names_what_is_wrong_with_it(tmp_path, cache):
+    # run.resume=PATH, rerun after this run saved since: the run continues from its own newest
+    # checkpoint (micro-batch 2), not from PATH (4), and auto takes that one's.
+    steps = ["train.global_batch=8", "train.ckpt_every=3", "train.eval_every=0"]
+    first, out = tmp_path / "first", tmp_path / "run"
+    train_here(first, cache, *steps, "data.batch_size=4", "train.max_steps=3")
+    start = f"run.resume={first / 'checkpoints' / 'step_00000003'}"
+    train_here(out, cache, *steps, start, "data.batch_size=2", "train.max_steps=6")
+    rerun = train_here(out, cache, *steps, start, "data.batch_size=auto", "train.max_steps=9")
+    assert "data.batch_size=auto: 2, the micro-batch of the checkpoint it resumes" in rerun.stdout
+    assert rerun.stdout.count("continuing from") == 1 and "step_00000006" in rerun.stdout, rerun.stdout
+    # A run.resume that cannot be resumed is named as it would be without auto, before anything
+    # is written, not taken for a fresh start on the CPU.
+    for resume, says in ((f"run.resume={tmp_path / 'nowhere'}", "run.resume="),
+                         ("run.resume=never", "run.resume=never")):
+        before = sorted(p.name for p in out.rglob("*"))
+        proc = train_here(out, cache, *steps, resume, "data.batch_size=auto", check=False)
+        assert proc.returncode == 2 and says in proc.stderr and "CUDA" not in proc.stderr, proc.stderr
+        assert sorted(p.name for p in out.rglob("*")) == before
 
 
 @pytest.mark.slow

@@ -26,8 +26,9 @@ def choose_locked(out: Path, run) -> Path | None:
     return choose(run.resume, out / "checkpoints", run.mirror, lambda: runlock.claim(out))
 
 
-def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None) -> Path | None:
-    """`before_fetch`: called before a checkpoint from the mirror is written into ckpt_root."""
+def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None, say=print) -> Path | None:
+    """`before_fetch`: called before a checkpoint from the mirror is written into ckpt_root; `say`:
+    where the note on a continued run.resume=PATH goes."""
     if resume == "never":
         if store.step_dirs(ckpt_root):
             raise BadInput(f"run.resume=never, but {ckpt_root} already holds checkpoints that a "
@@ -44,7 +45,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
         raise BadInput("config key run.resume is empty; expected auto, never or a checkpoint directory.")
     if resume != "auto":
         given = followed(Path(resume))
-        return continued(ckpt_root, Path(resume), given) or verified(given, "run.resume")
+        return continued(ckpt_root, Path(resume), given, say) or verified(given, "run.resume")
     if not store.step_dirs(ckpt_root) and mirror:
         from loop.checkpoint.mirror import fetch_latest
 
@@ -59,7 +60,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None)
     return path
 
 
-def continued(ckpt_root: Path, named: Path, given: Path) -> Path | None:
+def continued(ckpt_root: Path, named: Path, given: Path, say=print) -> Path | None:
     """The newest valid checkpoint in ckpt_root newer than `given` (the checkpoint run.resume=`named`
     names now) saved by a run that started from `named` (its manifest's `resumed_from`): a rerun of
     a command naming run.resume=PATH (after a Ctrl-C, a preemption, a torchrun restart, a requeue)
@@ -70,8 +71,8 @@ def continued(ckpt_root: Path, named: Path, given: Path) -> Path | None:
         if path.resolve() == given.resolve():
             return None  # the rest are older than the start
         if store.manifest(path).get("resumed_from") == start and store.verify(path) is None:
-            print(f"note: run.resume={named}: continuing from {path}, which this run saved after "
-                  f"starting there (to start from {named} again, give a new run.out_dir)")
+            say(f"note: run.resume={named}: continuing from {path}, which this run saved after "
+                f"starting there (to start from {named} again, give a new run.out_dir)")
             return path
     return None
 

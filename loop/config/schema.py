@@ -74,7 +74,7 @@ class TrainConfig:
     device: str = "auto"  # auto (cuda > mps > cpu) or a torch device string
     log_every: int = opt(10, min=1)
     eval_every: int = opt(50, min=0)  # and at the last step; 0 = only there
-    eval_batches: int = opt(10, min=1)
+    eval_batches: int = opt(10, min=1)  # validation: this many x batch_size x processes (or x global_batch)
     ckpt_every: int = opt(100, min=0)  # 0 = only at the end
     keep_last: int = opt(3, min=1)  # newest checkpoints kept, plus the best one
     async_save: bool = False  # copy state to CPU memory, write the checkpoint in a background thread
