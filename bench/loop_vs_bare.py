@@ -148,11 +148,11 @@ def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
     else:
         out = workdir / arm
         shutil.rmtree(out, ignore_errors=True)
-        # One interval past the window: a run's last step evaluates and checkpoints, which the
-        # timed window must not hold (the bare loop does neither).
+        # One interval past the window: a run's last step evaluates (one batch: it is not measured)
+        # and checkpoints, which the timed window must not hold (the bare loop does neither).
         cmd = [sys.executable, "train.py", "--config", args.config, *args.overrides, *extra,
                f"run.out_dir={out}", "run.resume=never", f"train.max_steps={args.warmup + args.steps + every}",
-               f"train.log_every={every}", "train.eval_every=0", "train.ckpt_every=0",
+               f"train.log_every={every}", "train.eval_every=0", "train.eval_batches=1", "train.ckpt_every=0",
                "train.sample_tokens=0", "report.plots=false",
                "run.mirror="]  # the config's mirror holds a real run's checkpoints: never pruned here
     log = workdir / f"{arm}.log"
