@@ -67,6 +67,7 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     """Back to the newest valid checkpoint (every rank): `parts` restored, the metrics after it
     dropped (as at a resume), the data read from its position on, passing over the bad step's
     window from now on. False: no step was taken."""
+    log.flush()  # the steps before the bad one first: on the console before "resumed from"
     p = parts["progress"]
     bad = p.samples
     carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
