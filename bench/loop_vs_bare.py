@@ -66,7 +66,7 @@ class Bare:
     def __init__(self, cfg, total_steps: int):
         self.cfg, self.device = cfg, pick_device(cfg.train.device)
         use_tf32(self.device, cfg.train.tf32)
-        use_attention_kernel(cfg.train.attention_kernel)  # the same kernels as the scaffold's
+        use_attention_kernel(cfg.train.attention_kernel, self.device)  # the same kernels as the scaffold's
         seed_everything(cfg.run.seed)
         self.data = build_data(cfg.data, DATASETS)
         self.model = build_model(cfg.model, self.data, MODELS).to(self.device)

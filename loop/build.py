@@ -39,7 +39,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
     seed_everything(cfg.run.seed)
     data = build_data(cfg.data, datasets)
     use_tf32(device, cfg.train.tf32)
-    use_attention_kernel(cfg.train.attention_kernel)
+    use_attention_kernel(cfg.train.attention_kernel, device)
     precision = Precision(cfg.train.precision, device)
     # In host memory: `wrap` moves it to the device. Under FSDP with several processes only rank 0
     # makes weights, the others shapes (meta device) that `wrap` fills with their shards of rank 0's

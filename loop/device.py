@@ -4,6 +4,8 @@ kernel choices made for it: TF32 matmuls (`train.tf32`), the attention kernel tr
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch.nn.attention import SDPBackend
 
@@ -46,17 +48,28 @@ def use_tf32(device: torch.device, on: bool) -> None:
 # The fused kernels behind `scaled_dot_product_attention`, by the names the config uses.
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
-TORCH_ORDER = torch._C._get_sdp_priority_order()  # torch's own, as the process started with it
 
 
-def use_attention_kernel(name: str) -> None:
+@functools.cache
+def torch_order(device_type: str) -> tuple[int, ...]:
+    """torch's own order of the attention kernels, read at the first call in a process. On CUDA
+    torch settles it at its first attention call, replacing any order set before: cuDNN's first
+    on Hopper and newer with cuDNN above 9.15 (torch 2.11's CUDA 13 build), else flash's. Choosing
+    a kernel for a tiny input settles it now."""
+    if device_type == "cuda":
+        q = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+        torch._fused_sdp_choice(q, q, q)
+    return tuple(torch._C._get_sdp_priority_order())
+
+
+def use_attention_kernel(name: str, device: torch.device) -> None:
     """Put one attention kernel first in the order torch tries them on CUDA (`auto`: torch's own
-    order, where cuDNN's comes last). Where the first cannot run (a head size, a dtype, a mask,
-    or determinism mode turning it off) torch falls back to the next. Set for the process, as
-    TF32 is: torch's public way, `sdpa_kernel(..., set_priority=True)`, is a context manager,
-    and the run, its compilation and its evaluations all need the one order. The CPU has one
-    fused kernel, which it picks whatever the order."""
-    order = list(TORCH_ORDER)
+    order). Where the first cannot run (a head size, a dtype, a mask, or determinism mode turning
+    it off) torch falls back to the next. Set for the process, as TF32 is: torch's public way,
+    `sdpa_kernel(..., set_priority=True)`, is a context manager, and the run, its compilation and
+    its evaluations all need the one order. The CPU has one fused kernel, which it picks whatever
+    the order."""
+    order = list(torch_order(device.type))
     if name != "auto":
         first = int(SDPA[name])
         order = [first, *(b for b in order if b != first)]

@@ -22,15 +22,15 @@
 #   attention  each attention kernel at GPT-2 124M's shape, deterministic flag off and on: time, and
 #            whether its backward repeats bit for bit (bench/attention.py)
 #   determinism  GPT-2 124M: scaffold vs bare loop with run.deterministic=true as the third arm
-#   levers   GPT-2 124M: scaffold vs bare loop, each speed setting an arm of its own: cuDNN's
-#            attention first, a micro-batch of 64 (the whole 64-sample global batch at once), both,
-#            a micro-batch of 32, and data.batch_size=auto (which size it picks is in levers.log)
-#   chunked_loss  GPT-2 124M: scaffold vs bare loop, the LM head + loss in chunks of 4,096 tokens, and
-#            so with the whole 64-sample step in one micro-batch (needs torch's F.linear_cross_entropy: 2.13)
+#   levers   GPT-2 124M: scaffold vs bare loop, each speed setting an arm of its own: flash's
+#            attention first (torch's own order on Hopper puts cuDNN's first), micro-batches of 32
+#            and 16 instead of the config's 64 (the whole global batch at once), and
+#            data.batch_size=auto (which size it picks is in levers.log)
+#   chunked_loss  GPT-2 124M: scaffold vs bare loop, the LM head + loss in 4 chunks of 16,384 tokens
+#            and in 16 of 4,096 (needs torch's F.linear_cross_entropy: 2.13)
 #   compile_modes  GPT-2 124M: scaffold vs bare loop, each torch.compile mode an arm of its own
 #   profile  GPT-2 124M: where the GPU's time goes (train.profile=true), the config as it is
-#            (profile_config.log) and with the levers' candidates, cuDNN's attention and a
-#            micro-batch of 64 (profile_levers.log)
+#            (profile_config.log) and in micro-batches of 16 (profile_micro16.log)
 #   stall    GPT-2 124M: the checkpoint stall, synchronous vs async
 #
 # Uses the interpreter in $PYTHON (default python3: a GPU image with torch already in it).
@@ -87,13 +87,12 @@ for s in "${stages[@]}"; do
         cp bench/results/*.jsonl "$OUT/" ;;
     levers)
         stage levers "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
-            --reps "$BENCH_REPS" --variant train.attention_kernel=cudnn --variant data.batch_size=64 \
-            --variant "train.attention_kernel=cudnn data.batch_size=64" --variant data.batch_size=32 \
-            --variant data.batch_size=auto
+            --reps "$BENCH_REPS" --variant train.attention_kernel=flash --variant data.batch_size=32 \
+            --variant data.batch_size=16 --variant data.batch_size=auto
         cp bench/results/*.jsonl "$OUT/" ;;
     chunked_loss)
         stage chunked_loss "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
-            --reps "$BENCH_REPS" --variant model.loss_chunks=4 --variant "model.loss_chunks=16 data.batch_size=64"
+            --reps "$BENCH_REPS" --variant model.loss_chunks=4 --variant model.loss_chunks=16
         cp bench/results/*.jsonl "$OUT/" ;;
     compile_modes)
         stage compile_modes "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
@@ -101,9 +100,9 @@ for s in "${stages[@]}"; do
             --variant train.compile_mode=reduce-overhead
         cp bench/results/*.jsonl "$OUT/" ;;
     profile)
-        for name in config levers; do
+        for name in config micro16; do
             rm -rf "runs/profile_$name"
-            more=(); [ "$name" = levers ] && more=(train.attention_kernel=cudnn data.batch_size=64)
+            more=(); [ "$name" = micro16 ] && more=(data.batch_size=16)
             stage "profile_$name" "$PYTHON" train.py --config configs/gpt2_124m.yaml "run.out_dir=runs/profile_$name" \
                 train.max_steps=8 train.profile=true train.eval_every=0 train.ckpt_every=0 "${more[@]}"
         done ;;

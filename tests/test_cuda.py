@@ -104,22 +104,28 @@ def test_the_attention_kernel_asked_for_runs_and_determinism_mode_falls_back_to_
 
     from loop.device import use_attention_kernel
 
-    q = torch.randn(16, 12, 1024, 64, device="cuda", dtype=torch.bfloat16)
+    cuda = torch.device("cuda")
+    q = torch.randn(16, 12, 1024, 64, device=cuda, dtype=torch.bfloat16)
 
-    def ran() -> str:
+    def ran() -> set[str]:  # the fused kernels' ops the call ran
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             F.scaled_dot_product_attention(q, q, q, is_causal=True)
-        return " ".join(e.key for e in prof.key_averages())
+        return {e.key for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product_")}
 
-    use_attention_kernel("cudnn")
+    # torch's own pick (cuDNN with torch 2.11 on an H200), settled at its first attention call, where
+    # it replaced an order set before: train.attention_kernel=flash ran cuDNN there.
+    own = ran()
     try:
-        assert "_scaled_dot_product_cudnn_attention" in ran()
+        use_attention_kernel("flash", cuda)
+        assert ran() == {"aten::_scaled_dot_product_flash_attention"}
+        use_attention_kernel("cudnn", cuda)
+        assert ran() == {"aten::_scaled_dot_product_cudnn_attention"}
         torch.backends.cuda.enable_cudnn_sdp(False)
-        assert "_scaled_dot_product_flash_attention" in ran()
+        assert ran() == {"aten::_scaled_dot_product_flash_attention"}
     finally:
         torch.backends.cuda.enable_cudnn_sdp(True)
-        use_attention_kernel("auto")
-    assert "_scaled_dot_product_flash_attention" in ran()  # torch's own order: flash first
+        use_attention_kernel("auto", cuda)
+    assert ran() == own and len(own) == 1
 
 
 def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
@@ -139,7 +145,9 @@ def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
     assert f"step 1: out of memory; micro-batch {big} -> {big // 2}" in proc.stderr, proc.stderr
     assert json.loads((out / "metadata.json").read_text())["faults_injected"] is None  # a real one
     recs = metrics(out)
-    assert [r["step"] for r in recs] == [1, 2, 3] and recs[-1]["micro_batch"] < big
+    # It stops at the first size that fits (128 on an H200, 32 on an H100): the failed tries'
+    # memory is back, which a reference cycle held (to 16 on an H200).
+    assert [r["step"] for r in recs] == [1, 2, 3] and big // 8 <= recs[-1]["micro_batch"] < big
     assert summary(out)["micro_batch"] == recs[-1]["micro_batch"]
 
 

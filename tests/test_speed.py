@@ -107,7 +107,7 @@ def test_what_needs_no_fsdp_does_not_import_it():
 
 def test_the_attention_kernel_asked_for_is_tried_first_and_determinism_mode_falls_back(tmp_path, cache):
     # metadata.json lists the kernels torch may pick, in the order it tries them. cuDNN's comes
-    # last in torch's own order; asked for, first. Determinism mode turns it off (no deterministic
+    # last in torch's own order on a CPU machine; asked for, first. Determinism mode turns it off (no deterministic
     # backward): the run says so and flash runs. CPU runs: the order is the process's all the same.
     def kernels(out, *keys):
         proc = train_here(tmp_path / out, cache, "train.max_steps=1", *keys)
@@ -120,7 +120,7 @@ def test_the_attention_kernel_asked_for_is_tried_first_and_determinism_mode_fall
         assert det == ["flash", "efficient", "math"]
         assert "note: train.attention_kernel=cudnn has no effect with run.deterministic=true" in proc.stdout
     finally:  # the order is the process's: the next test in this one gets torch's
-        use_attention_kernel("auto")
+        use_attention_kernel("auto", torch.device("cpu"))
 
 
 def test_torch_compile_gets_the_mode_asked_for(monkeypatch):

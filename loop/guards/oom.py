@@ -11,6 +11,7 @@ the others; rerunning resumes from the newest checkpoint.
 """
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from contextlib import contextmanager
@@ -108,6 +109,10 @@ class OutOfMemory:
         DDP the trainer then wraps the model anew (loop/trainer.py::recover_from_oom)."""
         p, size = self.progress, self.micro_batch()
         optimizer.zero_grad(set_to_none=True)
+        # A reference cycle through the dropped error's traceback can hold the failed try's
+        # activations (all 139 GiB of an H200) until the collector runs: collect, then hand the
+        # cache back to the driver, where CUDA libraries allocate (cuBLAS's handles).
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
         if self.policy == "abort" or size <= 1:
