@@ -51,13 +51,13 @@ SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION
 
 
 @functools.cache
-def torch_order(device_type: str) -> tuple[int, ...]:
+def torch_order(device: torch.device) -> tuple[int, ...]:
     """torch's own order of the attention kernels, read at the first call in a process. On CUDA
     torch settles it at its first attention call, replacing any order set before: cuDNN's first
     on Hopper and newer with cuDNN above 9.15 (torch 2.11's CUDA 13 build), else flash's. Choosing
     a kernel for a tiny input settles it now."""
-    if device_type == "cuda":
-        q = torch.zeros(1, 1, 8, 64, device="cuda", dtype=torch.bfloat16)
+    if device.type == "cuda":
+        q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
         torch._fused_sdp_choice(q, q, q)
     return tuple(torch._C._get_sdp_priority_order())
 
@@ -69,7 +69,7 @@ def use_attention_kernel(name: str, device: torch.device) -> None:
     `sdpa_kernel(..., set_priority=True)`, is a context manager, and the run, its compilation and
     its evaluations all need the one order. The CPU has one fused kernel, which it picks whatever
     the order."""
-    order = list(torch_order(device.type))
+    order = list(torch_order(device))
     if name != "auto":
         first = int(SDPA[name])
         order = [first, *(b for b in order if b != first)]
