@@ -22,11 +22,15 @@ from torch.profiler import ProfilerActivity, profile, schedule
 REGIONS = ("data", "forward", "backward", "optimizer")
 
 
-def breakdown(prof: profile, wall_us: float) -> dict[str, float]:
+def breakdown(prof: profile, wall_us: float) -> dict[str, float] | None:
     """Fraction of the profiled steps' wall time in each region, plus `other`; sums to 1. The wall
     time is the loop's own clock: the profiler's own step events can sum to nothing in its averages
-    with CUDA activity on (seen with torch 2.11 on an H100)."""
+    with CUDA activity on (seen with torch 2.11 on an H100). So can the regions that launch GPU work
+    (torch 2.11 on an H200: forward, backward and optimizer 0.0%; pytorch/pytorch#148314): None
+    where forward and backward, in every step, hold no time."""
     totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
+    if not totals.get("forward") and not totals.get("backward"):
+        return None
     out = {r: totals.get(r, 0.0) / wall_us for r in REGIONS}
     out["other"] = max(0.0, 1.0 - sum(out.values()))
     return out
@@ -54,13 +58,17 @@ class StepProfiler:
     def _ready(self, prof: profile) -> None:
         if self.taken < self.window[1]:  # stopped early: the steps profiled so far plus the run's end
             return
-        self.result = breakdown(prof, 1e6 * (time.perf_counter() - self.started))
+        self.result = breakdown(prof, 1e6 * (time.perf_counter() - self.started)) or {}  # {}: none to show
         self.out_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.out_dir / "trace.json"))
-        (self.out_dir / "breakdown.json").write_text(json.dumps(self.result, indent=1))
-        print("step time breakdown (profiled steps):")
-        for name, frac in self.result.items():
-            print(f"  {name:<10} {100 * frac:5.1f}%")
+        if self.result:
+            (self.out_dir / "breakdown.json").write_text(json.dumps(self.result, indent=1))
+            print("step time breakdown (profiled steps):")
+            for name, frac in self.result.items():
+                print(f"  {name:<10} {100 * frac:5.1f}%")
+        else:
+            print("note: train.profile: the profiler's averages hold no time for the forward and backward "
+                  "regions (torch's, with CUDA activity on), so there is no breakdown; the trace has them.")
         print(f"  trace: {self.out_dir / 'trace.json'} (open in ui.perfetto.dev)")
 
     def close(self) -> None:
