@@ -20,7 +20,7 @@ from loop.data.sampler import split_batch, val_batches
 from loop.data.seeded import SeededSamples
 from loop.distributed import fsdp
 from loop.errors import BadInput, GaveUp
-from loop.guards.oom import out_of_memory
+from loop.guards.oom import out_of_memory, release_memory
 
 CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
             "(shape (), e.g. reduction=\"sum\"), or a dict with it under \"loss\" and more such sums "
@@ -216,8 +216,7 @@ class Evaluator:
                              f"gradients), even one sample at a time: the model does not fit "
                              f"{self.device}; use a smaller model or data.seq_len.")
             split *= 2
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            release_memory(self.device)
 
 
 def _cannot_compile(e: Exception) -> bool:

@@ -29,7 +29,7 @@ from loop.data.sampler import collate
 from loop.distributed.group import Dist
 from loop.errors import BadInput
 from loop.evaluate import loss_and_sums
-from loop.guards.oom import out_of_memory
+from loop.guards.oom import out_of_memory, release_memory
 from loop.precision import Precision
 
 KEY = "config key data.batch_size=auto"
@@ -90,10 +90,9 @@ def largest_that_fits(model: nn.Module, data: Data, sizes: list[int], device: to
         for size in sizes:
             fits = runs(model, data, size, device, precision, reserve)
             model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # what the failed try held, for the next
             if fits:
                 return size
+            release_memory(device)  # what the failed try held, for the next
         return None
     except (torch.OutOfMemoryError, RuntimeError) as e:  # the weights alone do not fit
         if not out_of_memory(e):

@@ -5,6 +5,8 @@ does not move with the micro-batch; what auto cannot do is exit 2. The try on a 
 GPU: tests/test_cuda.py::test_an_auto_micro_batch_fits_the_gpu_without_running_out_of_memory."""
 from __future__ import annotations
 
+import gc
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -58,6 +60,37 @@ def test_the_largest_micro_batch_that_fits_is_found_and_the_model_is_left_as_it_
 
     with pytest.raises(RuntimeError, match="shapes"):  # a bug is not a size that does not fit
         largest_that_fits(Broken(), samples(5), [8], cpu, Precision("fp32", cpu), 0)
+
+
+class KeepsItsError(FitsEight):
+    """Keeps its out-of-memory error in a local: the error's traceback holds the frame, the frame
+    the error and the activations (a cycle, as one held 139 GiB on an H200)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tries = []  # the activations of each try, weakly
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        out = self.norm(self.lin(batch["x"]))
+        assert all(t() is None for t in self.tries), "a failed try's activations are still held"
+        self.tries.append(weakref.ref(out))
+        if len(out) > 8:
+            try:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            except torch.OutOfMemoryError as e:
+                kept = e
+                raise kept
+        return out.sum()
+
+
+def test_each_try_starts_with_what_the_failed_ones_held_freed():
+    # Else the next size runs out too, on memory the last one still holds, and auto picks small.
+    cpu = torch.device("cpu")
+    gc.disable()  # no collection but the fit's own
+    try:
+        assert largest_that_fits(KeepsItsError(), samples(5), divisors(64), cpu, Precision("fp32", cpu), 0) == 8
+    finally:
+        gc.enable()
 
 
 def test_auto_is_a_batch_size_that_train_py_resolves_and_exit_2_where_it_cannot(tmp_path, cache):

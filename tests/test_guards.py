@@ -401,6 +401,41 @@ def test_a_split_frees_the_failed_try_s_tensors_that_a_reference_cycle_held():
         gc.enable()
 
 
+def test_the_contract_probe_retries_in_halves_with_what_the_failed_try_held_freed():
+    # The validation probe before training halves a batch too big for the card (for training's
+    # split to reach it); each half starts with the failed try's tensors freed, as the split does.
+    from types import SimpleNamespace
+
+    from loop.evaluate import Evaluator
+
+    class FitsTwo(torch.nn.Module):  # keeps its out-of-memory error: the cycle
+        def __init__(self):
+            super().__init__()
+            self.tries = []
+
+        def forward(self, batch):
+            x = batch["x"].float() + 1
+            assert all(t() is None for t in self.tries), "a failed try's tensors are still held"
+            self.tries.append(weakref.ref(x))
+            if len(x) > 2:
+                try:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+                except torch.OutOfMemoryError as e:
+                    kept = e
+                    raise kept
+            return (batch["y"] != -100).sum().float() * 2  # a loss of 2 per target
+
+    y = torch.zeros(8, 4, dtype=torch.long)
+    batch = {"idx": torch.arange(8), "x": torch.zeros(8, 4, dtype=torch.long), "y": y, "n_targets": 32}
+    cpu = torch.device("cpu")
+    evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=False)
+    gc.disable()  # no collection but the probe's own
+    try:
+        assert Evaluator._probe(evaluator, FitsTwo(), batch) == ({"val_loss": 2.0}, 4)
+    finally:
+        gc.enable()
+
+
 def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
     # A card that ran out of memory in training at micro-batch 8 may run out in validation too:
     # validation cuts its batches the same way, and its means do not change.

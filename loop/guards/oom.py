@@ -46,6 +46,16 @@ def out_of_memory(e: BaseException) -> bool:
                                                      and "_ALLOC_FAILED" in str(e))
 
 
+def release_memory(device: torch.device) -> None:
+    """After an out-of-memory error, before a smaller try: free what a reference cycle through the
+    dropped error's traceback still holds of the failed try (all 139 GiB of an H200's activations,
+    until the collector ran), then hand torch's cache back to the driver, where CUDA libraries
+    allocate (cuBLAS's handles)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 class _OtherRank(Exception):
     """Another rank ran out of memory: this one skips its last backward and retries too."""
 
@@ -109,12 +119,7 @@ class OutOfMemory:
         DDP the trainer then wraps the model anew (loop/trainer.py::recover_from_oom)."""
         p, size = self.progress, self.micro_batch()
         optimizer.zero_grad(set_to_none=True)
-        # A reference cycle through the dropped error's traceback can hold the failed try's
-        # activations (all 139 GiB of an H200) until the collector runs: collect, then hand the
-        # cache back to the driver, where CUDA libraries allocate (cuBLAS's handles).
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        release_memory(device)
         if self.policy == "abort" or size <= 1:
             raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
                          f"(train.oom_policy={self.policy}); use a smaller data.batch_size or model"
