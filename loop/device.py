@@ -48,17 +48,21 @@ def use_tf32(device: torch.device, on: bool) -> None:
 # The fused kernels behind `scaled_dot_product_attention`, by the names the config uses.
 SDPA = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
         "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+TORCH_ORDER = tuple(torch._C._get_sdp_priority_order())  # as the process started, before any change
+
+
+def torch_order(device: torch.device) -> tuple[int, ...]:
+    """torch's own order of the attention kernels: on CUDA, as torch settles it at its first
+    attention call, replacing any order set before (cuDNN's first on sm90 and sm100 cards, the
+    H100, H200 and B200, with cuDNN above 9.15, as torch 2.11's CUDA 13 build has it); else as the
+    process started. Choosing a kernel for a tiny input makes torch settle it now."""
+    return _settled(device) if device.type == "cuda" else TORCH_ORDER
 
 
 @functools.cache
-def torch_order(device: torch.device) -> tuple[int, ...]:
-    """torch's own order of the attention kernels, read at the first call in a process. On CUDA
-    torch settles it at its first attention call, replacing any order set before: cuDNN's first
-    on Hopper and newer with cuDNN above 9.15 (torch 2.11's CUDA 13 build), else flash's. Choosing
-    a kernel for a tiny input settles it now."""
-    if device.type == "cuda":
-        q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
-        torch._fused_sdp_choice(q, q, q)
+def _settled(device: torch.device) -> tuple[int, ...]:
+    q = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+    torch._fused_sdp_choice(q, q, q)
     return tuple(torch._C._get_sdp_priority_order())
 
 

@@ -107,7 +107,8 @@ def test_what_needs_no_fsdp_does_not_import_it():
 
 def test_the_attention_kernel_asked_for_is_tried_first_and_determinism_mode_falls_back(tmp_path, cache):
     # metadata.json lists the kernels torch may pick, in the order it tries them. cuDNN's comes
-    # last in torch's own order on a CPU machine; asked for, first. Determinism mode turns it off (no deterministic
+    # last in torch's order as a process starts (a CUDA run lets torch settle it first:
+    # tests/test_cuda.py); asked for, first. Determinism mode turns it off (no deterministic
     # backward): the run says so and flash runs. CPU runs: the order is the process's all the same.
     def kernels(out, *keys):
         proc = train_here(tmp_path / out, cache, "train.max_steps=1", *keys)

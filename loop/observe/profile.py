@@ -12,6 +12,7 @@ kernels run asynchronously, so the trace's device lanes show where the GPU itsel
 """
 from __future__ import annotations
 
+import collections
 import json
 import time
 from pathlib import Path
@@ -22,16 +23,16 @@ from torch.profiler import ProfilerActivity, profile, schedule
 REGIONS = ("data", "forward", "backward", "optimizer")
 
 
-def breakdown(prof: profile, wall_us: float) -> dict[str, float] | None:
+def breakdown(prof: profile, wall_us: float) -> dict[str, float]:
     """Fraction of the profiled steps' wall time in each region, plus `other`; sums to 1. The wall
     time is the loop's own clock: the profiler's own step events can sum to nothing in its averages
-    with CUDA activity on (seen with torch 2.11 on an H100). So can the regions that launch GPU work
-    (torch 2.11 on an H200: forward, backward and optimizer 0.0%; pytorch/pytorch#148314): None
-    where forward and backward, in every step, hold no time."""
-    totals = {e.key: e.cpu_time_total for e in prof.key_averages()}
-    if not totals.get("forward") and not totals.get("backward"):
-        return None
-    out = {r: totals.get(r, 0.0) / wall_us for r in REGIONS}
+    with CUDA activity on (seen with torch 2.11 on an H100). A region's host time is summed over its
+    rows: the averages keep, as a row of its own, the GPU-side twin of a region that launches GPU
+    work, with no host time (an H200 read forward, backward and optimizer as 0.0% from those)."""
+    totals: dict[str, float] = collections.defaultdict(float)
+    for e in prof.key_averages():
+        totals[e.key] += e.cpu_time_total
+    out = {r: totals[r] / wall_us for r in REGIONS}
     out["other"] = max(0.0, 1.0 - sum(out.values()))
     return out
 
@@ -58,17 +59,13 @@ class StepProfiler:
     def _ready(self, prof: profile) -> None:
         if self.taken < self.window[1]:  # stopped early: the steps profiled so far plus the run's end
             return
-        self.result = breakdown(prof, 1e6 * (time.perf_counter() - self.started)) or {}  # {}: none to show
+        self.result = breakdown(prof, 1e6 * (time.perf_counter() - self.started))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.out_dir / "trace.json"))
-        if self.result:
-            (self.out_dir / "breakdown.json").write_text(json.dumps(self.result, indent=1))
-            print("step time breakdown (profiled steps):")
-            for name, frac in self.result.items():
-                print(f"  {name:<10} {100 * frac:5.1f}%")
-        else:
-            print("note: train.profile: the profiler's averages hold no time for the forward and backward "
-                  "regions (torch's, with CUDA activity on), so there is no breakdown; the trace has them.")
+        (self.out_dir / "breakdown.json").write_text(json.dumps(self.result, indent=1))
+        print("step time breakdown (profiled steps):")
+        for name, frac in self.result.items():
+            print(f"  {name:<10} {100 * frac:5.1f}%")
         print(f"  trace: {self.out_dir / 'trace.json'} (open in ui.perfetto.dev)")
 
     def close(self) -> None:
