@@ -150,6 +150,53 @@ def test_a_run_with_local_checkpoints_resumes_from_them_not_the_mirror(tmp_path)
     assert choose("auto", root, target) == root / "step_00000002"
 
 
+def test_a_run_resumed_from_its_mirror_keeps_the_best_checkpoint_there(tmp_path, cache):
+    # The disk lost, the resume fetches the newest alone; the mirror's prune keeps the best too
+    # (retention: the newest train.keep_last and the best), not only what the new disk holds.
+    out, target = tmp_path / "run", tmp_path / "mirror"
+    args = [f"run.out_dir={out}", f"run.mirror={target}", *TINY, cache, "train.eval_every=10",
+            "train.ckpt_every=10", "train.keep_last=1", "train.best_mode=max"]  # max: step 10 stays best
+
+    def mirrored() -> set[str]:
+        return {p.name for p in target.iterdir() if p.name.startswith("step_")}
+
+    assert train.main([*args, "train.max_steps=40"]) == 0
+    assert mirrored() == {"step_00000010", "step_00000040"}
+    shutil.rmtree(out / "checkpoints")
+    assert train.main([*args, "train.max_steps=60"]) == 0
+    assert mirrored() == {"step_00000010", "step_00000060"}
+    assert json.loads((out / "summary.json").read_text())["best"]["step"] == 10
+
+
+def test_a_resume_path_command_rerun_on_a_new_disk_continues_from_the_mirror(tmp_path, cache):
+    # A requeue onto a node whose out_dir is empty: the same command continues from this run's
+    # newest, which the mirror holds (its manifest names run.resume's PATH as where it started),
+    # rather than training from PATH again.
+    from conftest import metrics, train_here
+
+    src = tmp_path / "src"
+    assert train.main([f"run.out_dir={src}", *TINY, cache, "train.max_steps=2", "train.ckpt_every=2"]) == 0
+    start = src / "checkpoints" / "step_00000002"
+    out, keys = tmp_path / "run", [f"run.mirror={tmp_path / 'mirror'}", f"run.resume={start}", cache,
+                                   "train.ckpt_every=2"]
+    train_here(out, *keys, "train.max_steps=6")
+    shutil.rmtree(out)
+    proc = train_here(out, *keys, "train.max_steps=8")
+    assert "continuing from" in proc.stdout and [r["step"] for r in metrics(out)] == [7, 8]
+
+
+def test_a_resume_path_start_leaves_a_mirrored_checkpoint_of_another_start_alone(tmp_path):
+    # The mirror's newest did not start at PATH: not fetched into the new run's checkpoints/, where
+    # it would count as this run's newest (and its retention would prune the run's own).
+    from loop.checkpoint.resume import choose
+
+    target = str(tmp_path / "mirror")
+    run_with_mirror(Mirror(target), tmp_path / "other" / "checkpoints", [5])
+    start = save(tmp_path / "src" / "checkpoints", 2)
+    root = tmp_path / "run" / "checkpoints"
+    assert choose(str(start), root, target) == start and not store.step_dirs(root)
+
+
 def test_fetch_latest_none_when_mirror_empty(tmp_path):
     assert fetch_latest(mem_target(), tmp_path / "a") is None  # does not exist
     (tmp_path / "empty").mkdir()
@@ -245,7 +292,18 @@ def test_a_local_mirror_that_cannot_be_made_is_bad_input_at_once(tmp_path, where
     target = str(tmp_path / where)  # an absolute `where` stays as it is
     with pytest.raises(BadInput) as e:
         Mirror(target)
-    assert str(e.value).startswith(f"run.mirror={target}: cannot make the directory ("), str(e.value)
+    assert str(e.value).startswith(f"run.mirror={target}: cannot make the directory or write in it ("), str(e.value)
+
+
+def test_a_local_mirror_this_user_cannot_write_in_is_bad_input_at_once(tmp_path, cache):
+    # A directory that exists but takes no files (read-only, or, for root too, sysfs): exit 2
+    # before anything is written, not "could not copy" at every checkpoint and a run ending 0.
+    target = Path("/sys/kernel")
+    if not target.is_dir():
+        pytest.skip("needs sysfs, a directory even root cannot write in")
+    out = tmp_path / "run"
+    assert train.main([f"run.out_dir={out}", f"run.mirror={target}", *TINY, cache, "train.max_steps=2"]) == 2
+    assert not out.exists()
 
 
 def test_a_mirror_that_cannot_be_listed_is_bad_input(tmp_path):

@@ -20,6 +20,7 @@ import posixpath
 import queue
 import shutil
 import sys
+import tempfile
 import threading
 from functools import partial
 from pathlib import Path
@@ -69,9 +70,11 @@ class Mirror:
             # a prefix may not be allowed to look at the bucket.
             try:
                 self.fs.makedirs(self.root, exist_ok=True)
+                tempfile.TemporaryFile(dir=self.root).close()  # one it may not write to, likewise
             except OSError as e:
-                raise BadInput(f"run.mirror={target}: cannot make the directory ({e.strerror or e}). "
-                               f"Expected a directory this user can write to, or an fsspec URL.") from e
+                raise BadInput(f"run.mirror={target}: cannot make the directory or write in it "
+                               f"({e.strerror or e}). Expected a directory this user can write to, "
+                               f"or an fsspec URL.") from e
         self._queue: queue.Queue = queue.Queue()
         self._abandon = threading.Event()  # set when close() times out: skip what is left
         self._closed = False
@@ -161,12 +164,13 @@ def listed(target: str) -> tuple:
                        f"directory path or an fsspec URL this machine can read.") from e
 
 
-def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Path | None:
+def fetch_latest(target: str, local_root: Path, before_write=lambda: None, wanted=lambda _: True) -> Path | None:
     """Copy the newest mirrored checkpoint that verifies into local_root (atomic: temp dir then rename,
     so local_root/step_XXXXXXXX appears complete or not at all) and return its local path; None if the
-    mirror holds none. Invalid mirrored ones are skipped with a warning on stderr naming them; if
-    none of those with a manifest can be fetched, BadInput.
-    `before_write` is called before anything is written (the trainer makes and locks run.out_dir)."""
+    mirror holds none, or if `wanted` (of the verified copy) says no to it. Invalid mirrored ones
+    are skipped with a warning on stderr naming them; if none of those with a manifest can be
+    fetched, BadInput. `before_write` is called before anything is written (the trainer makes and
+    locks run.out_dir)."""
     fs, root, mirrored = listed(target)
     local_root = Path(local_root)
     if mirrored:
@@ -187,6 +191,9 @@ def fetch_latest(target: str, local_root: Path, before_write=lambda: None) -> Pa
             print(f"warning: skipping mirrored checkpoint {target}/{name}: {reason}", file=sys.stderr)
             refused += reason != INCOMPLETE
             continue
+        if not wanted(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
         shutil.rmtree(final, ignore_errors=True)  # a leftover at this step: replace it
         os.replace(tmp, final)
         fsync_dir(local_root)

@@ -6,7 +6,8 @@
     run.resume=PATH   that checkpoint dir, which must verify (checkpoints/latest or /best: the
                       one it names); or, once this run has saved since starting there, its
                       newest checkpoint from PATH on (`continued`): the same command reruns on,
-                      also where the latest or best it named has moved since
+                      also where the latest or best it named has moved since, and on a new disk
+                      from the mirror's newest, where that one started at PATH
     run.init_from=PATH (fresh starts only) model weights from that checkpoint (or exported
                       model.pt), nothing else (loop/checkpoint/weights.py)
 """
@@ -43,14 +44,18 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None,
         return None
     if not resume:  # Path("") is "." (here), which would be named "not a valid checkpoint"
         raise BadInput("config key run.resume is empty; expected auto, never or a checkpoint directory.")
+    if not store.step_dirs(ckpt_root) and mirror:  # a new disk (a requeue): the newest, if any, is there
+        from loop.checkpoint.mirror import fetch_latest
+
+        # run.resume=PATH: only a checkpoint this run saved since starting there (`continued`).
+        start = None if resume == "auto" else str(Path(resume).resolve())
+        fetched = fetch_latest(mirror, ckpt_root, before_fetch,
+                               lambda p: start is None or store.manifest(p).get("resumed_from") == start)
+        if fetched and resume == "auto":
+            return fetched
     if resume != "auto":
         given = followed(Path(resume))
         return continued(ckpt_root, Path(resume), given, say) or verified(given, "run.resume")
-    if not store.step_dirs(ckpt_root) and mirror:
-        from loop.checkpoint.mirror import fetch_latest
-
-        if fetched := fetch_latest(mirror, ckpt_root, before_fetch):
-            return fetched
     path = store.newest_valid(ckpt_root)
     if path is None and (latest := ckpt_root / "latest").is_file():  # its checkpoints deleted by hand
         raise BadInput(f"run.resume=auto: {latest} names {latest.read_text(errors='replace').strip()}, "

@@ -73,8 +73,8 @@ class Saver:
             atomic_write(self.root / "best", best.encode())
         else:  # none yet, or, resumed back in time, one the run before deleted: `best` names nothing
             (self.root / "best").unlink(missing_ok=True)
-        if self.mirror:
-            self.mirror.submit(path, {p.name for p in store.step_dirs(self.root)})
+        if self.mirror:  # the best too where only the mirror has it (a resume fetched the newest alone)
+            self.mirror.submit(path, {p.name for p in store.step_dirs(self.root)} | ({best} - {None}))
 
     def wait(self) -> None:
         """The checkpoint being written, if any, is on disk after this (before reading them)."""
