@@ -4,6 +4,7 @@ a CLI that exits 0 / 2, and tables (with the reason for no plots) when matplotli
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -200,6 +201,10 @@ def test_cli(runs, tmp_path):
                          "--price-per-hour", "1.5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert rows((tmp_path / "r" / "report.md").read_text())["finished"]["steps"] == "20"
+    here = subprocess.run([sys.executable, "-m", "tools.report", ".", "--out", str(tmp_path / "here")],
+                          cwd=runs["finished"], env={**os.environ, "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=120)  # the run named as "."
+    assert here.returncode == 0 and rows((tmp_path / "here" / "report.md").read_text())["finished"]["steps"] == "20"
     empty = tmp_path / "not_a_run"
     empty.mkdir()
     bad = subprocess.run([sys.executable, "-m", "tools.report", str(runs["finished"]), str(empty)], cwd=ROOT,
@@ -317,6 +322,9 @@ def test_the_loss_is_drawn_on_a_log_axis_where_every_value_is_positive(tmp_path,
     assert labels["loss_vs_tokens"] == "tokens"
     plot([{"name": "run", "recs": recs}], tmp_path, "targets")  # a regression's targets are not tokens
     assert labels["loss_vs_tokens"] == "targets"
+    skipped = {"step": 200, "tokens": 1600, "loss": float("nan"), "lr": 1e-3}  # train.nan_policy=skip's
+    plot([{"name": "run", "recs": [*recs, skipped]}], tmp_path)
+    assert scales["loss_vs_step"] == scales["loss_vs_tokens"] == "log"  # NaN: not drawn, the axis stays
     plot([{"name": "run", "recs": [*recs, {"step": 200, "tokens": 1600, "loss": 0.0, "lr": 1e-3}]}], tmp_path)
     assert scales["loss_vs_step"] == "linear"  # a loss of 0 has no place on a log axis
 
@@ -329,3 +337,4 @@ def test_a_run_whose_targets_are_not_tokens_says_targets(runs, tmp_path):
     (run / "metadata.json").write_text(json.dumps({**meta, "data": {**meta["data"], "unit": "targets"}}))
     md = write_report([run], tmp_path / "out").read_text()
     assert {"targets", "mean targets/s"} <= rows(md)["regression"].keys() and "tokens" not in md.split("\n")[2]
+

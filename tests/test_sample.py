@@ -4,6 +4,9 @@
 token ids, an empty prompt starts from token 0, and bad input is exit 2 naming it."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -75,8 +78,9 @@ def test_bad_input_is_exit_2_naming_it(run, capsys, argv, says):
 
 @pytest.mark.slow
 def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
-    code, out, err = drawn(capsys, run / "checkpoints" / "latest", "--ema")
-    assert (code, out) == (2, "") and "--ema reads a finished run's model.pt" in err
+    for checkpoint in (run / "checkpoints" / "latest", run / "checkpoints" / "step_00000020" / "state.pt"):
+        code, out, err = drawn(capsys, checkpoint, "--ema")  # a state.pt is its checkpoint's
+        assert (code, out) == (2, "") and "--ema reads a finished run's model.pt" in err, err
     code, out, err = drawn(capsys, tmp_path)
     assert (code, out, err) == (2, "", f"error: {tmp_path}: expected a run directory with model.pt, "
                                        f"a model.pt, or a checkpoint directory.\n")
@@ -90,6 +94,19 @@ def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
             sample.main([str(run), *bad])
         assert e.value.code == 2 and says in capsys.readouterr().err, bad
     assert drawn(capsys, run, "--seed", str(2**64 - 1), "--tokens", "5")[0] == 0
+
+
+@pytest.mark.slow
+def test_a_model_pt_the_run_has_trained_past_is_sampled_and_said(run, capsys, tmp_path):
+    # A finished run resumed for more steps: its model.pt (and summary.json) are from its first
+    # end, checkpoints/latest is newer. The weights asked for are sampled, and the note says so.
+    shutil.copytree(run, tmp_path / "run")
+    end = json.loads((tmp_path / "run" / "summary.json").read_text())
+    (tmp_path / "run" / "summary.json").write_text(json.dumps({**end, "steps": 10}))  # its first end
+    code, out, err = drawn(capsys, tmp_path / "run", "--tokens", "5")
+    assert code == 0 and out == drawn(capsys, run, "--tokens", "5")[1]
+    assert "holds step 10's weights" in err and "step_00000020" in err
+    assert "note" not in drawn(capsys, run, "--tokens", "5")[2]  # the run as it ended: nothing to say
 
 
 @pytest.mark.slow

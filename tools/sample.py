@@ -39,7 +39,10 @@ CODE = "Use the model code it was trained with."  # the config is its own: only 
 def load(path: Path, ema: bool, device: torch.device):
     """(model in eval mode, its data) from a run dir, a model.pt or a checkpoint dir."""
     path = resume.followed(path)
+    if path.name == "state.pt" and path.is_file():  # a checkpoint's: its directory
+        path = path.parent
     if (path / "model.pt").is_file():
+        trained_on(path)
         path = path / "model.pt"
     if path.is_file():
         saved = store.load(path.parent, path.name)
@@ -71,6 +74,16 @@ def load(path: Path, ema: bool, device: torch.device):
     else:
         weights.load_model_state(path, model, cfg, advice=CODE)
     return model.to(device).eval(), data
+
+
+def trained_on(run: Path) -> None:
+    """A finished run resumed for more steps (or resuming now): its model.pt is from its first end.
+    Said, with where the newest weights are; model.pt is what is sampled, as asked."""
+    steps, latest = (_json(run / "summary.json") or {}).get("steps"), run / "checkpoints" / "latest"
+    name = latest.read_text(errors="replace").strip() if latest.is_file() else ""
+    if isinstance(steps, int) and (m := store.STEP_DIR.match(name)) and int(m.group(1)) > steps:
+        print(f"note: {run / 'model.pt'} holds step {steps}'s weights; the run has trained on since, "
+              f"to {name}: for those, give {latest}", file=sys.stderr)
 
 
 def _json(path: Path) -> dict | None:

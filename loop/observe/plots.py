@@ -2,6 +2,7 @@
 matplotlib; `plot` raises ImportError without it, which the report says instead of failing."""
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -17,7 +18,9 @@ def plot(runs: list[dict], out_dir: Path, unit: str = "tokens") -> list[str]:
     from matplotlib.figure import Figure
 
     def series(recs: list[dict], x: str, y: str) -> tuple[list, list]:
-        pts = [(r[x], r[y]) for r in recs if isinstance(r.get(y), (int, float)) and r.get(x) is not None]
+        # Finite values only: a skipped step's NaN loss is not drawn, and would turn the log axis off.
+        pts = [(r[x], r[y]) for r in recs
+               if isinstance(r.get(y), (int, float)) and math.isfinite(r[y]) and r.get(x) is not None]
         return [p[0] for p in pts], [p[1] for p in pts]
 
     figures = {  # name: (x key, [(y key, style suffix)], x label, y label, log y)

@@ -84,7 +84,7 @@ def load_run(run_dir: Path) -> dict:
     status = "finished" + (" (stopped early)" if summ.get("stopped_early") else "") if finished \
         else f"interrupted at step {last.get('step', 0)}"
     return {
-        "name": run_dir.name, "recs": recs, "status": status,
+        "name": run_dir.resolve().name, "recs": recs, "status": status,
         "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None, "steps": steps, "tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,  # a finished run's: summary.json's tokens_per_s
         "peak_gb": max(mem) if mem else None, "mfu": sum(mfu) / len(mfu) if mfu else None,
