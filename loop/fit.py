@@ -128,10 +128,10 @@ def runs(model: nn.Module, data: Data, size: int, device: torch.device, precisio
 def resumed_micro_batch(run, out: Path) -> int | None:
     """data.batch_size of the checkpoint this run resumes, as loop/checkpoint/resume.py chooses it
     (and will again, when the run starts), with out_dir locked first: a second run on it stops
-    before trying sizes on the GPU the first one uses, and a bad run.resume is named as such. None
-    for a fresh start, or one from run.mirror (fetched when the run starts: sizes are tried)."""
+    before trying sizes on the GPU the first one uses, and a bad run.resume is named as such. One
+    in run.mirror (out_dir's checkpoints gone) is fetched here, as the run would. None: a fresh start."""
     runlock.hold(out)
-    path = resume.choose(run.resume, out / "checkpoints", mirror="", say=lambda _: None)
+    path = resume.choose(run.resume, out / "checkpoints", run.mirror, lambda: runlock.claim(out), say=lambda _: None)
     if path is None:
         return None
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)  # verified

@@ -6,6 +6,7 @@ GPU: tests/test_cuda.py::test_an_auto_micro_batch_fits_the_gpu_without_running_o
 from __future__ import annotations
 
 import gc
+import shutil
 import weakref
 from types import SimpleNamespace
 
@@ -167,6 +168,18 @@ def test_auto_follows_a_run_resume_path_as_the_run_does_and_names_what_is_wrong_
         proc = train_here(out, cache, *steps, resume, "data.batch_size=auto", check=False)
         assert proc.returncode == 2 and says in proc.stderr and "CUDA" not in proc.stderr, proc.stderr
         assert sorted(p.name for p in out.rglob("*")) == before
+
+
+def test_auto_takes_the_micro_batch_of_a_checkpoint_the_run_fetches_from_its_mirror(tmp_path, cache):
+    # out_dir's checkpoints gone (a new disk, `latest` left): the run resumes the mirror's newest,
+    # and auto takes its micro-batch, rather than refusing the `latest` that names nothing.
+    steps = ["train.global_batch=8", "train.ckpt_every=3", "train.eval_every=0", f"run.mirror={tmp_path / 'mirror'}"]
+    out = tmp_path / "run"
+    train_here(out, cache, *steps, "data.batch_size=2", "train.max_steps=3")
+    shutil.rmtree(out / "checkpoints" / "step_00000003")
+    rerun = train_here(out, cache, *steps, "data.batch_size=auto", "train.max_steps=6")
+    assert "data.batch_size=auto: 2, the micro-batch of the checkpoint it resumes" in rerun.stdout, rerun.stderr
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4, 5, 6]
 
 
 @pytest.mark.slow
