@@ -84,6 +84,8 @@ def test_what_holds_no_model_is_exit_2(run, capsys, tmp_path):
     code, out, err = drawn(capsys, tmp_path)
     assert (code, out, err) == (2, "", f"error: {tmp_path}: expected a run directory with model.pt, "
                                        f"a model.pt, or a checkpoint directory.\n")
+    code, out, err = drawn(capsys, run / "checkpoints")  # the folder, not one of its checkpoints
+    assert code == 2 and f"holds checkpoints: the newest is {run / 'checkpoints' / 'step_00000020'}" in err, err
     # A seed past 64 bits or a negative one: exit 2, not a ValueError traceback from manual_seed.
     for bad, says in ((["--tokens", "0"], "--tokens: expected an integer >= 1, got 0"),
                       (["--temperature", "0"], "--temperature: expected a finite number > 0, got '0'"),

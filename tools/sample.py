@@ -50,7 +50,7 @@ def load(path: Path, ema: bool, device: torch.device):
         saved = store.load(resume.verified(path, "checkpoint"), "state.pt")
     else:
         raise BadInput(f"{path}: expected a run directory with model.pt, a model.pt, or a checkpoint "
-                       f"directory.{resume.checkpoints_near(path / 'checkpoints')}")
+                       f"directory.{resume.checkpoints_near(path)}")
     if not isinstance(saved, dict) or not isinstance(saved.get("config"), dict):
         raise BadInput(f"{path}: no config saved with these weights (a bare state_dict?); expected a "
                        f"model.pt or checkpoint that train.py wrote.")
