@@ -209,6 +209,19 @@ def run_and_kill(out: Path, at_step: int, *overrides: str) -> str:
     return printed
 
 
+def out_of_memory_in_a_cycle() -> None:
+    """Raise an out-of-memory error from a frame that keeps it: error -> traceback -> this frame ->
+    error, a reference cycle that holds every frame it passed through, and their tensors (one held a
+    failed try's 139 GiB on an H200) until the collector runs."""
+    import torch
+
+    try:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    except torch.OutOfMemoryError as e:
+        kept = e
+        raise kept
+
+
 def metrics(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 

@@ -13,7 +13,17 @@ import weakref
 import pytest
 import torch
 
-from conftest import ROOT, Mapped, load_config, metrics, run_and_kill, run_train, summary, train_here
+from conftest import (
+    ROOT,
+    Mapped,
+    load_config,
+    metrics,
+    out_of_memory_in_a_cycle,
+    run_and_kill,
+    run_train,
+    summary,
+    train_here,
+)
 from loop.checkpoint import store
 from loop.config.load import DEFAULT_CONFIG as DEFAULT
 from loop.config.runtime import check_with_world, idle_settings
@@ -384,11 +394,7 @@ def test_a_split_frees_the_failed_try_s_tensors_that_a_reference_cycle_held():
     def forward():
         activations = torch.zeros(1000)
         held.append(weakref.ref(activations))
-        try:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 768.00 MiB.")
-        except torch.OutOfMemoryError as e:
-            kept = e  # a frame that keeps its error: the cycle
-            raise kept
+        out_of_memory_in_a_cycle()
 
     gc.disable()  # no collection but the split's
     try:
@@ -408,7 +414,7 @@ def test_the_contract_probe_retries_in_halves_with_what_the_failed_try_held_free
 
     from loop.evaluate import Evaluator
 
-    class FitsTwo(torch.nn.Module):  # keeps its out-of-memory error: the cycle
+    class FitsTwo(torch.nn.Module):  # runs out of memory past 2 samples, in a cycle
         def __init__(self):
             super().__init__()
             self.tries = []
@@ -418,11 +424,7 @@ def test_the_contract_probe_retries_in_halves_with_what_the_failed_try_held_free
             assert all(t() is None for t in self.tries), "a failed try's tensors are still held"
             self.tries.append(weakref.ref(x))
             if len(x) > 2:
-                try:
-                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-                except torch.OutOfMemoryError as e:
-                    kept = e
-                    raise kept
+                out_of_memory_in_a_cycle()
             return (batch["y"] != -100).sum().float() * 2  # a loss of 2 per target
 
     y = torch.zeros(8, 4, dtype=torch.long)

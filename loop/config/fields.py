@@ -226,13 +226,10 @@ def at_least(low: int, at_most: int | None = None):
     return parse
 
 
-INT64 = 2**63 - 1  # the largest integer a tensor, a checkpoint or itertools.islice takes
+INT64 = 2**63 - 1  # the largest count a tensor or itertools.islice takes (a batch's samples)
 
 
 def _bounds(value, meta, key: str) -> None:
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > INT64:
-        # Else data.batch_size=1e20 is a ValueError traceback from islice after run.out_dir is made.
-        raise BadInput(f"config key {key}: expected an integer of at most 64 bits ({INT64}), got {shown(value)}.")
     for name, fails, says in (("min", lambda v, b: v < b, ">="), ("max", lambda v, b: v > b, "<="),
                               ("above", lambda v, b: v <= b, ">"), ("below", lambda v, b: v >= b, "<")):
         bound = meta.get(name)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from loop.config.fields import opt
+from loop.config.fields import INT64, opt
 from loop.lab import SWITCHES
 
 
@@ -17,7 +17,7 @@ class DataSection:
     """The loop's keys of `data`; data.name's builder reads the rest (data/__init__.py)."""
     name: str = ""  # which data set: a name in the project's DATASETS
     # Per micro-step, per process; auto: the largest that fits the GPU (loop/fit.py)
-    batch_size: int = opt(16, min=1, auto=True)
+    batch_size: int = opt(16, min=1, max=INT64, auto=True)
     num_workers: int = opt(0, min=0)
     prefetch_factor: int = opt(2, min=1)
     pin_memory: bool = True  # only takes effect on CUDA
@@ -65,16 +65,16 @@ class ScheduleConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = opt(500, min=0)
-    grad_accum: int = opt(2, min=1)
+    grad_accum: int = opt(2, min=1, max=INT64)
     # Samples per optimizer step over every process; set, train.grad_accum follows from it (the
     # same step whatever the micro-batch and process count). 0: batch_size x grad_accum x processes
-    global_batch: int = opt(0, min=0)
+    global_batch: int = opt(0, min=0, max=INT64)
     clip_grad: float = opt(1.0, min=0.0)  # 0 = no clipping (the norm is still logged)
     precision: str = opt("auto", choices=("auto", "bf16", "fp16", "fp32"))
     device: str = "auto"  # auto (cuda > mps > cpu) or a torch device string
     log_every: int = opt(10, min=1)
     eval_every: int = opt(50, min=0)  # and at the last step; 0 = only there
-    eval_batches: int = opt(10, min=1)  # validation: this many x batch_size x processes (or x global_batch)
+    eval_batches: int = opt(10, min=1, max=INT64)  # validation: this many x batch_size x processes (or x global_batch)
     ckpt_every: int = opt(100, min=0)  # 0 = only at the end
     keep_last: int = opt(3, min=1)  # newest checkpoints kept, plus the best one
     async_save: bool = False  # copy state to CPU memory, write the checkpoint in a background thread
