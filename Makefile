@@ -51,7 +51,7 @@ test-fast: $(ENV)
 # make new-project DEST=../myproj [EXAMPLES=1]: a project of your own, ready to train
 # (tools/new_project.py); it copies files, so any python3 does.
 new-project:
-	python3 -m tools.new_project $(DEST) $(if $(EXAMPLES),--examples)
+	python3 -m tools.new_project $(if $(DEST),"$(DEST)") $(if $(EXAMPLES),--examples)
 
 $(VENV)/.stamp: requirements.lock pyproject.toml
 	python3 -m venv $(VENV)

@@ -145,6 +145,17 @@ def test_a_dest_that_cannot_be_made_or_lies_in_what_is_copied_is_bad_input(tmp_p
         assert not dest.exists()
 
 
+def test_a_dest_with_a_space_is_made_and_the_examples_come_only_from_the_scaffold(tmp_path):
+    # The printed command pastes as it is; a project's own copy has no examples to give (it gave its
+    # own data/ and model/ as examples, exit 0).
+    project = tmp_path / "my proj"
+    made = make(ROOT, "new-project", f"DEST={project}")
+    assert made.returncode == 0 and f"cd '{project}' && make train" in made.stdout, made.stderr
+    again = subprocess.run([sys.executable, "-m", "tools.new_project", str(tmp_path / "q"), "--examples"],
+                           cwd=project, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "--examples" in again.stderr and not (tmp_path / "q").exists()
+
+
 def test_a_project_is_named_for_its_directory_in_letters_digits_and_dashes():
     assert [project_name(Path(p)) for p in ("/x/My Proj_2", "/x/v1.0", "/x/--", "/x/ok")] == \
         ["my-proj-2", "v1-0", "my-project", "ok"]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import shlex
 import shutil
 import sys
 from pathlib import Path
@@ -38,6 +39,9 @@ EXAMPLES = {"data": "DATASETS", "model": "MODELS"}  # package -> its registry
 
 
 def make(dest: Path, examples: bool) -> None:
+    if examples and (ROOT / "data" / "mine.py").exists():  # a project made here holds its own
+        raise BadInput("--examples: this is a project of your own, whose data/ and model/ hold no example; "
+                       "make the new project from the scaffold (make new-project DEST=... EXAMPLES=1).")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise BadInput(f"DEST={dest}: already exists and is not an empty directory; expected a new path.")
     for name in COPIED:  # a copy into what it copies would go on until the disk is full
@@ -115,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"made {a.dest}: cd {a.dest} && make train")
+    print(f"made {a.dest}: cd {shlex.quote(str(a.dest))} && make train")
     return 0
 
 
