@@ -110,9 +110,8 @@ class Trainer:
                 if profiler:
                     profiler.step()
                 stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
-                best = False
-                if (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps:
-                    best = self.evaluator.evaluate(self.log, self.monitor)  # a best like any other
+                evaluate = (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps
+                best = bool(evaluate) and self.evaluator.evaluate(self.log, self.monitor)  # a best like any other
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()
@@ -151,8 +150,27 @@ class Trainer:
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in batches)])[0])
         if not n_targets:  # every y is -100 on every rank (e.g. prompts only): nothing to learn
             return self.skip_empty(batches, data_ms)
-        while (losses := self.forward_backward(batches, n_targets)) is None:  # out of memory: every
-            self.recover_from_oom()  # rank retries the same samples in smaller micro-batches
+        while True:  # out of memory: every rank retries the same samples in smaller micro-batches
+            losses = []
+            with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
+                pieces = [piece for m in batches for piece in split_batch(m, p.micro_split)]
+                for i, batch in enumerate(pieces):
+                    last = i == len(pieces) - 1
+                    with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
+                        loss = self.forward(batch)  # summed over the micro-batch's targets
+                        losses.append(loss.detach().float())
+                        # / the step's targets on every rank (x world: DDP averages): one big batch's
+                        # gradients. Lab: each micro-batch's own mean / pieces.
+                        per = batch["n_targets"] * len(pieces) if self.lab == "mean_loss_per_microbatch" else n_targets
+                        scaled = self.scaler.scale(loss * (self.dist.world / per))
+                        if last:
+                            attempt.agree()  # before gradients cross ranks: did any rank run out?
+                        with record_function("backward"):
+                            scaled.backward()
+            if not attempt.failed:
+                break
+            loss = scaled = None  # the failed try's graph, freed before the split hands memory back
+            self.recover_from_oom()
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
@@ -182,26 +200,6 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         self.count(batches, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
         return True
-
-    def forward_backward(self, batches: list[dict], n_targets: int) -> list[torch.Tensor] | None:
-        """Forward and backward of the micro-batches, in pieces: their losses, or None: a rank ran out of memory."""
-        losses = []
-        with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
-            pieces = [piece for m in batches for piece in split_batch(m, self.progress.micro_split)]
-            for i, batch in enumerate(pieces):
-                last = i == len(pieces) - 1
-                with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
-                    loss = self.forward(batch)  # summed over the micro-batch's targets
-                    losses.append(loss.detach().float())
-                    # / the step's targets on every rank (x world: DDP averages): one big batch's
-                    # gradients. Lab: each micro-batch's own mean / pieces.
-                    per = batch["n_targets"] * len(pieces) if self.lab == "mean_loss_per_microbatch" else n_targets
-                    scaled = self.scaler.scale(loss * (self.dist.world / per))
-                    if last:
-                        attempt.agree()  # before gradients cross ranks: did any rank run out?
-                    with record_function("backward"):
-                        scaled.backward()
-        return None if attempt.failed else losses
 
     def forward(self, batch: dict) -> torch.Tensor:
         """One micro-batch's loss, summed over its targets (the model's contract: loop/evaluate.py)."""
