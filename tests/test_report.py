@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -34,7 +35,7 @@ def rows(md: str) -> dict[str, dict[str, str]]:
     """The report's table as {run name: {column: cell}}."""
     lines = [ln for ln in md.splitlines() if ln.startswith("| ")]
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    cells = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[1:]]
+    cells = [[c.strip() for c in re.split(r"(?<!\\)\|", ln[1:-1])] for ln in lines[1:]]  # \| is in a cell
     return {c[0]: dict(zip(head, c)) for c in cells}
 
 
@@ -109,6 +110,14 @@ def test_two_runs_overlaid(runs, tmp_path):
     for name in ("loss_vs_step", "loss_vs_tokens", "lr", "tokens_per_s"):
         assert_png(both / f"{name}.png")
     assert (both / "loss_vs_step.png").read_bytes() != (single / "loss_vs_step.png").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_bar_in_a_run_s_name_stays_in_its_cell(runs, tmp_path):
+    run = tmp_path / "lr|3e-4"
+    shutil.copytree(runs["finished"], run)
+    table = rows(write_report([run], tmp_path / "report").read_text())
+    assert table[r"lr\|3e-4"]["steps"] == "20" and table[r"lr\|3e-4"]["status"] == "finished"
 
 
 @pytest.mark.slow

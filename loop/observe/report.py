@@ -167,7 +167,8 @@ def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_
                      _fmt(r["final_loss"], ".4f"), _fmt(r["best_val"], ".4f"), _best(r["best"])])
     kept = [i for i in range(len(head)) if any(row[i] != "n/a" for row in rows)]
     lines = ["| " + " | ".join(head[i] for i in kept) + " |", "|" + "---|" * len(kept)]
-    return "\n".join(lines + ["| " + " | ".join(row[i] for i in kept) + " |" for row in rows])
+    # A | in a cell (a run dir named a|b) would end it: Markdown's escape keeps the columns.
+    return "\n".join(lines + ["| " + " | ".join(row[i].replace("|", r"\|") for i in kept) + " |" for row in rows])
 
 
 def write_report(run_dirs: list[Path], out_dir: Path,
