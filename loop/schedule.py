@@ -15,22 +15,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from loop.errors import BadInput
 
 
-def _warmup(s: int, w: int) -> float | None:
-    return (s + 1) / w if s < w else None
-
-
 def warmup_cosine(s: int, cfg, max_steps: int) -> float:
-    w = _warmup(s, cfg.warmup_steps)
-    if w is not None:
-        return w
     progress = min(1.0, (s - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps))
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def cosine_restarts(s: int, cfg, max_steps: int) -> float:
-    w = _warmup(s, cfg.warmup_steps)
-    if w is not None:
-        return w
     t, period = s - cfg.warmup_steps, cfg.restart_period
     if cfg.restart_mult == 1:  # equal cycles in one step; the loop below would take s/period turns
         t %= period
@@ -40,22 +30,26 @@ def cosine_restarts(s: int, cfg, max_steps: int) -> float:
 
 
 def inverse_sqrt(s: int, cfg, max_steps: int) -> float:
-    w = _warmup(s, cfg.warmup_steps)
-    return w if w is not None else math.sqrt(max(1, cfg.warmup_steps) / (s + 1))
+    return math.sqrt(max(1, cfg.warmup_steps) / (s + 1))
 
 
 def step_decay(s: int, cfg, max_steps: int) -> float:
-    w = _warmup(s, cfg.warmup_steps)
-    return w if w is not None else cfg.gamma ** ((s - cfg.warmup_steps) // cfg.step_size)
+    return cfg.gamma ** ((s - cfg.warmup_steps) // cfg.step_size)
 
 
 def constant(s: int, cfg, max_steps: int) -> float:
-    w = _warmup(s, cfg.warmup_steps)
-    return w if w is not None else 1.0
+    return 1.0
 
 
+# Each schedule's factor from step schedule.warmup_steps on; lr_factor puts the warmup before it.
 SCHEDULES = {"warmup_cosine": warmup_cosine, "cosine_restarts": cosine_restarts,
              "inverse_sqrt": inverse_sqrt, "step": step_decay, "constant": constant}
+
+
+def lr_factor(s: int, cfg, max_steps: int) -> float:
+    """The factor of optim.lr at step s: the linear warmup, then schedule.name's curve."""
+    w = cfg.warmup_steps
+    return (s + 1) / w if s < w else SCHEDULES[cfg.name](s, cfg, max_steps)
 
 
 class Schedule(LambdaLR):
@@ -74,4 +68,4 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, max_steps: int) -> Sc
     if cfg.name not in SCHEDULES:
         raise BadInput(f"config key schedule.name: expected one of {', '.join(SCHEDULES)}; "
                        f"got {cfg.name!r}.")
-    return Schedule(optimizer, partial(SCHEDULES[cfg.name], cfg=cfg, max_steps=max_steps))
+    return Schedule(optimizer, partial(lr_factor, cfg=cfg, max_steps=max_steps))

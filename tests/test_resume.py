@@ -473,13 +473,13 @@ def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_o
     from conftest import load_config
     from loop.checkpoint.notes import reshaped
     from loop.config.load import DEFAULT_CONFIG, to_dict
-    from loop.schedule import warmup_cosine
+    from loop.schedule import lr_factor
 
     was = to_dict(load_config(DEFAULT_CONFIG, ["train.max_steps=30"]))
     state = {"config": was, "scheduler": {"last_epoch": 30}}
     cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=60"])
-    before = warmup_cosine(30, cfg.schedule, 30) * cfg.optim.lr
-    after = warmup_cosine(30, cfg.schedule, 60) * cfg.optim.lr
+    before = lr_factor(30, cfg.schedule, 30) * cfg.optim.lr
+    after = lr_factor(30, cfg.schedule, 60) * cfg.optim.lr
     note = reshaped(state, cfg)
     assert note.startswith(f"train.max_steps 30 -> 60 reshapes schedule.name=warmup_cosine over the new "
                            f"horizon: the learning rate at this step goes from {before:.3g} to {after:.3g}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from loop.checkpoint import store
 from loop.config.load import changed_keys
-from loop.schedule import SCHEDULES
+from loop.schedule import lr_factor
 
 
 def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
@@ -65,8 +65,8 @@ def reshaped(state: dict, cfg) -> str | None:
     """What a new train.max_steps does to a schedule that depends on it (warmup_cosine's horizon):
     the LR at the resumed step jumps. None if it stays (a schedule without a horizon)."""
     was_steps, s = state["config"]["train"]["max_steps"], state["scheduler"]["last_epoch"]
-    schedule, lr = SCHEDULES[cfg.schedule.name], cfg.optim.lr
-    before, after = schedule(s, cfg.schedule, was_steps) * lr, schedule(s, cfg.schedule, cfg.train.max_steps) * lr
+    lr = cfg.optim.lr
+    before, after = lr_factor(s, cfg.schedule, was_steps) * lr, lr_factor(s, cfg.schedule, cfg.train.max_steps) * lr
     if before == after:
         return None
     return (f"train.max_steps {was_steps} -> {cfg.train.max_steps} reshapes schedule.name={cfg.schedule.name} "
