@@ -71,29 +71,7 @@ class Trainer:
 
     def run(self) -> dict:
         cfg, tc, p = self.cfg, self.cfg.train, self.progress
-        if self.lab:
-            self.dist.say(banner(self.lab))
-        self.evaluator.check_model(self.raw, self.monitor.metric, tc.compile)  # before anything is written
-        path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
-        if self.dist.main:  # before the restore, which compares it with the checkpoint's
-            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
-                                             {**self.data.meta, "unit": self.data.unit}, path)
-        self.run_facts = {"config": to_dict(cfg), "config_sha256": config_hash(cfg),
-                          "world_size": self.dist.world, "metadata": self.metadata}
-        if path:
-            self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata, self.lab)
-        elif cfg.run.init_from:
-            taken = state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg)
-            self.dist.say(f"initialised model weights from {taken}")
-        if cfg.run.mirror:  # opened before any write: a bad URL is bad input (said on every rank)
-            self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
-        self.dist.on_main(lambda: runlock.claim(self.out))
-        if self.dist.main:  # from here on, files are written
-            save_config(cfg, self.out / "config.yaml")
-            atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
-            # Metrics from rank 0 (the values are global), from the resumed step on.
-            self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, unit=self.data.unit,
-                                  telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world))
+        self.start()  # resumed if it can be; config.yaml, metadata.json and the log written
         preemption, profiler, ended = Preemption(), None, False
         try:  # from the log's opening on: an error anywhere closes what is open (the finally below)
             self.dist.say(summary.start_line(self.raw, self.model, self.sharded, self.device, self.precision.name,
@@ -126,18 +104,51 @@ class Trainer:
             preemption.close()
             if profiler:
                 profiler.close()
-            self.feed.close()  # the DataLoader workers, even if an error pins them
-            # Even on the way out of an error every finished step is on disk (written before its
-            # console line); a console gone with it (a `tee` ended by the same Ctrl-C) must not stop that.
-            with contextlib.suppress(BrokenPipeError):
-                self.log.flush()
-            try:
-                self.checkpoints.close()  # the last checkpoint is on disk, and mirrored
-            finally:
-                if not ended:  # an error or Ctrl-C on its way out, which it reports, not this
-                    with contextlib.suppress(OSError):  # (a full disk again, closing the log)
-                        self.log.close()
+            self.close(ended)
         return self.finish()
+
+    def start(self) -> None:
+        """Before the first step: check the model, pick the checkpoint to resume (out_dir locked),
+        restore it or warm-start, then write config.yaml and metadata.json and open the log."""
+        cfg, tc, p = self.cfg, self.cfg.train, self.progress
+        if self.lab:
+            self.dist.say(banner(self.lab))
+        self.evaluator.check_model(self.raw, self.monitor.metric, tc.compile)  # before anything is written
+        path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
+        if self.dist.main:  # before the restore, which compares it with the checkpoint's
+            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
+                                             {**self.data.meta, "unit": self.data.unit}, path)
+        self.run_facts = {"config": to_dict(cfg), "config_sha256": config_hash(cfg),
+                          "world_size": self.dist.world, "metadata": self.metadata}
+        if path:
+            self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata, self.lab)
+        elif cfg.run.init_from:
+            taken = state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg)
+            self.dist.say(f"initialised model weights from {taken}")
+        if cfg.run.mirror:  # opened before any write: a bad URL is bad input (said on every rank)
+            self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
+        self.dist.on_main(lambda: runlock.claim(self.out))
+        if self.dist.main:  # from here on, files are written
+            save_config(cfg, self.out / "config.yaml")
+            atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
+            # Metrics from rank 0 (the values are global), from the resumed step on.
+            self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, unit=self.data.unit,
+                                  telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world))
+
+    def close(self, ended: bool) -> None:
+        """Close what the run opened, on its way out of an error too. `ended`: the loop ran to its
+        end (done, early stop, preempted) and finish() follows."""
+        self.feed.close()  # the DataLoader workers, even if an error pins them
+        # Even on the way out of an error every finished step is on disk (written before its
+        # console line); a console gone with it (a `tee` ended by the same Ctrl-C) must not stop that.
+        with contextlib.suppress(BrokenPipeError):
+            self.log.flush()
+        try:
+            self.checkpoints.close()  # the last checkpoint is on disk, and mirrored
+        finally:
+            if not ended:  # an error or Ctrl-C on its way out, which it reports, not this
+                with contextlib.suppress(OSError):  # (a full disk again, closing the log)
+                    self.log.close()
 
     def step(self) -> bool:
         """One optimizer step: train.grad_accum micro-batches, in p.micro_split pieces each. False: rolled back."""
@@ -159,10 +170,10 @@ class Trainer:
                     with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
                         loss = self.forward(batch)  # summed over the micro-batch's targets
                         losses.append(loss.detach().float())
-                        # / the step's targets on every rank (x world: DDP averages): one big batch's
-                        # gradients. Lab: each micro-batch's own mean / pieces.
-                        per = batch["n_targets"] * len(pieces) if self.lab == "mean_loss_per_microbatch" else n_targets
-                        scaled = self.scaler.scale(loss * (self.dist.world / per))
+                        per = n_targets  # the step's targets on every rank (x world: DDP averages)
+                        if self.lab == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
+                            per = batch["n_targets"] * len(pieces)
+                        scaled = self.scaler.scale(loss * (self.dist.world / per))  # one big batch's gradients
                         if last:
                             attempt.agree()  # before gradients cross ranks: did any rank run out?
                         with record_function("backward"):
