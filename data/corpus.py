@@ -38,8 +38,8 @@ def embedded_text() -> str:
 
 
 def read_text(path: str) -> str:
-    """The file's characters as they are: read_text's newline translation turned \r\n and \r into
-    \n, so the model trained on other text than the file's, under a sha256 no file had."""
+    """The file's characters as they are: read_text's newline translation turns \r\n and \r into
+    \n, and the model would train on other text than the file's, under a sha256 no file has."""
     try:
         return Path(path).read_bytes().decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
@@ -74,7 +74,7 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
     tmp.mkdir()
     train, val = ids[:-n_val].astype(np.uint16).tobytes(), ids[-n_val:].astype(np.uint16).tobytes()
     meta = {**meta, "train_tokens": len(ids) - n_val, "val_tokens": n_val,
-            "tokens_sha256": hashlib.sha256(train + val).hexdigest()}  # data/__init__.py checks it
+            "tokens_sha256": hashlib.sha256(train + val).hexdigest()}  # data/tokens.py checks it
     try:
         write_synced(tmp / "train.bin", train)
         write_synced(tmp / "val.bin", val)
@@ -112,4 +112,3 @@ def prepare_text(text: str, source: str, cache_dir: str, val_fraction: float) ->
     meta = {"kind": "chars", "source": source, "sha256": sha, "vocab_size": len(chars),
             "chars": "".join(chars)}
     return write_tokens(out, ids, val_fraction, meta)
-

@@ -40,13 +40,3 @@ def no_room(e: OSError, dirs: dict[str, str]) -> str:
             f"limit was reached. Any steps trained since the newest checkpoint are lost; the "
             f"checkpoints are whole. Free space in {where} and rerun the same command to continue "
             f"from the newest.")
-
-
-
-
-
-
-
-
-
-

@@ -155,9 +155,9 @@ class GPT(nn.Module):
         """Sample n tokens after idx (1, T) with its own generator, so training RNG is untouched."""
         for _ in range(n):
             logits = self.logits(idx[:, -self.seq_len :])[:, -1].float()
-            # The largest logit made 0 before dividing: a temperature of 1e-39 overflowed (inf - inf
-            # in softmax: NaN, and multinomial raised). One below float32's smallest normal, which a
-            # float32 division takes as 0 (0 / 0), is taken as that smallest normal.
+            # The largest logit is made 0 before dividing, or a temperature of 1e-39 would overflow
+            # (inf - inf in softmax: NaN, and multinomial raises). One below float32's smallest
+            # normal, which a float32 division takes as 0 (0 / 0), is taken as that smallest normal.
             tiny = torch.finfo(torch.float32).tiny
             logits = (logits - logits.max(-1, keepdim=True).values) / max(temperature, tiny)
             nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=generator)

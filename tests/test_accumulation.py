@@ -28,8 +28,6 @@ ROOT = Path(__file__).resolve().parents[1]
 B, ACCUM, T, V = 8, 4, 12, 16
 
 
-
-
 def tiny_gpt_f64() -> GPT:
     torch.manual_seed(0)
     return GPT(V, T, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True).double()

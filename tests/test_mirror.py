@@ -438,7 +438,6 @@ def test_a_run_that_fails_before_its_first_step_leaves_no_thread(tmp_path, cache
     assert set(threading.enumerate()) == before
 
 
-
 def test_a_mirror_whose_whole_checkpoints_none_can_be_fetched_is_bad_input(tmp_path, capsys):
     # Unreadable copies (a credential, a full local disk, damage): bad input, or the run would
     # start over and its mirroring delete them. A copy cut short (no manifest) alone is still no

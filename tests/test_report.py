@@ -346,4 +346,3 @@ def test_a_run_whose_targets_are_not_tokens_says_targets(runs, tmp_path):
     (run / "metadata.json").write_text(json.dumps({**meta, "data": {**meta["data"], "unit": "targets"}}))
     md = write_report([run], tmp_path / "out").read_text()
     assert {"targets", "mean targets/s"} <= rows(md)["regression"].keys() and "tokens" not in md.split("\n")[2]
-

@@ -5,7 +5,7 @@ training goes on. The writing itself is `loop.checkpoint.store.save`, so an asyn
 atomic, verified checkpoint, byte for byte (on CPU; from CUDA only the device tag in the pickle
 differs, and loading maps to the CPU anyway). Use:
     saver = AsyncSaver(dist.for_thread())  # several processes: the writers' own group (below)
-    saver.save(root, step, capture(trainer), keep_last, meta, best, midway, then=on_done)
+    saver.save(root, step, files, keep_last, meta, best, midway, then=on_done)  # files: state.files(...)
     saver.wait()     # before anything reads or rolls back to the checkpoints, and before exiting
     saver.close()    # end of run (also on preemption): the last checkpoint is on disk after this
 A failed background write is re-raised in the training thread by the next save/wait/close.

@@ -105,7 +105,7 @@ def followed(path: Path) -> Path:
 
 
 def verified(path: Path, key: str) -> Path:
-    if not path.exists():  # it said "manifest.json is missing" of a path that is not there at all
+    if not path.exists():  # said first: store.verify would call a missing path's manifest missing
         raise BadInput(f"{key}={path}: no such file or directory; expected a checkpoint directory."
                        f"{checkpoints_near(path)}")
     reason = store.verify(path)

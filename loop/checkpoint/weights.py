@@ -23,7 +23,6 @@ WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from 
               "random weights.")
 
 
-
 def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
                      advice: str = "", fmt: int | None = None) -> dict:
     """Load a checkpoint's state.pt and put its weights (and, if given, the optimizer state) into

@@ -50,8 +50,8 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
 
 def check_same_config(cfg, dist: Dist) -> None:
     """One config on every process: each node reads its own files, overrides and .env, and a
-    train.max_steps apart hung the run at its end, an optim.lr apart trained replicas that parted
-    without a word. Every rank raises, so none waits for the others in a collective."""
+    train.max_steps apart would hang the run at its end, an optim.lr apart would train replicas
+    that part without a word. Every rank raises, so none waits for the others in a collective."""
     if dist.world == 1:
         return
     main, mine = flat(dist.from_main(to_dict(cfg))), flat(to_dict(cfg))

@@ -146,4 +146,3 @@ class Config:
     report: ReportConfig = field(default_factory=ReportConfig)
     faults: FaultsConfig = field(default_factory=FaultsConfig)
     lab: LabConfig = field(default_factory=LabConfig)
-

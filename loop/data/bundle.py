@@ -1,7 +1,7 @@
 """`Data`: what every dataset builder returns and the loop consumes (its only view of a task).
 
     from loop.data.bundle import Data
-    def build_mine(cfg) -> Data:          # cfg: the data section (data/config.py)
+    def build_mine(cfg) -> Data:          # cfg: the data section (loop/config/schema.py::DataSection)
         return Data(MyDataset("train"), MyDataset("val"), vocab_size=10, seq_len=1)
 
 The datasets are addressable by index (`len`, `[i]`); item i is a dict with at least `x` (the

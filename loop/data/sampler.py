@@ -57,7 +57,7 @@ def collate(samples: list[dict]) -> dict:
     """Stack samples; count the real targets here, on the CPU, so the loop needs no device sync."""
     keys = samples[0].keys()
     if any(s.keys() != keys for s in samples):  # default_collate takes the first's keys: a key only
-        raise ValueError(f"data: {unstackable(samples)}.")  # later samples have went without a word
+        raise ValueError(f"data: {unstackable(samples)}.")  # in later samples would be dropped unsaid
     try:
         batch = default_collate(samples)
     except RuntimeError:
@@ -99,7 +99,7 @@ def close_loader(batches) -> None:
     too, but an error raised through the iterator (a Dataset that fails in a worker) keeps it
     referenced by the traceback until the interpreter exits, and there multiprocessing's
     terminate cannot stop workers that ignore SIGTERM (loop.guards.preemption.worker_ignores_stop_signals):
-    the process hung instead of exiting. torch's own exit-time cleanup covers pinned-memory
+    the process would hang instead of exiting. torch's own exit-time cleanup covers pinned-memory
     loaders only. `_shutdown_workers` is what the iterator's `__del__` calls; it runs once."""
     shutdown = getattr(batches, "_shutdown_workers", None)  # none without workers
     if shutdown:
@@ -111,7 +111,7 @@ def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int | None, 
     """A fixed validation set drawn by its own generator: the same batches at every evaluation, and
     the same set whatever the process count when the split holds `n_batches` global batches (rank r
     evaluates the r-th of `world` equal parts). Every rank gets as many samples, so as many batches:
-    under FSDP each forward is a collective, and a rank with one batch more waited forever.
+    under FSDP each forward is a collective, and a rank with one batch more would wait forever.
     seed=None draws from the global torch RNG, which training also draws from: only the lab
     switch eval_consumes_train_rng does that, to show why it must not be done."""
     g = None if seed is None else torch.Generator().manual_seed(seed + 1)

@@ -2,10 +2,10 @@
 
 A Dataset that augments draws from the global random streams of whichever process fetches the
 sample. In DataLoader workers those streams restart from the loader's seed at every iterator start
-and the batches are dealt to workers round-robin from there, so a resumed run drew other crops
-than the uninterrupted one, and so did another `data.num_workers`. Seeding torch (CPU), `random`
+and the batches are dealt to workers round-robin from there, so a resumed run would draw other crops
+than the uninterrupted one, and so would another `data.num_workers`. Seeding torch (CPU), `random`
 and NumPy from `(run.seed, global sample position)` before each sample makes its draws a property
-of its place in the global order (DESIGN.md): resume, workers and process count cannot change them.
+of its place in the global order: resume, workers and process count cannot change them.
 The fetching process's own streams are put back after each batch, so with `num_workers=0` the
 training streams (dropout) go on exactly as if nothing had been fetched.
 """

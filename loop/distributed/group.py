@@ -94,7 +94,6 @@ class Dist:
         return Dist(self.rank, self.local_rank, self.world, dist.new_group(backend="gloo"))
 
 
-
 LAUNCH_VARS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # torchrun sets them
 
 
@@ -115,7 +114,7 @@ def init(device_name: str, cpu_offload: bool = False) -> tuple[Dist, torch.devic
         got = ", ".join(f"{k}={os.environ[k]!r}" for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE"))
         raise BadInput(f"environment variables RANK, LOCAL_RANK and WORLD_SIZE: expected integers; "
                        f"got {got}.") from None
-    if not (0 <= rank < world and local >= 0):  # RANK 3 of 2 waited forever for its peers
+    if not (0 <= rank < world and local >= 0):  # RANK 3 of 2 would wait forever for its peers
         raise BadInput(f"environment variables RANK={rank}, LOCAL_RANK={local}, WORLD_SIZE={world}: "
                        f"expected 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0.")
     if not (port := os.environ["MASTER_PORT"]).isdigit() or not 0 < int(port) < 65536:
@@ -139,18 +138,6 @@ def init(device_name: str, cpu_offload: bool = False) -> tuple[Dist, torch.devic
         dist.init_process_group("gloo")
         cpu_group = dist.group.WORLD
     return Dist(rank, local, world, cpu_group), device
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 def close() -> None:

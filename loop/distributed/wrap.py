@@ -93,4 +93,3 @@ def grad_sync(model: torch.nn.Module, sync: bool):
     else:
         with model.no_sync():
             yield
-

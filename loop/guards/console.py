@@ -64,4 +64,3 @@ def mute_dead_console() -> None:
         for fd in dead:
             os.dup2(devnull, fd)
         os.close(devnull)
-

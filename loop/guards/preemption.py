@@ -56,23 +56,3 @@ class Preemption:
     def close(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-

@@ -123,8 +123,8 @@ def hardware() -> dict:
 def data_identity(meta: dict) -> dict:
     """The plain values of a Data.meta (a user's builder may put anything there), less a text
     corpus's character list (up to 65,536 characters, and its sha256 already covers it) and a
-    prepared cache's tokens_sha256 (its integrity check; caches of older code have none, and a
-    resume from their checkpoints would say the data differs)."""
+    prepared cache's tokens_sha256 (its integrity check, which a cache may lack: a resume would
+    say the data differs between a cache with it and one without)."""
     return {k: v for k, v in meta.items()
             if k not in ("chars", "tokens_sha256") and (v is None or isinstance(v, (str, int, float, bool)))}
 

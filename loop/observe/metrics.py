@@ -158,9 +158,9 @@ class MetricsLog:
 
 def _quiet_tensorboard_thread() -> None:
     """TensorBoard writes its event file on a thread of its own. A write the disk refuses there
-    printed that thread's traceback, in the middle of train.py's one-line exit 3 for the same
-    error: the thread keeps the error, and the next TensorBoard call here raises it again (naming
-    the directory), so the traceback said nothing more. Every other thread's is printed as before."""
+    would print that thread's traceback in the middle of train.py's one-line exit 3 for the same
+    error; the thread keeps the error, and the next TensorBoard call here raises it again (naming
+    the directory), so that traceback is left out. Every other thread's is printed."""
     previous = threading.excepthook
     if getattr(previous, "quiets_tensorboard", False):
         return
@@ -176,9 +176,6 @@ def _quiet_tensorboard_thread() -> None:
 class NullLog:
     """What ranks other than 0 log: nothing (rank 0 logs the global values)."""
     last_loss = None
-
-    def __init__(self, *args, **kwargs):
-        pass
 
     def record(self, *args) -> None:
         pass
