@@ -44,9 +44,9 @@ from loop.build import build_data, build_model
 from loop.config.fields import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
 from loop.config.runtime import follow_global_batch
-from loop.data.sampler import collate
+from loop.contract import loss_and_sums
+from loop.data.sampler import collate, to_device
 from loop.device import pick_device, use_attention_kernel, use_tf32
-from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
@@ -106,7 +106,7 @@ def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.run.seed)).tolist()
     # Around the order again where a small dataset has fewer samples, as the scaffold's epochs do.
     micro = [collate([train[order[i % len(train)]] for i in range(j * b, (j + 1) * b)]) for j in range(2 * k)]
-    micro = [{key: v.to(loop.device) if torch.is_tensor(v) else v for key, v in m.items()} for m in micro]
+    micro = [to_device(m, loop.device) for m in micro]
     two = [micro[:k], micro[k:]]  # two fixed steps' worth, alternating
     for n in range(warmup):
         loop.step(two[n % 2])

@@ -1,9 +1,7 @@
 """Validation metrics and text samples, both without touching any training random stream.
 
-A model's `forward(batch)` returns the loss summed over the batch's real targets, or a dict with
-that sum as "loss" and more sums over the same targets (a classifier: "accuracy", the number it got
-right). Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their
-own generator) and reports each sum divided by the number of real targets, as `val_loss`,
+Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their
+own generator) and reports each sum the model returns (loop/contract.py) divided by the number of real targets, as `val_loss`,
 `val_accuracy`, ..., with one host read. The sample uses its own `torch.Generator`. `Evaluator`
 is a run's evaluation: its fixed validation batches, its samples, and the probe of the model's
 contract before anything is written.
@@ -16,38 +14,12 @@ import sys
 import torch
 import torch.nn as nn
 
-from loop.data.sampler import split_batch, val_batches
+from loop.contract import loss_and_sums
+from loop.data.sampler import split_batch, to_device, val_batches
 from loop.data.seeded import SeededSamples
 from loop.distributed import fsdp
 from loop.errors import BadInput, GaveUp
 from loop.guards.oom import out_of_memory, release_memory
-
-CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
-            "(shape (), e.g. reduction=\"sum\"), or a dict with it under \"loss\" and more such sums "
-            "(README.md: Bring your own model)")
-
-
-def loss_and_sums(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Split what a model's forward returned into the summed loss and its other sums. Anything else
-    is the model's contract broken: a clear error naming what came back, not a traceback from deep
-    in the loop. Only metadata is read (no host sync)."""
-    sums = out if isinstance(out, dict) else {"loss": out}
-    if "loss" not in sums:
-        raise BadInput(f"the model's forward(batch) returned a dict without \"loss\" (keys: "
-                       f"{', '.join(map(str, sums))}); {CONTRACT}.")
-    for name, v in sums.items():
-        if not torch.is_tensor(v) or v.dim() != 0:
-            what = f"a tensor of shape {tuple(v.shape)}" if torch.is_tensor(v) else f"a {type(v).__name__}"
-            raise BadInput(f"the model's forward(batch) returned {what}"
-                           f"{f' under {name!r}' if out is sums else ''}; {CONTRACT}.")
-    loss = sums["loss"]
-    if not torch.is_floating_point(loss):
-        raise BadInput(f"the model's forward(batch) returned a loss of dtype {loss.dtype}, which "
-                       f"cannot be differentiated; {CONTRACT}.")
-    if torch.is_grad_enabled() and not loss.requires_grad:  # training: backward needs a graph
-        raise BadInput(f"the model's forward(batch) returned a loss detached from the weights "
-                       f"(requires_grad=False), which cannot be differentiated; {CONTRACT}.")
-    return loss, {k: v for k, v in sums.items() if k != "loss"}
 
 
 @torch.no_grad()
@@ -60,9 +32,8 @@ def val_metrics(model: nn.Module, batches: list[dict], precision, device: torch.
     model.eval()
     sums, count, names = None, 0, ["loss"]
     for batch in (part for b in batches for part in split_batch(b, split)):
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         with precision.autocast():
-            loss, extra = loss_and_sums(model(batch))
+            loss, extra = loss_and_sums(model(to_device(batch, device)))
         names = ["loss", *extra]
         values = torch.stack([loss.float(), *(v.float() for v in extra.values())])  # (names,)
         sums = values if sums is None else sums + values
@@ -182,8 +153,8 @@ class Evaluator:
         was_training = raw.training
         raw.eval()
         with self.precision.autocast():
-            whole, *parts = (loss_and_sums(raw({k: v.to(self.device) if torch.is_tensor(v) else v
-                                                for k, v in b.items()}))[0].float().item() for b in (batch, *halves))
+            whole, *parts = (loss_and_sums(raw(to_device(b, self.device)))[0].float().item()
+                             for b in (batch, *halves))
         raw.train(was_training)
         fsdp.reshard(raw)
         adds_up = math.isclose(whole, sum(parts), rel_tol=1e-2, abs_tol=1e-6)

@@ -24,11 +24,11 @@ import torch
 import torch.nn as nn
 
 from loop.checkpoint import resume, runlock
+from loop.contract import loss_and_sums
 from loop.data.bundle import Data
-from loop.data.sampler import collate
+from loop.data.sampler import collate, to_device
 from loop.distributed.group import Dist
 from loop.errors import BadInput
-from loop.evaluate import loss_and_sums
 from loop.guards.oom import out_of_memory, release_memory
 from loop.precision import Precision
 
@@ -112,8 +112,7 @@ def runs(model: nn.Module, data: Data, size: int, device: torch.device, precisio
     of memory, with `reserve` bytes held beside them (their tensors go when this returns)."""
     try:
         held = torch.empty(reserve, dtype=torch.uint8, device=device)
-        batch = collate([data.train[i % len(data.train)] for i in range(size)])
-        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = to_device(collate([data.train[i % len(data.train)] for i in range(size)]), device)
         with precision.autocast():
             loss = loss_and_sums(model(batch))[0]
         loss.backward()

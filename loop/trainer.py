@@ -25,12 +25,13 @@ from loop.checkpoint.atomic import atomic_write
 from loop.checkpoint.saver import Saver
 from loop.config.load import config_hash, to_dict
 from loop.config.load import save as save_config
+from loop.contract import loss_and_sums
 from loop.data.feed import Feed
-from loop.data.sampler import split_batch
+from loop.data.sampler import split_batch, to_device
 from loop.distributed import fsdp
 from loop.distributed.group import Dist
 from loop.distributed.wrap import check_all_used, ddp, grad_sync, is_ddp
-from loop.evaluate import Evaluator, loss_and_sums
+from loop.evaluate import Evaluator
 from loop.guards.nonfinite import NonFinite, describe, rollback
 from loop.guards.oom import OutOfMemory
 from loop.guards.preemption import Preemption
@@ -213,8 +214,8 @@ class Trainer:
         return True
 
     def forward(self, batch: dict) -> torch.Tensor:
-        """One micro-batch's loss, summed over its targets (the model's contract: loop/evaluate.py)."""
-        batch = {k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()}
+        """One micro-batch's loss, summed over its targets (the model's contract: loop/contract.py)."""
+        batch = to_device(batch, self.device, non_blocking=True)
         if self.sharded:
             fsdp.sync_buffers(self.raw)  # rank 0's buffers on every rank, as DDP does
         with self.precision.autocast(), record_function("forward"):

@@ -24,8 +24,8 @@ from conftest import (
 )
 from loop import build  # noqa: E402
 from loop.config.load import DEFAULT_CONFIG
+from loop.contract import loss_and_sums  # noqa: E402
 from loop.distributed import fsdp, group
-from loop.evaluate import loss_and_sums  # noqa: E402
 from model import MODELS  # noqa: E402
 from model.gpt import GPTOptions, build_gpt  # noqa: E402
 

@@ -11,11 +11,11 @@ from data import DATASETS
 from data.markov import MarkovConfig, MarkovOptions
 from loop.build import build_data, build_model
 from loop.config.schema import OptimConfig
+from loop.contract import loss_and_sums
 from loop.data.bundle import IGNORE_INDEX
-from loop.data.sampler import collate
+from loop.data.sampler import collate, to_device
 from loop.device import pick_device
 from loop.errors import BadInput
-from loop.evaluate import loss_and_sums
 from loop.optim import build_optimizer
 from model import MODELS
 from model.gpt import GPT, GPTOptions, build_gpt
@@ -250,7 +250,7 @@ def test_model_and_batches_on_selected_device(tmp_path):
     assert {p.device.type for p in model.parameters()} == {device.type}
     batch = collate([data.train[i] for i in range(4)])
     assert batch["x"].shape == (4, 8) and batch["n_targets"] == 32
-    batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}  # as the loop
+    batch = to_device(batch, device)  # as the loop
     assert batch["x"].device.type == batch["y"].device.type == device.type
     loss = model(batch)
     assert loss.device.type == device.type

@@ -27,11 +27,11 @@ from data import DATASETS
 from loop.build import build_trainer
 from loop.config.load import load_config
 from loop.config.runtime import follow_global_batch
+from loop.contract import loss_and_sums
 from loop.data.bundle import IGNORE_INDEX
-from loop.data.sampler import split_batch, train_loader
+from loop.data.sampler import split_batch, to_device, train_loader
 from loop.device import pick_device
 from loop.distributed.group import Dist
-from loop.evaluate import loss_and_sums
 from loop.precision import DTYPES
 from model import MODELS
 
@@ -148,7 +148,7 @@ def reference(model: torch.nn.Module, batch: dict, device):
     """Plain float32, one batch, mean loss over the real targets, backward. Returns (gradients,
     their norm, the reference's arithmetic): the model's own dtypes where its forward casts to one
     of them (`x.to(torch.bfloat16)` before a bf16 layer), which float32 weights fail."""
-    on_device = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+    on_device = to_device(batch, device)
     try:
         ref, what = copy.deepcopy(model).float(), "float32"
         loss = loss_and_sums(ref(on_device))[0]

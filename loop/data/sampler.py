@@ -80,6 +80,11 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
     return [b for b in out if len(b["idx"])]
 
 
+def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
+    """The batch's tensors on `device`; its other values (a list of texts, say) as they are."""
+    return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def train_loader(ds: Dataset, batch_size: int, seed: int, start: int, num_workers: int,
                  prefetch_factor: int, pin_memory: bool, worker_init_fn=None, rank: int = 0,
                  world: int = 1) -> DataLoader:
