@@ -8,6 +8,7 @@ contract before anything is written.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 
@@ -28,18 +29,15 @@ def val_metrics(model: nn.Module, batches: list[dict], precision, device: torch.
     """`val_<name>` for the loss and every other sum the model returns: means over the real
     targets of every rank's validation batches, each run in `split` pieces (after an
     out-of-memory, training's smaller micro-batch; the sums are the same)."""
-    was_training = model.training
-    model.eval()
     sums, count, names = None, 0, ["loss"]
-    for batch in (part for b in batches for part in split_batch(b, split)):
-        with precision.autocast():
-            loss, extra = loss_and_sums(model(to_device(batch, device)))
-        names = ["loss", *extra]
-        values = torch.stack([loss.float(), *(v.float() for v in extra.values())])  # (names,)
-        sums = values if sums is None else sums + values
-        count += batch["n_targets"]
-    model.train(was_training)
-    fsdp.reshard(model)
+    with evaluating(model):
+        for batch in (part for b in batches for part in split_batch(b, split)):
+            with precision.autocast():
+                loss, extra = loss_and_sums(model(to_device(batch, device)))
+            names = ["loss", *extra]
+            values = torch.stack([loss.float(), *(v.float() for v in extra.values())])  # (names,)
+            sums = values if sums is None else sums + values
+            count += batch["n_targets"]
     totals = dist.sum_(torch.cat([sums, torch.tensor([float(count)], device=device)])).tolist()
     return {f"val_{name}": total / totals[-1] for name, total in zip(names, totals)}
 
@@ -47,13 +45,22 @@ def val_metrics(model: nn.Module, batches: list[dict], precision, device: torch.
 @torch.no_grad()
 def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decode) -> str:
     """`n` tokens after `prompt` (1, T), decoded."""
+    with evaluating(model):
+        ids = model.generate(prompt, n, torch.Generator(prompt.device).manual_seed(seed))[0].tolist()
+    return decode(ids)
+
+
+@contextlib.contextmanager
+def evaluating(model: nn.Module):
+    """Eval mode (no dropout, BatchNorm's running statistics) inside; the model's own mode after,
+    and under FSDP each block's weights back to their shards (loop/distributed/fsdp.py::reshard)."""
     was_training = model.training
     model.eval()
-    g = torch.Generator(prompt.device).manual_seed(seed)
-    ids = model.generate(prompt, n, g)[0].tolist()
-    model.train(was_training)
+    try:
+        yield
+    finally:
+        model.train(was_training)
     fsdp.reshard(model)
-    return decode(ids)
 
 
 class Evaluator:
@@ -150,13 +157,9 @@ class Evaluator:
         halves = split_batch(batch, 2)
         if self.dist.sum_host([float(len(halves) < 2 or not all(h["n_targets"] for h in halves))])[0]:
             return  # a batch of one sample, or a half without targets, on some rank: nothing to compare
-        was_training = raw.training
-        raw.eval()
-        with self.precision.autocast():
+        with evaluating(raw), self.precision.autocast():
             whole, *parts = (loss_and_sums(raw(to_device(b, self.device)))[0].float().item()
                              for b in (batch, *halves))
-        raw.train(was_training)
-        fsdp.reshard(raw)
         adds_up = math.isclose(whole, sum(parts), rel_tol=1e-2, abs_tol=1e-6)
         if self.dist.sum_host([float(not adds_up)])[0]:
             raise BadInput(f"the model's loss is not a sum over the batch's targets: on a validation batch "

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from loop.checkpoint import resume, runlock
+from loop.checkpoint import resume
 from loop.contract import loss_and_sums
 from loop.data.bundle import Data
 from loop.data.sampler import collate, to_device
@@ -129,8 +129,7 @@ def resumed_micro_batch(run, out: Path) -> int | None:
     (and will again, when the run starts), with out_dir locked first: a second run on it stops
     before trying sizes on the GPU the first one uses, and a bad run.resume is named as such. One
     in run.mirror (out_dir's checkpoints gone) is fetched here, as the run would. None: a fresh start."""
-    runlock.hold(out)
-    path = resume.choose(run.resume, out / "checkpoints", run.mirror, lambda: runlock.claim(out), say=lambda _: None)
+    path = resume.choose_locked(out, run, say=lambda _: None)
     if path is None:
         return None
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=True, mmap=True)  # verified

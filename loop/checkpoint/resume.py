@@ -19,12 +19,12 @@ from loop.checkpoint import runlock, store
 from loop.errors import BadInput
 
 
-def choose_locked(out: Path, run) -> Path | None:
+def choose_locked(out: Path, run, say=print) -> Path | None:
     """`choose` for run directory `out` (run: the config's run section), with `out` locked first
     (loop/checkpoint/runlock.py): a second run stops before reading a checkpoint the first may be
     writing. A fetch from the mirror makes (and claims) `out`."""
     runlock.hold(out)
-    return choose(run.resume, out / "checkpoints", run.mirror, lambda: runlock.claim(out))
+    return choose(run.resume, out / "checkpoints", run.mirror, lambda: runlock.claim(out), say)
 
 
 def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None, say=print) -> Path | None:
