@@ -31,10 +31,14 @@ class CorpusOptions(DataSection):
     seq_len: int = opt(128, min=1)  # tokens of context: targets per sample
     val_fraction: float = opt(0.1, min=0.0)  # the last part of the tokens, held out for validation
 
-def embedded_text() -> str:
-    """The CPython reference docs (`pydoc_data.topics`): ~460k characters, present everywhere."""
+
+def text_and_source(path: str) -> tuple[str, str]:
+    """The text of file `path` and its name; with no path, the CPython reference docs
+    (`pydoc_data.topics`): ~460k characters, present everywhere."""
+    if path:
+        return read_text(path), path
     from pydoc_data.topics import topics
-    return "\n\n".join(topics[k] for k in sorted(topics))
+    return "\n\n".join(topics[k] for k in sorted(topics)), "pydoc_data.topics"
 
 
 def read_text(path: str) -> str:

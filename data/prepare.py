@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from data.corpus import embedded_text, prepare_text, read_text
+from data.corpus import prepare_text, text_and_source
 from loop.config.fields import non_negative
 from loop.config.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
@@ -25,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         writable_dir("option --out", a.out)
-        text, source = (read_text(a.path), a.path) if a.path else (embedded_text(), "pydoc_data.topics")
-        print(prepare_text(text, source, a.out, a.val_fraction))
+        print(prepare_text(*text_and_source(a.path), a.out, a.val_fraction))
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

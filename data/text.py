@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from data.corpus import CorpusOptions, embedded_text, prepare_text, read_text
+from data.corpus import CorpusOptions, prepare_text, text_and_source
 from data.tokens import token_data
 from loop.config.fields import opt
 from loop.data.bundle import Data
@@ -20,7 +20,7 @@ class TextOptions(CorpusOptions):
 
 
 def build_text(cfg: TextOptions) -> Data:
-    text, source = (read_text(cfg.path), cfg.path) if cfg.path else (embedded_text(), "pydoc_data.topics")
+    text, source = text_and_source(cfg.path)
     data = token_data(prepare_text(text, source, cfg.cache_dir, cfg.val_fraction), cfg.seq_len)
     data.meta["source"] = source  # the cache's meta.json names the path that prepared it first
     return data
