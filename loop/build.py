@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 from torch.nn.parameter import UninitializedParameter
 
-from loop import fit
+from loop import auto_batch
 from loop.config.runtime import check_same_config, check_with_world, follow_global_batch, idle_settings
 from loop.data.bundle import Data, check_samples
 from loop.device import use_attention_kernel, use_tf32
@@ -33,7 +33,7 @@ from loop.trainer import Trainer
 def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models: dict) -> Trainer:
     check_same_config(cfg, dist)
     check_with_world(cfg, dist)
-    fit.check(cfg, dist.world)
+    auto_batch.check(cfg, dist.world)
     # The builders draw the same numbers on every rank: the same data (a random split stays one
     # split) and the same initial weights.
     seed_everything(cfg.run.seed)
@@ -49,7 +49,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
         model = build_model(cfg.model, data, models)
     check_weights(model, precision, cfg.train.precision)
     if cfg.data.batch_size == "auto":  # before compiling and wrapping: the model as it is
-        cfg.data.batch_size, how = fit.micro_batch(cfg, model, data, device, precision, dist)
+        cfg.data.batch_size, how = auto_batch.micro_batch(cfg, model, data, device, precision, dist)
         dist.say(f"data.batch_size=auto: {cfg.data.batch_size}, {how}")
     if accum := follow_global_batch(cfg, dist.world):  # before anything reads train.grad_accum
         dist.say(accum)

@@ -65,7 +65,7 @@ def check_same_config(cfg, dist: Dist) -> None:
 
 
 def refuse_auto(cfg) -> None:
-    """data.batch_size=auto is train.py's to resolve (loop/fit.py); the tools train at given sizes."""
+    """data.batch_size=auto is train.py's to resolve (loop/auto_batch.py); the tools train at given sizes."""
     if cfg.data.batch_size == "auto":
         raise BadInput("config key data.batch_size=auto: train.py fits it to the GPU, and this tool "
                        "trains at a given micro-batch; expected a number for data.batch_size.")

@@ -16,7 +16,7 @@ from loop.lab import SWITCHES
 class DataSection:
     """The loop's keys of `data`; data.name's builder reads the rest (data/__init__.py)."""
     name: str = ""  # which data set: a name in the project's DATASETS
-    # Per micro-step, per process; auto: the largest that fits the GPU (loop/fit.py)
+    # Per micro-step, per process; auto: the largest that fits the GPU (loop/auto_batch.py)
     batch_size: int = opt(16, min=1, max=INT64, auto=True)
     num_workers: int = opt(0, min=0)
     prefetch_factor: int = opt(2, min=1)

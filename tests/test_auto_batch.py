@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 from conftest import ROOT, load_config, metrics, out_of_memory_in_a_cycle, run_train, summary, train_here
+from loop.auto_batch import divisors, largest_that_fits
 from loop.config.runtime import follow_global_batch
 from loop.errors import BadInput
-from loop.fit import divisors, largest_that_fits
 from loop.precision import Precision
 
 DEFAULT = ROOT / "configs" / "default.yaml"
