@@ -3,8 +3,8 @@
 #
 #   docker build --build-arg GIT_COMMIT=$(git rev-parse HEAD) -t honest-loop .
 #   docker run --gpus all --ipc=host --init -v "$PWD/runs:/app/runs" honest-loop   # default config
-#   docker run --gpus all --ipc=host --init -v "$PWD/runs:/runs" -v "$PWD/.env:/app/.env:ro" \
-#       honest-loop torchrun --standalone --nproc_per_node=8 train.py run.out_dir=/runs/x
+#   docker run --gpus all --ipc=host --init -v "$PWD/runs:/runs" -v "$PWD/.env:/app/.env:ro" honest-loop \
+#       torchrun --standalone --nproc_per_node=8 train.py run.out_dir=/runs/x
 #
 # --ipc=host (or --shm-size=16g): DataLoader workers and NCCL pass tensors through /dev/shm, and
 # Docker's default 64 MB is too small. --init: a minimal init as PID 1 forwards `docker stop`'s

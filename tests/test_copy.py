@@ -156,6 +156,26 @@ def test_a_dest_with_a_space_is_made_and_the_examples_come_only_from_the_scaffol
     assert again.returncode == 2 and "--examples" in again.stderr and not (tmp_path / "q").exists()
 
 
+def test_a_project_made_from_a_project_named_like_a_common_word_is_named_where_names_are_said(tmp_path):
+    # Its name is replaced only where a name is said: a project called "train" made from, its
+    # train.py, trainer user and every "train" in the files stay as they are (a plain replace made
+    # the Dockerfile start proj.py, and "test" renamed pytest and its settings).
+    direct = tmp_path / "direct" / "proj"
+    assert new_project(direct).returncode == 0
+    source = ROOT
+    for name in ("test", "train", "proj"):
+        made = subprocess.run([sys.executable, "-m", "tools.new_project", str(tmp_path / name)], cwd=source,
+                              capture_output=True, text=True, timeout=60)
+        assert made.returncode == 0, made.stderr
+        source = tmp_path / name
+    for path in ("pyproject.toml", "Dockerfile", "scripts/slurm.sbatch"):
+        assert (source / path).read_text() == (direct / path).read_text(), path
+    docker = (direct / "Dockerfile").read_text()
+    assert "-t proj ." in docker and docker.count('" proj ') == 2 and "honest-loop" not in docker
+    assert "--job-name=proj\n" in (direct / "scripts/slurm.sbatch").read_text()
+    assert 'name = "proj"\n' in (direct / "pyproject.toml").read_text()
+
+
 def test_a_project_is_named_for_its_directory_in_letters_digits_and_dashes():
     assert [project_name(Path(p)) for p in ("/x/My Proj_2", "/x/v1.0", "/x/--", "/x/ok")] == \
         ["my-proj-2", "v1-0", "my-project", "ok"]

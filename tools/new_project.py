@@ -34,7 +34,11 @@ COPIED = ["loop", "tools", "bench", "docs", "scripts/slurm.sbatch", ".ci", "trai
           "pyproject.toml", "requirements.lock", "Dockerfile", ".dockerignore", ".gitignore",
           ".env.example", "tests/test_project.py", "tests/test_jsonl.py", "tests/test_metrics.py"]
 LEFT_OUT = ("__pycache__", "*.pyc", "results")  # bench/results: this project's measurements
-NAMED = ["pyproject.toml", "Dockerfile", "scripts/slurm.sbatch"]  # where this project's name is said
+# Where this project's name is said, as (before, after) it: the package, the image tag and the
+# image that docker run starts, the SLURM job. Only there: a project named "train" or "test" has
+# those words in train.py, the trainer user and the test extra too.
+NAMED = {"pyproject.toml": [('^name = "', '"$')], "Dockerfile": [("-t ", r" \.$"), ('^#   docker run .*" ', r"\s")],
+         "scripts/slurm.sbatch": [("^#SBATCH --job-name=", "$")]}
 EXAMPLES = {"data": "DATASETS", "model": "MODELS"}  # package -> its registry
 
 
@@ -76,8 +80,11 @@ def make(dest: Path, examples: bool) -> None:
             shutil.copy2(config, dest / "configs" / name)
     ours = re.search(r'^name = "(.*)"$', (ROOT / "pyproject.toml").read_text(), re.M)[1]
     name = project_name(dest)
-    for path in NAMED:  # the package, the image tag and the SLURM job are the new project's
-        (dest / path).write_text((dest / path).read_text().replace(ours, name))
+    for path, places in NAMED.items():
+        text = (dest / path).read_text()
+        for before, after in places:
+            text = re.sub(f"({before}){re.escape(ours)}(?={after})", lambda m: m[1] + name, text, flags=re.M)
+        (dest / path).write_text(text)
     (dest / "README.md").write_text(readme(name, examples))
 
 
