@@ -73,3 +73,41 @@ def test_the_console_eta_counts_hours_past_a_day(tmp_path, monkeypatch, capsys, 
     now[0] = 101.0  # one step a second
     log.close()
     assert capsys.readouterr().out.rstrip().endswith(f"| ETA {eta}")
+
+
+def test_energy_is_the_run_s_over_every_start_of_train_py(tmp_path):
+    # NVML's count starts again with each start of train.py (GpuSampler): the log adds the earlier
+    # starts' (its last record kept at the resume), so the report takes the run's newest value.
+    # A resumed start that reads more than the first's last (3500 > 3000) once read as one start.
+    from loop.observe.report import load_run
+
+    class Nvml:  # GpuSampler's readings of one start, in order
+        def __init__(self, *joules):
+            self.joules = iter(joules)
+
+        def read(self, now=False):
+            j = next(self.joules)
+            return {"gpu0/energy_j": j, "energy_j": j}
+
+        def mfu(self, tokens_per_s):
+            return None
+
+        def close(self):
+            pass
+
+    def start(at: int, upto: int, nvml: Nvml) -> metrics.MetricsLog:
+        log = metrics.MetricsLog(tmp_path, at, 8 * at, at, max_steps=4, tensorboard=False, telemetry=nvml)
+        for n in range(at + 1, upto + 1):
+            log.record({"step": n, "lr": 1e-3, "tokens": 8 * n, "samples": n, "data_ms": 0.0},
+                       torch.tensor(1.0), torch.tensor(1.0))
+            log.flush()
+        return log
+
+    start(0, 3, Nvml(1000.0, 3000.0, 3200.0)).file.close()  # killed after step 3, checkpoint at 2
+    log = start(2, 4, Nvml(3500.0, 5000.0, 5100.0))
+    assert log.readings() == {"gpu0/energy_j": 5100.0, "energy_j": 8100.0}  # summary.json's, at the end
+    log.close()
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["energy_j"], r["gpu0/energy_j"]) for r in recs] == \
+        [(1, 1000.0, 1000.0), (2, 3000.0, 3000.0), (3, 6500.0, 3500.0), (4, 8000.0, 5000.0)]
+    assert load_run(tmp_path)["kwh"] == 8000.0 / 3.6e6

@@ -35,9 +35,13 @@ class MetricsLog:
         self.out_dir, self.path, self.max_steps = out_dir, out_dir / "metrics.jsonl", max_steps
         self.tensorboard, self.telemetry, self.unit = tensorboard, telemetry, unit
         self.last_event = None  # CUDA event at the end of the last logged step
-        self._open(start_step, start_tokens, start_samples)
+        last = self._open(start_step, start_tokens, start_samples)
+        # NVML counts energy from this start of train.py on; the earlier starts' is in the last
+        # record kept (a checkpoint flushes the log, so it ends an interval), and energy_j is the run's.
+        self.energy_before = (last or {}).get("energy_j", 0.0)
 
-    def _open(self, step: int, tokens: int, samples: int) -> None:
+    def _open(self, step: int, tokens: int, samples: int) -> dict | None:
+        """Open the log at `step`, records after it dropped; return the last record kept."""
         from torch.utils.tensorboard import SummaryWriter
 
         last = jsonl.truncate(self.path, step)
@@ -48,15 +52,20 @@ class MetricsLog:
             _quiet_tensorboard_thread()
         self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
         self.mark = (time.perf_counter(), step, tokens, samples)  # at the last flush
+        return last
 
     def rewind(self, step: int, tokens: int, samples: int) -> None:
         """Back to `step` (a rollback): the records after it go, as at a resume."""
         self._close_files()
         self._open(step, tokens, samples)
 
-    def readings(self) -> dict:
-        """The telemetry's readings now (at the run's end: NVML read first, not its last tick)."""
-        return self.telemetry.read(now=True) if self.telemetry else {}
+    def readings(self, now: bool = True) -> dict:
+        """The telemetry's readings (`now`, at the run's end: NVML read first, not its last tick),
+        energy_j the run's over every start of train.py (gpu<i>/energy_j: this start's)."""
+        out = self.telemetry.read(now=now) if self.telemetry else {}
+        if "energy_j" in out:
+            out["energy_j"] += self.energy_before
+        return out
 
     def record(self, fields: dict, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         if loss.is_cuda:  # mark the end of this step on the GPU's own timeline: no sync
@@ -126,7 +135,7 @@ class MetricsLog:
             return out
         if (m := self.telemetry.mfu(out["tokens_per_s"])) is not None:
             out["mfu"] = m
-        return {**out, **self.telemetry.read()}
+        return {**out, **self.readings(now=False)}
 
     def _console(self, rec: dict) -> None:
         eta = (self.max_steps - rec["step"]) * rec["ms_per_step"] / 1000
