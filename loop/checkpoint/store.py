@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn as nn
 
 from loop.checkpoint.atomic import atomic_write, fsync_dir, write_synced
 from loop.distributed.group import Dist
@@ -191,13 +190,3 @@ def _write(tmp: Path, final: Path, step: int, files: dict[str, object], meta: di
         if final.exists():  # an invalid leftover, or a step saved before a resume from an older
             shutil.rmtree(final)  # checkpoint (run.resume=path): this run's state replaces it
         os.replace(tmp, final)
-
-
-def shape_mismatches(model: nn.Module, saved: dict) -> list[str]:
-    """What differs between the model and a saved state_dict, one line per key."""
-    mine = model.state_dict()
-    out = [f"{k}: missing from checkpoint" for k in mine if k not in saved]
-    out += [f"{k}: in checkpoint, not in the model" for k in saved if k not in mine]
-    out += [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
-            for k, v in mine.items() if k in saved and saved[k].shape != v.shape]
-    return out

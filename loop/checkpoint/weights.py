@@ -83,7 +83,7 @@ def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: 
     """BadInput naming every tensor that differs, the keys that size a model (model.*, and
     data.seq_len, its context) that its run set otherwise (`saved_cfg`: the config dict saved with
     it; None for a bare state_dict), and what to do (`advice`)."""
-    bad = store.shape_mismatches(model, saved)
+    bad = shape_mismatches(model, saved)
     if not bad:
         return
     why = ""
@@ -97,3 +97,13 @@ def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: 
                "vocabulary or the model code differs. ")
     raise BadInput(f"{source} does not fit the configured model ({len(bad)} tensor(s)):\n  "
                    + "\n  ".join(bad) + f"\n{why}{advice}")
+
+
+def shape_mismatches(model: nn.Module, saved: dict) -> list[str]:
+    """What differs between the model and a saved state_dict, one line per key."""
+    mine = model.state_dict()
+    out = [f"{k}: missing from checkpoint" for k in mine if k not in saved]
+    out += [f"{k}: in checkpoint, not in the model" for k in saved if k not in mine]
+    out += [f"{k}: checkpoint {tuple(saved[k].shape)} vs model {tuple(v.shape)}"
+            for k, v in mine.items() if k in saved and saved[k].shape != v.shape]
+    return out
