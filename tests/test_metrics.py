@@ -111,3 +111,20 @@ def test_energy_is_the_run_s_over_every_start_of_train_py(tmp_path):
     assert [(r["step"], r["energy_j"], r["gpu0/energy_j"]) for r in recs] == \
         [(1, 1000.0, 1000.0), (2, 3000.0, 3000.0), (3, 6500.0, 3500.0), (4, 8000.0, 5000.0)]
     assert load_run(tmp_path)["kwh"] == 8000.0 / 3.6e6
+    # A start with no NVML (another node) to step 5, checkpoint there: the next goes on from 8000.
+    start(4, 5, None).close()
+    start(5, 6, Nvml(700.0, 800.0)).close()
+    recs = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert "energy_j" not in recs[4] and recs[5]["energy_j"] == 8700.0
+    assert load_run(tmp_path)["kwh"] == 8700.0 / 3.6e6
+
+
+def test_the_newest_record_with_a_key_is_found_past_records_and_texts_without_it(tmp_path):
+    from loop.observe.jsonl import last_with
+
+    path = tmp_path / "metrics.jsonl"
+    recs = [{"step": 1, "energy_j": 5.0}, {"step": 2, "energy_j": 7.0}, {"step": 3, "sample": 'say "energy_j": 9'},
+            {"step": 4, "gpu0/energy_j": 1.0}, {"step": 5}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 6, "energy_j": 3')  # cut short
+    assert last_with(path, "energy_j") == {"step": 2, "energy_j": 7.0}
+    assert last_with(path, "loss") is None and last_with(tmp_path / "none.jsonl", "energy_j") is None

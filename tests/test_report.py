@@ -122,8 +122,8 @@ def test_a_bar_in_a_run_s_name_stays_in_its_cell(runs, tmp_path):
 
 @pytest.mark.slow
 def test_world_size_energy_and_memory_from_records(runs, tmp_path):
-    """GPU-only fields, written into a copy of the finished run: energy (the run's to each step, over
-    its starts: tests/test_metrics.py), peak memory, MFU, world size 2 and a per-device price."""
+    """GPU-only fields, written into a copy of the finished run: energy over two stretches (before
+    and after a resume), peak memory, MFU, world size 2 and a per-device price."""
     run = tmp_path / "gpu_run"
     shutil.copytree(runs["finished"], run)
     meta = json.loads((run / "metadata.json").read_text())
@@ -131,15 +131,15 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     (run / "metadata.json").write_text(json.dumps({**meta, "world_size": 2, "device": "cuda:0",
                                                    "hardware": {**meta["hardware"], "gpus": gpus}}))
     recs = metrics(run)
-    energy = iter([1000.0, 2000.0, 2500.0, 3500.0])
+    energy = iter([1000.0, 2000.0, 500.0, 1500.0])  # a resume after the second interval resets NVML's count
     for r in recs:
         if "ms_per_step" in r:
             r.update(energy_j=next(energy), cuda_max_alloc_gb=r["step"] / 10, mfu=0.25)
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     s = summary(run)
-    (run / "summary.json").write_text(json.dumps({**s, "energy_j": 3600.0}))  # NVML read at the end
+    (run / "summary.json").write_text(json.dumps({**s, "energy_j": 1600.0}))
     row = rows(write_report([run], tmp_path / "out", price_per_hour={"FakeGPU": 2.0}, co2_g_per_kwh=250).read_text())["gpu_run"]
-    kwh = 3600.0 / 3.6e6
+    kwh = (2000.0 + 1600.0) / 3.6e6
     assert row["energy kWh"] == f"{kwh:.4f}" and row["CO2 kg"] == f"{kwh * 250 / 1000:.4f}"
     assert row["peak memory GB"] == "2.00" and row["MFU"] == "25.0%" and row["device"] == "FakeGPU x2"
     assert row["cost $"] == f"{s['wall_s'] / 3600 * 2 * 2.0:,.4f}"
@@ -154,8 +154,8 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,
     # "finished", but the report's row follows the log, which goes on to step 25.
-    # Nothing else of that summary.json counts either: its energy is not the run's (the log's newest
-    # is: the run's over its starts), and its sample is not shown as the newest.
+    # Nothing else of that summary.json counts either: its energy (from before the resume) is not
+    # added to the reading after it, and its sample is not shown as the newest.
     run = tmp_path / "resumed"
     shutil.copytree(runs["finished"], run)
     recs, energy = metrics(run), iter([1.0e6, 1.5e6, 1.8e6, 2.0e6])
@@ -164,9 +164,9 @@ def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
         if "ms_per_step" in r:
             r["energy_j"] = next(energy)
     more = [{**recs[-1], "step": s, "tokens": recs[-1]["tokens"] + 640 * (s - 20), "loss": 1.5,
-             "energy_j": 2.0e6 + 1.2e6, **({"sample": "the resumed session's"} if s == 25 else {})} for s in range(21, 26)]
+             "energy_j": 1.2e6, **({"sample": "the resumed session's"} if s == 25 else {})} for s in range(21, 26)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs + more))
-    (run / "summary.json").write_text(json.dumps({**summary(run), "energy_j": 9.0e6, "sample": "the first end's"}))
+    (run / "summary.json").write_text(json.dumps({**summary(run), "energy_j": 2.5e6, "sample": "the first end's"}))
     md = write_report([run], tmp_path / "out").read_text()
     row = rows(md)["resumed"]
     assert (row["status"], row["steps"], row["final train loss"]) == ("interrupted at step 25", "25", "1.5000")

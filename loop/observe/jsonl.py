@@ -42,3 +42,23 @@ def truncate(path: Path, last_step: int) -> dict | None:
     if kept != data:
         atomic_write(path, kept)
     return last
+
+
+def last_with(path: Path, key: str) -> dict | None:
+    """The newest whole record with `key` at its top level, found by a byte search from the end
+    (json.dumps writes `"key": `; in a string value its quotes are escaped), so a long log whose
+    newest records lack the key is not parsed line by line."""
+    if not path.exists():
+        return None
+    data, needle = path.read_bytes(), json.dumps(key).encode() + b": "
+    end = len(data)
+    while (at := data.rfind(needle, 0, end)) >= 0:
+        start, stop = data.rfind(b"\n", 0, at) + 1, data.find(b"\n", at)
+        try:
+            rec = json.loads(data[start : stop if stop >= 0 else len(data)])
+            if key in rec:
+                return rec
+        except ValueError:  # a line cut short
+            pass
+        end = start
+    return None

@@ -35,13 +35,13 @@ class MetricsLog:
         self.out_dir, self.path, self.max_steps = out_dir, out_dir / "metrics.jsonl", max_steps
         self.tensorboard, self.telemetry, self.unit = tensorboard, telemetry, unit
         self.last_event = None  # CUDA event at the end of the last logged step
-        last = self._open(start_step, start_tokens, start_samples)
-        # NVML counts energy from this start of train.py on; the earlier starts' is in the last
-        # record kept (a checkpoint flushes the log, so it ends an interval), and energy_j is the run's.
-        self.energy_before = (last or {}).get("energy_j", 0.0)
+        self._open(start_step, start_tokens, start_samples)
+        # NVML counts energy from this start of train.py on; the earlier starts' is the newest
+        # reading the log keeps (a checkpoint flushes the log: its step's record ends an interval),
+        # so energy_j is the run's.
+        self.energy_before = (jsonl.last_with(self.path, "energy_j") or {}).get("energy_j", 0.0)
 
-    def _open(self, step: int, tokens: int, samples: int) -> dict | None:
-        """Open the log at `step`, records after it dropped; return the last record kept."""
+    def _open(self, step: int, tokens: int, samples: int) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         last = jsonl.truncate(self.path, step)
@@ -52,7 +52,6 @@ class MetricsLog:
             _quiet_tensorboard_thread()
         self.pending: list[tuple[dict, torch.Tensor]] = []  # (host fields, device [loss, gnorm])
         self.mark = (time.perf_counter(), step, tokens, samples)  # at the last flush
-        return last
 
     def rewind(self, step: int, tokens: int, samples: int) -> None:
         """Back to `step` (a rollback): the records after it go, as at a resume."""

@@ -68,8 +68,17 @@ def load_run(run_dir: Path) -> dict:
         wall, prev = 0.0, 0
         for r in (r for r in recs if "ms_per_step" in r):
             wall, prev = wall + r["ms_per_step"] * max(r["step"] - prev, 0) / 1000, r["step"]
-    # energy_j is the run's to that step, over every start of train.py (loop/observe/metrics.py).
-    energy = _numbers(recs, "energy_j") + _numbers([summ], "energy_j")
+    # energy_j is the run's to each step, every start of train.py counting on from the energy the
+    # log held (loop/observe/metrics.py). A drop is a count that started again (a log without an
+    # earlier reading to go on from): each stretch's last reading is added. summary.json has the last.
+    starts: list[float] = []
+    for e in _numbers(recs, "energy_j"):
+        if starts and e >= starts[-1]:
+            starts[-1] = e
+        else:
+            starts.append(e)
+    if isinstance(summ.get("energy_j"), (int, float)):
+        starts[-1:] = [max(starts[-1] if starts else 0.0, summ["energy_j"])]
     steps, tokens = summ.get("steps", last.get("step", 0)), summ.get("tokens", last.get("tokens", 0))
     mem = _numbers(recs, "cuda_max_alloc_gb") + _numbers([summ], "cuda_max_alloc_gb")
     mfu, vals = _numbers(recs, "mfu"), _numbers(recs, "val_loss") + _numbers([summ], "val_loss")
@@ -80,7 +89,7 @@ def load_run(run_dir: Path) -> dict:
         "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None, "steps": steps, "tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,  # a finished run's: summary.json's tokens_per_s
         "peak_gb": max(mem) if mem else None, "mfu": sum(mfu) / len(mfu) if mfu else None,
-        "kwh": max(energy) / 3.6e6 if energy else None,
+        "kwh": sum(starts) / 3.6e6 if starts else None,
         "final_loss": summ.get("final_loss") if finished else last.get("loss"),
         "best_val": min(vals) if vals else None, "world": int(meta.get("world_size") or 1),
         "best": summ.get("best") or _best_so_far(run_dir, cfg, recs),  # train.best_metric's pick

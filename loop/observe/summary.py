@@ -61,7 +61,7 @@ def finish(out: Path, preempted: bool, parts: dict, evaluator, log, dist, cfg, d
     }
     if averaged is not None:
         summary["ema_params_sha256"] = store.params_sha256(averaged)
-    # The energy and peak memory since this start of train.py, NVML read now (not at its last tick).
+    # The run's energy (over its starts) and this start's peak memory, NVML read now (not at its last tick).
     summary.update({k: v for k, v in log.readings().items() if k in ("energy_j", "cuda_max_alloc_gb")})
     log.text(p.step, "sample", sample or "")
     log.close()
