@@ -196,7 +196,7 @@ def write_payload(f: Path, marker: Path, fmt: str) -> None:
 
 def evil_checkpoint(src: Path, dst: Path, marker: Path, fmt: str) -> Path:
     """A copy of a real checkpoint whose state.pt is a code-running pickle, with a manifest that
-    verifies (size and sha256 of the new bytes, as loop/store.py computes them)."""
+    verifies (size and sha256 of the new bytes, as loop/checkpoint/store.py computes them)."""
     shutil.copytree(src, dst)
     write_payload(dst / "state.pt", marker, fmt)
     data = (dst / "state.pt").read_bytes()

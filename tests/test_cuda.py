@@ -145,8 +145,8 @@ def test_a_real_out_of_memory_is_recovered_by_splitting(tmp_path, cache):
     assert f"step 1: out of memory; micro-batch {big} -> {big // 2}" in proc.stderr, proc.stderr
     assert json.loads((out / "metadata.json").read_text())["faults_injected"] is None  # a real one
     recs = metrics(out)
-    # It stops at the first size that fits (128 on an H200; an H100 stopped at 32): the failed
-    # tries' memory is back, which a reference cycle held (the H200 went on to 16).
+    # It stops at the first size that fits (128 on an H200, 32 on an H100): the failed tries'
+    # memory is back, which a reference cycle would hold (and each smaller try would run out too).
     assert [r["step"] for r in recs] == [1, 2, 3] and big // 8 <= recs[-1]["micro_batch"] < big
     assert summary(out)["micro_batch"] == recs[-1]["micro_batch"]
 

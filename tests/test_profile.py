@@ -41,7 +41,7 @@ def test_breakdown_is_each_region_s_share_of_the_steps_and_other_never_below_zer
 def test_a_region_s_gpu_side_twin_does_not_hide_its_host_time():
     # With CUDA activity on, a region that launches GPU work has a GPU-side annotation of the same
     # name, which torch's averages keep as a row of its own with no host time: a lookup by name that
-    # kept the last row read forward, backward and optimizer as 0.0% on an H200.
+    # kept the last row would read forward, backward and optimizer as 0.0% on a GPU.
     from types import SimpleNamespace
 
     from torch.autograd import DeviceType

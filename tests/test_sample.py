@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import TINY, run_train, summary, train_here
+from conftest import ROOT, TINY, run_train, summary, train_here
 from tools import sample
 
 # The run's train.sample_tokens (set below) and run.seed. 300 tokens: 16 drawn from the EMA and the
@@ -194,3 +196,14 @@ def test_a_long_text_is_printed_as_it_comes_and_is_the_text_of_one_call(run, cap
     stream(model, prompt, 150, torch.Generator().manual_seed(3), {}, data.decode)
     assert calls == [64, 64, 22]
     assert capsys.readouterr().out == data.decode(whole) + "\n"
+
+
+@pytest.mark.slow
+def test_a_reader_that_stops_early_ends_it_quietly(run):
+    # `tools.sample RUN | head -c 100`: exit 141 (SIGPIPE's), as train.py's, without a traceback.
+    proc = subprocess.run(f"{sys.executable} -m tools.sample {run} --tokens 100000 | head -c 100; "
+                          f"exit ${{PIPESTATUS[0]}}", shell=True, executable="/bin/bash", cwd=ROOT,
+                          capture_output=True, timeout=300)
+    err = proc.stderr.decode()
+    assert proc.returncode == 141 and len(proc.stdout) == 100, err  # bytes: head -c cut a character
+    assert "Traceback" not in err and "Exception" not in err, err

@@ -117,7 +117,7 @@ each run's metadata.json records the commit it ran.
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.new_project", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.new_project", description=__doc__.split("\n\n")[0])
     p.add_argument("dest", type=Path, help="where the project is made (a new or empty directory)")
     p.add_argument("--examples", action="store_true", help="copy the example data sets and models too")
     a = p.parse_args(argv)

@@ -30,7 +30,8 @@ from loop.checkpoint import resume, store, weights
 from loop.config.fields import at_least, positive
 from loop.config.load import build
 from loop.device import pick_device
-from loop.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput
+from loop.errors import EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_INTERRUPTED, BadInput
+from loop.guards.console import console_gone, mute_dead_console
 from model import MODELS
 
 CODE = "Use the model code it was trained with."  # the config is its own: only the code can differ
@@ -154,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # a long text stopped by hand: what was printed is the text so far
         print(file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `| head`: the reader has what it wanted, and a traceback helps no one
+        if not console_gone():
+            raise
+        mute_dead_console()  # the interpreter's last flush of stdout too
+        return EXIT_CONSOLE_GONE
     return 0
 
 

@@ -52,7 +52,7 @@ CHECKS = ("resume", "determinism", "accumulation", "clipping", "data", "eval", "
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m tools.verify", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m tools.verify", description=__doc__.split("\n\n")[0])
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (at least 8)")
     p.add_argument("--nproc", type=int, default=0, help="also check n processes against one (ddp)")

@@ -48,8 +48,8 @@ def out_of_memory(e: BaseException) -> bool:
 
 def release_memory(device: torch.device) -> None:
     """After an out-of-memory error, before a smaller try: free what a reference cycle through the
-    dropped error's traceback still holds of the failed try (all 139 GiB of an H200's activations,
-    until the collector ran), then hand torch's cache back to the driver, where CUDA libraries
+    dropped error's traceback still holds of the failed try (its activations, up to a whole GPU,
+    until the collector runs), then hand torch's cache back to the driver, where CUDA libraries
     allocate (cuBLAS's handles)."""
     gc.collect()
     if device.type == "cuda":

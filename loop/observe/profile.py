@@ -26,9 +26,9 @@ REGIONS = ("data", "forward", "backward", "optimizer")
 def breakdown(prof: profile, wall_us: float) -> dict[str, float]:
     """Fraction of the profiled steps' wall time in each region, plus `other`; sums to 1. The wall
     time is the loop's own clock: the profiler's own step events can sum to nothing in its averages
-    with CUDA activity on (seen with torch 2.11 on an H100). A region's host time is summed over its
-    rows: the averages keep, as a row of its own, the GPU-side twin of a region that launches GPU
-    work, with no host time (an H200 read forward, backward and optimizer as 0.0% from those)."""
+    with CUDA activity on (torch 2.11 on an H100). A region's host time is summed over its rows: the
+    averages keep, as a row of its own, the GPU-side twin of a region that launches GPU work, with
+    no host time (taken alone, forward, backward and optimizer would read 0.0% on a GPU)."""
     totals: dict[str, float] = collections.defaultdict(float)
     for e in prof.key_averages():
         totals[e.key] += e.cpu_time_total
