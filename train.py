@@ -34,7 +34,7 @@ from model import MODELS
 def main(argv: list[str] | None = None) -> int:
     cfg, undo = None, None
     try:
-        args = parse_args(argv, DATASETS, MODELS)  # --help answers whatever ./.env holds
+        args = parse_args(argv, DATASETS, MODELS)  # before ./.env: --help answers even with a malformed one
         dotenv.load()  # ./.env next (loop/config/dotenv.py): the config and the loop see its variables
         cfg = load_config(*args, DATASETS, MODELS)
         if cfg.run.deterministic:

@@ -122,7 +122,7 @@ class Trainer:
         self.run_facts = {"config": to_dict(cfg), "config_sha256": config_hash(cfg),
                           "world_size": self.dist.world, "metadata": self.metadata}
         if path:
-            self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata, self.lab)
+            self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata)
         elif cfg.run.init_from:
             taken = state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg)
             self.dist.say(f"initialised model weights from {taken}")

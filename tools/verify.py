@@ -68,7 +68,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 def chosen(a: argparse.Namespace) -> list[str]:
     if a.checks is None:
         names = [c for c in CHECKS if c != "ddp" or a.nproc > 1]
-    elif not (names := [c for c in a.checks.split(",") if c]):  # `--checks $EMPTY` ran them all
+    elif not (names := [c for c in a.checks.split(",") if c]):  # `--checks $EMPTY` is no "all"
         raise BadInput(f"--checks: empty; expected some of {', '.join(CHECKS)} (or no --checks, for "
                        f"all).")
     unknown = [c for c in names if c not in CHECKS]

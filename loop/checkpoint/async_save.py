@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 def _memcpy(s: torch.UntypedStorage) -> torch.UntypedStorage:
     # Not s.clone(): its copy_ runs on the intra-op thread pool, and on a busy 2-core machine each
-    # parallel copy can wait ~4 ms for a worker (430 ms per snapshot seen, vs 3 ms for plain memcpy).
+    # parallel copy can wait ~4 ms for a worker (430 ms for a snapshot, against 3 ms for plain memcpy).
     out = torch.UntypedStorage(s.nbytes())
     if s.nbytes():
         ctypes.memmove(out.data_ptr(), s.data_ptr(), s.nbytes())

@@ -114,18 +114,17 @@ class Mirror:
                 self._retrying(self._copy, ckpt_dir, f"could not copy {ckpt_dir}")
                 self._retrying(self._prune, keep, "could not delete old checkpoints")
 
-    def _retrying(self, fn, arg, what: str) -> bool:
+    def _retrying(self, fn, arg, what: str) -> None:
+        """fn(arg), tried again after a growing wait; the last failure is a warning."""
         for attempt in range(self.retries + 1):
             try:
-                fn(arg)
-                return True
+                return fn(arg)
             except Exception as e:  # noqa: BLE001 -- backends raise their own types (botocore...),
                 # and one that escaped would kill the thread and silently end all mirroring
                 if attempt == self.retries or self._abandon.wait(self.backoff_s * 2 ** attempt):
                     print(f"warning: mirror {self.target}: {what} ({type(e).__name__}: {e}); "
                           f"training goes on", file=sys.stderr)
-                    return False
-        return False
+                    return
 
     def _copy(self, ckpt_dir: Path) -> None:
         fs, dest = self.fs, posixpath.join(self.root, ckpt_dir.name)

@@ -61,7 +61,7 @@ def claim(out: Path) -> None:
 def release() -> None:
     """Unlock every run directory this process holds (closing the descriptor drops the lock). A
     .lock this process made in a directory it then wrote nothing in (bad input) goes too: left, it
-    marked a user's directory as a run's, and a later run there overwrote their files."""
+    would mark a user's directory as a run's, and a later run there would overwrite their files."""
     for out in _unsigned:
         (out / ".lock").unlink(missing_ok=True)
     _unsigned.clear()
@@ -80,8 +80,8 @@ RUN_FILES = ("config.yaml", "metadata.json", "metrics.jsonl", "tb", "checkpoints
 
 def is_run(d: Path) -> bool:
     """A directory a run made: every run makes .lock first; one copied without it still has the
-    metadata.json a run wrote (any file of that name marked a user's directory as a run's, and the
-    run overwrote their model.pt)."""
+    metadata.json a run wrote (any file of that name would mark a user's directory as a run's, and
+    the run would overwrite their model.pt)."""
     if (d / ".lock").exists():
         return True
     try:

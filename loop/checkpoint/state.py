@@ -34,13 +34,13 @@ def files(parts: dict, rank: int, sharded: bool, run: dict) -> dict[str, object]
     return {"state.pt": {**shared, **run, "sharded": sharded, "format": FORMAT}, **mine}
 
 
-def restore(path: Path, parts: dict, cfg, dist, metadata: dict, lab: str = "") -> str | None:
+def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
     """Checkpoint `path` into every part, saying what differs from the run that saved it (`metadata`:
     this run's; loop/checkpoint/notes.py). The weights are checked to fit before anything is
     loaded; the RNG streams come last, since loading the others may draw from them. Returns the
     origin the checkpoints this run saves record (loop/checkpoint/resume.py::origin)."""
     dist.say(f"loading checkpoint {path} ...")
-    model, ema, rank = parts["model"], parts["ema"], dist.rank
+    model, ema, rank, lab = parts["model"], parts["ema"], dist.rank, cfg.lab.break_
     state = load_model_state(path, model, cfg, parts["optimizer"], fmt=FORMAT)  # FSDP: the shards of both
     if ema and state["ema"] and state["ema"]["weights"] is None:  # FSDP: the EMA's shards too
         fsdp.load_weights(ema.module, path, "ema")

@@ -52,7 +52,7 @@ def read(path: Path) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise BadInput(f"config file {path}{where}: malformed YAML ({getattr(e, 'problem', e)}).")
-    if not isinstance(raw, dict):  # empty (None), `0`, `~`: it ran on the defaults, into any out_dir
+    if not isinstance(raw, dict):  # empty (None), `0`, `~`: not a run on the defaults, into any out_dir
         what = "is empty" if raw is None else f"holds {type(raw).__name__} {str(raw)[:40]!r}"
         raise BadInput(f"config file {path}: it {what}; expected a mapping of sections (run:, data:, "
                        f"model:, ...), each setting only the keys that differ from the defaults.")
@@ -155,7 +155,7 @@ class _Once(argparse.Action):
 
 class _Loader(DecimalLoader):
     """yaml.safe_load that refuses a key given twice in one mapping. YAML keeps the last one
-    silently, so a second `train:` section at the end of a file dropped every key of the first."""
+    silently, so a second `train:` section at the end of a file would drop every key of the first."""
 
     def construct_mapping(self, node, deep=False):
         first: dict[str, int] = {}

@@ -32,8 +32,8 @@ def directories(cfg) -> dict[str, str]:
 
 
 def check_paths(cfg) -> None:
-    # A shell expands ~ only at the start of a word: in `make ARGS="run.out_dir=~/x"` or a YAML
-    # file it reached the run as text, and made a directory named ~ here.
+    # A shell expands ~ only at the start of a word: from `make ARGS="run.out_dir=~/x"` or a YAML
+    # file it reaches the run as text, and would make a directory named ~ here.
     for key, obj, name in path_keys(cfg):
         if (value := getattr(obj, name)).startswith("~"):
             setattr(obj, name, os.path.expanduser(value))

@@ -120,8 +120,8 @@ def init(device_name: str, cpu_offload: bool = False) -> tuple[Dist, torch.devic
     if not (port := os.environ["MASTER_PORT"]).isdigit() or not 0 < int(port) < 65536:
         raise BadInput(f"environment variable MASTER_PORT: expected a port from 1 to 65535; got {port!r}.")
     # Before any process group exists: importing torch._dynamo (building the optimizer does) takes
-    # references to every group that exists then (10 to each, torch 2.13) that destroy_process_group
-    # does not drop, and their gloo threads outlived close() into interpreter shutdown (see close).
+    # references to every group that exists then, which destroy_process_group does not drop: their
+    # gloo threads would outlive close() into interpreter shutdown (see close).
     import torch._dynamo  # noqa: F401
 
     device = pick_device(device_name)

@@ -76,7 +76,7 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     checkpoints.wait()  # the newest checkpoint may still be being written
     # Not past this step: a run resumed back in time has the newer checkpoints of the run before.
     path = dist.on_main(lambda: store.newest_valid(checkpoints.root, upto=p.step))
-    checkpoints.origin = state.restore(path, parts, cfg, dist, metadata, cfg.lab.break_)
+    checkpoints.origin = state.restore(path, parts, cfg, dist, metadata)
     p.rollbacks, p.skip_windows, p.micro_split = carry
     log.rewind(p.step, p.tokens, p.samples)
     feed.start()

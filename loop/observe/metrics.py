@@ -145,7 +145,7 @@ class MetricsLog:
               f" | {rec['tokens_per_s']:,.0f} {'tok' if self.unit == 'tokens' else self.unit}/s"
               f" | {rec['ms_per_step']:.1f} ms/step"
               f" | data {rec['data_wait_pct']:.1f}%{extra}"
-              f" | ETA {hms(eta)}", flush=True)  # strftime's %H wrapped at a day
+              f" | ETA {hms(eta)}", flush=True)  # not strftime: its %H wraps at a day
 
     def close(self) -> None:
         """Everything on disk, and the file, TensorBoard's writer thread and the telemetry's closed

@@ -13,7 +13,7 @@ import os
 import torch
 
 from loop.observe.gpu import GpuSampler
-from loop.observe.mfu import peak_flops
+from loop.observe.mfu import mfu, peak_flops
 
 
 def node_gpus(device: torch.device) -> dict[int, str] | None:
@@ -51,9 +51,8 @@ class Telemetry:
         return out
 
     def mfu(self, tokens_per_s: float) -> float | None:
-        if self.flops is None or self.peak is None:
-            return None
-        return tokens_per_s * self.flops / self.peak
+        """None for a model that does not count its FLOPs, or a device without a known peak."""
+        return None if self.flops is None else mfu(tokens_per_s, self.flops, self.peak)
 
     def close(self) -> None:
         if self.gpu:
