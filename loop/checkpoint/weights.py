@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 from loop.checkpoint import store
-from loop.config.load import flat, to_dict
+from loop.config.load import differing, flat, to_dict
 from loop.config.schema import Config
 from loop.distributed import fsdp
 from loop.errors import BadInput
@@ -89,8 +89,7 @@ def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: 
     why = ""
     if isinstance(saved_cfg, dict):
         old, new = flat(saved_cfg), flat(to_dict(cfg))
-        keys = sorted(k for k in old.keys() | new.keys()
-                      if (k.startswith("model.") or k == "data.seq_len") and old.get(k) != new.get(k))
+        keys = [k for k in differing(old, new) if k.startswith("model.") or k == "data.seq_len"]
         why = (f"It was trained with {', '.join(f'{k}={old.get(k)}' for k in keys)} (this config: "
                f"{', '.join(f'{k}={new.get(k)}' for k in keys)}). " if keys else
                "It was trained with this config's model.* keys and data.seq_len: the data's "

@@ -142,6 +142,11 @@ def flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def differing(a: dict, b: dict) -> list[str]:
+    """The keys of two flat configs whose values differ, sorted (a key only one has differs)."""
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
 class _Once(argparse.Action):
     """An option given at most once: argparse keeps the last --config and drops the others unsaid."""
 
@@ -173,8 +178,7 @@ class _Loader(DecimalLoader):
 # ---------------------------------------------------------------------------------------- output
 def changed_keys(old: dict, new: Config) -> list[str]:
     """Dotted keys whose values differ between a saved config dict and `new`."""
-    a, b = flat(old), flat(to_dict(new))
-    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return differing(flat(old), flat(to_dict(new)))
 
 
 def config_hash(cfg: Config) -> str:

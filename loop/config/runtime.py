@@ -3,7 +3,7 @@ ranks (both refused), and settings that cannot act in this run (said as notes).
 """
 from __future__ import annotations
 
-from loop.config.load import flat, to_dict
+from loop.config.load import differing, flat, to_dict
 from loop.distributed.group import Dist
 from loop.errors import BadInput
 from loop.precision import Precision
@@ -55,7 +55,7 @@ def check_same_config(cfg, dist: Dist) -> None:
     if dist.world == 1:
         return
     main, mine = flat(dist.from_main(to_dict(cfg))), flat(to_dict(cfg))
-    differ = sorted(k for k in main.keys() | mine.keys() if main.get(k) != mine.get(k))
+    differ = differing(main, mine)
     if n := int(dist.sum_host([float(bool(differ))])[0]):
         here = (f"rank {dist.rank} has {', '.join(f'{k}={mine.get(k)}' for k in differ)} where rank 0 "
                 f"has {', '.join(f'{k}={main.get(k)}' for k in differ)}" if differ else
