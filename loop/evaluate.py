@@ -1,10 +1,10 @@
 """Validation metrics and text samples, both without touching any training random stream.
 
-Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their
-own generator) and reports each sum the model returns (loop/contract.py) divided by the number of real targets, as `val_loss`,
-`val_accuracy`, ..., with one host read. The sample uses its own `torch.Generator`. `Evaluator`
-is a run's evaluation: its fixed validation batches, its samples, and the probe of the model's
-contract before anything is written.
+Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their own
+generator) and reports each sum the model returns (loop/contract.py) divided by the number of real
+targets, as `val_loss`, `val_accuracy`, ..., with one host read. The sample uses its own
+`torch.Generator`. `Evaluator` is a run's evaluation: its fixed validation batches, its samples,
+and the probe of the model's contract before anything is written.
 """
 from __future__ import annotations
 

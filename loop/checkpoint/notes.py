@@ -66,7 +66,8 @@ def reshaped(state: dict, cfg) -> str | None:
     the LR at the resumed step jumps. None if it stays (a schedule without a horizon)."""
     was_steps, s = state["config"]["train"]["max_steps"], state["scheduler"]["last_epoch"]
     lr = cfg.optim.lr
-    before, after = lr_factor(s, cfg.schedule, was_steps) * lr, lr_factor(s, cfg.schedule, cfg.train.max_steps) * lr
+    before = lr_factor(s, cfg.schedule, was_steps) * lr
+    after = lr_factor(s, cfg.schedule, cfg.train.max_steps) * lr
     if before == after:
         return None
     return (f"train.max_steps {was_steps} -> {cfg.train.max_steps} reshapes schedule.name={cfg.schedule.name} "

@@ -169,7 +169,8 @@ def table(runs: list[dict], price_per_hour: float | dict[str, float], co2_g_per_
     kept = [i for i in range(len(head)) if any(row[i] != "n/a" for row in rows)]
     lines = ["| " + " | ".join(head[i] for i in kept) + " |", "|" + "---|" * len(kept)]
     # A | in a cell (a run dir named a|b) would end it: Markdown's escape keeps the columns.
-    return "\n".join(lines + ["| " + " | ".join(row[i].replace("|", r"\|") for i in kept) + " |" for row in rows])
+    cells = [[row[i].replace("|", r"\|") for i in kept] for row in rows]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in cells])
 
 
 def write_report(run_dirs: list[Path], out_dir: Path,
