@@ -26,9 +26,8 @@ WARM_START = ("Set the model.* keys it was trained with, or leave run.init_from 
 def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
                      advice: str = "", fmt: int | None = None) -> dict:
     """Load a checkpoint's state.pt and put its weights (and, if given, the optimizer state) into
-    `model`, refusing a mismatch. Weights alone load across strategies: an FSDP checkpoint's
-    shards into a plain model and a whole state_dict into an FSDP one. `fmt`: the layout a resume
-    reads (loop/checkpoint/state.py); a warm start reads only the weights, in any layout."""
+    `model`, refusing a mismatch. `fmt`: the layout a resume reads (loop/checkpoint/state.py); a
+    warm start reads only the weights, in any layout."""
     state = store.load(path, "state.pt")
     if fmt is not None and state.get("format") != fmt:
         raise BadInput(f"checkpoint {path} has another layout (format {state.get('format', 1)}; this "
@@ -43,16 +42,14 @@ def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
                        f"{how[not was_sharded]} is not supported. Use the strategy it was written "
                        f"with (any number of processes, `torchrun --nproc_per_node=1` included), or "
                        f"start a new run.out_dir with run.init_from={path} (weights only).")
+    saved = fsdp.saved_shapes(path) if was_sharded else state["model"]
+    refuse_mismatch(model, saved, f"checkpoint {path}", state.get("config"), cfg, advice)
     if was_sharded:
-        refuse_mismatch(model, fsdp.saved_shapes(path), f"checkpoint {path}", state.get("config"), cfg,
-                        advice)
-        fsdp.load(model, optimizer, path)
+        fsdp.load(model, optimizer, path)  # the optimizer's shards too
     else:
-        refuse_mismatch(model, state["model"], f"checkpoint {path}", state.get("config"), cfg,
-                        advice)
         load_whole(model, state["model"])
-    if optimizer is not None and not was_sharded:
-        optimizer.load_state_dict(state["optimizer"])
+        if optimizer is not None:
+            optimizer.load_state_dict(state["optimizer"])
     return state
 
 
