@@ -109,8 +109,7 @@ class Trainer:
         return self.finish()
 
     def start(self) -> None:
-        """Before the first step: check the model, pick the checkpoint to resume (out_dir locked),
-        restore it or warm-start, then write config.yaml and metadata.json and open the log."""
+        """Before the first step: the model checked, a checkpoint restored, the run's files written."""
         cfg, tc, p = self.cfg, self.cfg.train, self.progress
         if self.lab:
             self.dist.say(banner(self.lab))
@@ -137,8 +136,7 @@ class Trainer:
                                   telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world))
 
     def close(self, ended: bool) -> None:
-        """Close what the run opened, on its way out of an error too. `ended`: the loop ran to its
-        end (done, early stop, preempted) and finish() follows."""
+        """Close what the run opened, on its way out of an error too; `ended`: finish() follows."""
         self.feed.close()  # the DataLoader workers, even if an error pins them
         # Even on the way out of an error every finished step is on disk (written before its
         # console line); a console gone with it (a `tee` ended by the same Ctrl-C) must not stop that.
