@@ -1,5 +1,5 @@
 """A small GPT (model.name=gpt): causal self-attention through `scaled_dot_product_attention`, tied
-embeddings. Its options: model.n_layer, n_head, n_embd, dropout, bias, loss_chunks.
+embeddings. Its options: model.n_layer, n_head, n_embd, dropout, bias, attention, loss_chunks.
 
 `forward(batch)` returns the *summed* cross-entropy over the batch's real targets (targets equal to
 -100 are ignored). The loop divides by the target count of the whole optimizer step, so gradient
@@ -11,15 +11,21 @@ its MFU, `generate` its text samples.
 With model.loss_chunks=n the LM head and the cross-entropy run as one op over n chunks of the
 micro-batch's tokens (`F.linear_cross_entropy`), so at most 1/n of its logits (tokens x
 vocabulary) are held at once: the same summed loss, less memory (docs/performance.md).
+With model.attention=flex the attention is torch's FlexAttention with a causal block mask, compiled:
+its backward repeats bit for bit at full speed (python -m bench.attention), where SDPA's fused
+kernels slow down under run.deterministic=true. It trains on CUDA only (torch has no FlexAttention
+backward on the CPU) and has no attention dropout.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 from loop.config.fields import opt
@@ -35,6 +41,7 @@ class GPTOptions(ModelSection):
     n_embd: int = opt(128, min=1)
     dropout: float = opt(0.1, min=0.0, max=1.0)
     bias: bool = False
+    attention: str = opt("sdpa", choices=("sdpa", "flex"))  # flex: FlexAttention (CUDA, no dropout)
     loss_chunks: int = opt(0, min=0)  # 0: the whole logits at once; n: head + loss in n chunks
 
 
@@ -42,52 +49,88 @@ def build_gpt(cfg: GPTOptions, data: Data) -> "GPT":
     if cfg.n_embd % cfg.n_head:
         raise BadInput(f"config key model.n_embd: expected a multiple of model.n_head="
                        f"{cfg.n_head}; got {cfg.n_embd}.")
+    if cfg.attention == "flex" and cfg.dropout:
+        raise BadInput(f"config key model.attention=flex: FlexAttention has no attention dropout; "
+                       f"expected model.dropout=0 (got {cfg.dropout}), or model.attention=sdpa.")
     if cfg.loss_chunks and not hasattr(F, "linear_cross_entropy"):
         raise BadInput(f"config key model.loss_chunks={cfg.loss_chunks}: needs torch.nn.functional."
                        f"linear_cross_entropy, which torch {torch.__version__} does not have (torch 2.13 "
                        f"has it); expected 0, or a newer torch.")
     return GPT(data.vocab_size, data.seq_len, cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.dropout, cfg.bias,
-               cfg.loss_chunks)
+               cfg.loss_chunks, cfg.attention == "flex")
+
+
+@functools.cache
+def compiled_flex_attention():
+    """FlexAttention compiled: one fused kernel forward and one backward, where eager it is a
+    reference that writes every score matrix."""
+    return torch.compile(flex_attention)
+
+
+def causal_mask(T: int, device: torch.device) -> BlockMask | None:
+    """model.attention=flex's causal block mask. Off CUDA, torch's FlexAttention is an unfused
+    reference without a backward: evaluation and sampling there take SDPA (None), training stops."""
+    if device.type == "cuda":
+        return _causal_mask(T, device)
+    if torch.is_grad_enabled():
+        raise BadInput(f"config key model.attention=flex: torch's FlexAttention trains on CUDA GPUs "
+                       f"only (it has no backward on {device.type}); expected model.attention=sdpa "
+                       f"here (the same weights), or train.device=cuda.")
+    return None
+
+
+@functools.cache
+def _causal_mask(T: int, device: torch.device) -> BlockMask:
+    # A normal tensor even when first built under evaluation's inference mode: training reuses it.
+    with torch.inference_mode(False), torch.no_grad():
+        return create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device=device)
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, flex: bool = False):
         super().__init__()
         self.n_head, self.dropout = n_head, dropout
+        self.flex_attention = compiled_flex_attention() if flex else None
         self.qkv = nn.Linear(n_embd, 3 * n_embd, bias=bias)
         self.proj = nn.Linear(n_embd, n_embd, bias=bias)
         self.resid_drop = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C)
+    def forward(self, x: torch.Tensor, mask: BlockMask | None) -> torch.Tensor:  # x: (B, T, C)
         B, T, C = x.shape
         q, k, v = self.qkv(x).split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(  # (B, nh, T, hs)
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if mask is not None:  # model.attention=flex: causal by the mask, no attention dropout
+            y = self.flex_attention(q, k, v, block_mask=mask)
+        else:
+            y = F.scaled_dot_product_attention(  # (B, nh, T, hs)
+                q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         return self.resid_drop(self.proj(y.transpose(1, 2).reshape(B, T, C)))
 
 
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool):
+    def __init__(self, n_embd: int, n_head: int, dropout: float, bias: bool, flex: bool = False):
         super().__init__()
         self.ln1, self.ln2 = nn.LayerNorm(n_embd, bias=bias), nn.LayerNorm(n_embd, bias=bias)
-        self.attn = SelfAttention(n_embd, n_head, dropout, bias)
+        self.attn = SelfAttention(n_embd, n_head, dropout, bias, flex)
         self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd, bias=bias), nn.GELU(),
                                  nn.Linear(4 * n_embd, n_embd, bias=bias), nn.Dropout(dropout))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, mask: BlockMask | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), mask)
         return x + self.mlp(self.ln2(x))
 
 
 class GPT(nn.Module):
     def __init__(self, vocab_size: int, seq_len: int, n_layer: int, n_head: int, n_embd: int,
-                 dropout: float, bias: bool, loss_chunks: int = 0):
+                 dropout: float, bias: bool, loss_chunks: int = 0, flex: bool = False):
         super().__init__()
         self.seq_len, self.activation_checkpointing, self.loss_chunks = seq_len, False, loss_chunks
+        # Built eagerly, once per length and device (a compiled model takes it in as an input);
+        # wrapped here, not at import, as the compiler's import takes a second.
+        self.causal_mask = torch.compiler.disable(causal_mask) if flex else None
         self.wte, self.wpe = nn.Embedding(vocab_size, n_embd), nn.Embedding(seq_len, n_embd)
         self.drop = nn.Dropout(dropout)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, dropout, bias, flex) for _ in range(n_layer))
         self.ln_f = nn.LayerNorm(n_embd, bias=bias)
         self.lm_head = nn.Linear(n_embd, vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying
@@ -126,13 +169,14 @@ class GPT(nn.Module):
     def hidden(self, idx: torch.Tensor) -> torch.Tensor:  # idx: (B, T) -> (B, T, n_embd)
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
+        mask = self.causal_mask(idx.shape[1], idx.device) if self.causal_mask else None
         for block in self.blocks:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 # Keep only the block's input; recompute its insides in backward (same dropout
                 # masks: the RNG state is saved and replayed), trading compute for memory.
-                x = checkpoint(block, x, use_reentrant=False)
+                x = checkpoint(block, x, mask, use_reentrant=False)
             else:
-                x = block(x)
+                x = block(x, mask)
         return self.ln_f(x)
 
     def forward(self, batch: dict) -> torch.Tensor:

@@ -10,7 +10,8 @@
 #   env      GPU, driver, gcc, torch and CUDA versions
 #   tests    tests/test_cuda.py but its out-of-memory test: NVML reads the run's own GPU; bf16/fp16
 #            + fused AdamW repeat and resume bit-identically, one host sync per steady-state step
-#            (set_sync_debug_mode), torchrun with one GPU over nccl == plain python, FSDP with CPU
+#            (set_sync_debug_mode), FlexAttention (model.attention=flex) gives SDPA's gradients and
+#            resumes bit-identically, torchrun with one GPU over nccl == plain python, FSDP with CPU
 #            offload and mixed precision (4 pytest workers where pytest-xdist is installed)
 #   oom      a real out-of-memory recovered by splitting, and data.batch_size=auto's fit (alone:
 #            they fill the GPU's memory)
@@ -21,7 +22,8 @@
 #            BENCH_OVERRIDES="key=value ..." go to every arm (settings to try before the config has them)
 #   attention  each attention kernel at GPT-2 124M's shape, deterministic flag off and on: time, and
 #            whether its backward repeats bit for bit (bench/attention.py)
-#   determinism  GPT-2 124M: scaffold vs bare loop with run.deterministic=true as the third arm
+#   determinism  GPT-2 124M: scaffold vs bare loop, arms of their own: run.deterministic=true with
+#            SDPA, and with FlexAttention (model.attention=flex); FlexAttention without it
 #   levers   GPT-2 124M: scaffold vs bare loop, each speed setting an arm of its own: flash's
 #            attention first (torch's own order on Hopper puts cuDNN's first), micro-batches of 32
 #            and 16 instead of the config's 64 (the whole global batch at once), and
@@ -83,7 +85,8 @@ for s in "${stages[@]}"; do
         cp bench/results/*.jsonl "$OUT/" ;;
     determinism)
         stage determinism "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
-            --reps "$BENCH_REPS" --variant run.deterministic=true
+            --reps "$BENCH_REPS" --variant run.deterministic=true \
+            --variant "run.deterministic=true model.attention=flex" --variant model.attention=flex
         cp bench/results/*.jsonl "$OUT/" ;;
     levers)
         stage levers "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \

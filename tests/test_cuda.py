@@ -6,7 +6,8 @@ bf16 and fp16 (GradScaler) with fused AdamW train, repeat and resume bit-identic
 determinism mode, whose fused attention kernels repeat their backward bit for bit; the attention
 kernel asked for runs (cuDNN's, or flash's where determinism mode turns cuDNN's off); a micro-batch
 too big for the card runs out of memory for real and is recovered by splitting it, and
-data.batch_size=auto finds one that fits; the chunked loss resumes bit-identically; steady-state
+data.batch_size=auto finds one that fits; the chunked loss resumes bit-identically; FlexAttention
+(model.attention=flex) gives SDPA's gradients and resumes bit-identically in bf16; steady-state
 steps make exactly one host sync each (the finite check), proved with
 torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and async
 checkpoints), bit-identical to plain python, also after a SIGKILL and rerun; FSDP with CPU offload
@@ -182,16 +183,57 @@ def test_the_chunked_loss_repeats_and_resumes_bit_identically_in_bf16(tmp_path, 
     assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
 
 
-@pytest.mark.parametrize("compile", [False, True])
-def test_steady_state_steps_sync_with_the_host_once(tmp_path, compile):
+def test_flex_attention_gives_sdpa_gradients_on_the_gpu():
+    # model.attention=flex on CUDA: FlexAttention compiled with model/gpt.py's causal block mask
+    # (in an uncompiled model; a compiled one in the next test) gives SDPA's loss and gradients,
+    # also at a length that is not a whole number of the mask's blocks, and after a first forward
+    # in evaluation's inference mode built the mask.
+    from model.gpt import GPT
+
+    torch.manual_seed(0)
+    cuda = torch.device("cuda")
+    sdpa, flex = GPT(256, 200, 2, 2, 64, 0.0, False).to(cuda), GPT(256, 200, 2, 2, 64, 0.0, False, flex=True)
+    flex.load_state_dict(sdpa.state_dict())
+    flex.to(cuda)
+    batch = {k: torch.randint(0, 256, (4, 200), device=cuda) for k in ("x", "y")}
+    with torch.inference_mode():
+        assert flex.eval()(batch).item() == pytest.approx(sdpa.eval()(batch).item(), rel=1e-5)
+    flex.train(), sdpa.train()
+    losses = [m(batch) for m in (sdpa, flex)]
+    for loss in losses:
+        loss.backward()
+    assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+    for (name, a), b in zip(sdpa.named_parameters(), flex.parameters()):
+        assert (b.grad - a.grad).norm() <= 1e-4 * a.grad.norm(), name
+
+
+def test_flex_attention_repeats_and_resumes_bit_identically_in_bf16(tmp_path, cache):
+    # The cheap exactness: a compiled GPT with FlexAttention in determinism mode, SIGKILLed and
+    # rerun, gives the same bits; it trains as SDPA does, to bf16's rounding.
+    args = [cache, *DIST, *CUDA, "train.precision=bf16", "train.compile=true"]
+    a, killed, sdpa = tmp_path / "a", tmp_path / "killed", tmp_path / "sdpa"
+    run_train(a, *args, "model.attention=flex")
+    code, printed = run_and_signal(killed, 12, *args, "model.attention=flex")
+    assert code == -signal.SIGKILL, printed
+    assert "at step 10" in run_train(killed, *args, "model.attention=flex").stdout
+    assert [r["loss"] for r in metrics(killed)] == [r["loss"] for r in metrics(a)]
+    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
+    run_train(sdpa, *args)
+    assert metrics(a)[-1]["loss"] == pytest.approx(metrics(sdpa)[-1]["loss"], rel=0.05)
+
+
+@pytest.mark.parametrize("more", [["train.compile=false"], ["train.compile=true"],
+                                  ["train.compile=true", "model.attention=flex", "model.dropout=0"]],
+                         ids=["eager", "compiled", "compiled-flex"])
+def test_steady_state_steps_sync_with_the_host_once(tmp_path, more):
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
     cfg = load_config(DEFAULT_CONFIG, [*TINY, f"run.out_dir={tmp_path / 'run'}",
                                        f"data.cache_dir={tmp_path / 'cache'}", "train.device=cuda",
                                        "train.precision=bf16", "train.max_steps=12", "train.log_every=100",
-                                       "train.eval_every=0", "train.ckpt_every=0", f"train.compile={compile}",
-                                       "data.num_workers=2", "data.pin_memory=true"])
+                                       "train.eval_every=0", "train.ckpt_every=0", "data.num_workers=2",
+                                       "data.pin_memory=true", *more])
     trainer = build_trainer(cfg, Dist(), torch.device("cuda"))
     step, syncs = trainer.step, {}
 

@@ -9,6 +9,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -205,3 +206,44 @@ def test_the_chunked_loss_needs_a_torch_that_has_it(monkeypatch):
         build_gpt(GPTOptions(name="gpt", n_layer=1, n_head=1, n_embd=8, loss_chunks=2),
                   SimpleNamespace(vocab_size=16, seq_len=8))
     assert str(e.value).startswith("config key model.loss_chunks=2") and torch.__version__ in str(e.value)
+
+
+def test_flex_attentions_block_mask_is_causal_attention():
+    # model.attention=flex attends through FlexAttention with model/gpt.py's block mask; on the CPU
+    # (forward only, torch's unfused reference) it is SDPA's causal attention, also for a length
+    # that is not a whole number of the mask's 128-token blocks.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    from model.gpt import _causal_mask
+
+    g = torch.Generator().manual_seed(0)
+    for T in (128, 200):
+        q, k, v = (torch.randn(2, 3, T, 16, generator=g) for _ in range(3))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "called without torch.compile": the reference is the point
+            flex = flex_attention(q, k, v, block_mask=_causal_mask(T, torch.device("cpu")))
+        sdpa = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert (flex - sdpa).abs().max() <= 1e-6, T
+    with torch.inference_mode():  # a mask first built in evaluation's inference mode
+        mask = _causal_mask(96, torch.device("cpu"))
+    assert not mask.kv_num_blocks.is_inference()
+
+
+def test_flex_attention_trains_on_cuda_only_and_evaluates_anywhere(tmp_path, cache):
+    # No FlexAttention backward on the CPU: a training run stops at its first step with exit 2,
+    # before any checkpoint; no attention dropout either, refused before the run dir is made. A
+    # trained model's evaluation and sampling on the CPU take SDPA: the same numbers.
+    r = train_here(tmp_path / "cpu", cache, "model.attention=flex", "model.dropout=0", check=False)
+    assert r.returncode == 2 and "model.attention=flex" in r.stderr and "CUDA" in r.stderr, r.stderr
+    assert not (tmp_path / "cpu" / "checkpoints").exists()
+    r = train_here(tmp_path / "dropout", cache, "model.attention=flex", "model.dropout=0.1", check=False)
+    assert r.returncode == 2 and "model.dropout" in r.stderr, r.stderr
+    assert not (tmp_path / "dropout").exists()
+    torch.manual_seed(0)
+    sdpa, flex = GPT(64, 32, 2, 2, 16, 0.0, False), GPT(64, 32, 2, 2, 16, 0.0, False, flex=True)
+    flex.load_state_dict(sdpa.state_dict())
+    batch = {"x": torch.randint(0, 64, (3, 32)), "y": torch.randint(0, 64, (3, 32))}
+    with torch.inference_mode():
+        assert torch.equal(flex.eval()(batch), sdpa.eval()(batch))
+        g = [torch.Generator().manual_seed(1) for _ in range(2)]
+        assert torch.equal(flex.generate(batch["x"][:1], 8, g[0]), sdpa.generate(batch["x"][:1], 8, g[1]))
