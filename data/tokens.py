@@ -88,7 +88,7 @@ def check_files(root: Path, meta: dict, again: str) -> None:
     """The token files against their meta.json. A prepared cache cut short would train on what is left
     without a word, and one overwritten (or another tokenizer's files) held an id past the
     vocabulary: an IndexError traceback at whichever step drew it (on CUDA, a device-side assert);
-    one edited in place (same size, valid ids) trained on other tokens: where meta.json holds the
+    32-bit ids read as uint16 trained on each id and a 0; one edited in place (same size, valid ids) trained on other tokens: where meta.json holds the
     files' tokens_sha256 (this project's caches), they are hashed too. Two passes over each file:
     the maximum, about 0.1 s a GB from the page cache, and sha256 (1.7 GB/s on this 2-core VM)."""
     for name in ("train.bin", "val.bin"):
@@ -100,7 +100,14 @@ def check_files(root: Path, meta: dict, again: str) -> None:
         if want is not None and (size := f.stat().st_size) != 2 * want:
             raise BadInput(f"data: {f} has {size} bytes, but {root / 'meta.json'} says {want} tokens "
                            f"({2 * want} bytes): cut short or replaced since{again}.")
-        top = int(np.memmap(f, dtype=np.uint16, mode="r").max())
+        ids = np.memmap(f, dtype=np.uint16, mode="r")
+        head = ids[: 1 << 20]
+        if len(head) >= 64 and head[::2].any() and not head[1::2].any():
+            # 32- or 64-bit ids of a vocabulary under 65536 read as uint16: every id then a 0, all
+            # in range, so nothing else here would see it.
+            raise BadInput(f"data: {f}: every second uint16 is 0, as in 32- or 64-bit token ids; "
+                           f"expected uint16 ids (write the files as uint16){again}.")
+        top = int(ids.max())
         if top >= meta["vocab_size"]:
             raise BadInput(f"data: {f} holds token id {top}, but {root / 'meta.json'} says "
                            f"vocab_size {meta['vocab_size']}; expected every id below it{again}.")

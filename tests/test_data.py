@@ -633,6 +633,24 @@ def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_
         build_data(cfg.data)
 
 
+@pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.int64])
+def test_a_token_directory_of_wider_ids_is_bad_input(tmp_path, dtype):
+    # Another tokenizer's 32- or 64-bit ids of a vocabulary under 65536: read as uint16 each id is
+    # followed by 0s, every one in range, and the run trained on that without a word.
+    root = tmp_path / "tok"
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 50257}))
+    for name in ("train.bin", "val.bin"):
+        (np.arange(1, 3001) % 50257).astype(dtype).tofile(root / name)
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    with pytest.raises(BadInput) as e:
+        build_data(cfg.data)
+    assert str(e.value).startswith(f"data: {root / 'train.bin'}") and "uint16" in str(e.value)
+    for name in ("train.bin", "val.bin"):  # the same ids as uint16 are read
+        (np.arange(1, 3001) % 50257).astype(np.uint16).tofile(root / name)
+    assert build_data(cfg.data).vocab_size == 50257
+
+
 def test_a_token_directory_s_vocab_size_may_be_a_string_of_digits(tmp_path):
     # As another tool may write it; anything else is named.
     root = tmp_path / "tok"
