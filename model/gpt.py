@@ -62,26 +62,28 @@ def build_gpt(cfg: GPTOptions, data: Data) -> "GPT":
 
 @functools.cache
 def compiled_flex_attention():
-    """FlexAttention compiled: one fused kernel forward and one backward, where eager it is a
-    reference that writes every score matrix."""
+    """FlexAttention compiled into fused kernels (eager, it is a reference that writes every score
+    matrix)."""
     return torch.compile(flex_attention)
 
 
 def causal_mask(T: int, device: torch.device) -> BlockMask | None:
-    """model.attention=flex's causal block mask. Off CUDA, torch's FlexAttention is an unfused
-    reference without a backward: evaluation and sampling there take SDPA (None), training stops."""
+    """model.attention=flex's causal block mask. Off CUDA torch's FlexAttention has no backward (on
+    the CPU it also refuses q, k and v cut from one tensor, as here): evaluation and sampling there
+    take SDPA (None, the same attention); training stops."""
     if device.type == "cuda":
         return _causal_mask(T, device)
     if torch.is_grad_enabled():
-        raise BadInput(f"config key model.attention=flex: torch's FlexAttention trains on CUDA GPUs "
-                       f"only (it has no backward on {device.type}); expected model.attention=sdpa "
-                       f"here (the same weights), or train.device=cuda.")
+        raise BadInput(f"config key model.attention=flex: trains on CUDA GPUs only (torch's "
+                       f"FlexAttention has no backward on the CPU); expected model.attention=sdpa on "
+                       f"{device.type} (the same weights), or train.device=cuda.")
     return None
 
 
 @functools.cache
 def _causal_mask(T: int, device: torch.device) -> BlockMask:
-    # A normal tensor even when first built under evaluation's inference mode: training reuses it.
+    # Normal tensors even when first built under inference mode (a caller's evaluation): training
+    # reuses the mask, and inference tensors cannot be saved for backward.
     with torch.inference_mode(False), torch.no_grad():
         return create_block_mask(lambda b, h, q, k: q >= k, None, None, T, T, device=device)
 

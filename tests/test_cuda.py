@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from conftest import DIST, ROOT, TINY, build_trainer, load_config, metrics, run_and_signal, run_train, summary
+from loop.device import use_tf32
 from tools import jobs
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -187,21 +188,26 @@ def test_flex_attention_gives_sdpa_gradients_on_the_gpu():
     # model.attention=flex on CUDA: FlexAttention compiled with model/gpt.py's causal block mask
     # (in an uncompiled model; a compiled one in the next test) gives SDPA's loss and gradients,
     # also at a length that is not a whole number of the mask's blocks, and after a first forward
-    # in evaluation's inference mode built the mask.
+    # in inference mode built the mask. In IEEE float32: TF32 (on after any in-process run) would
+    # round FlexAttention's products and not SDPA's.
     from model.gpt import GPT
 
     torch.manual_seed(0)
-    cuda = torch.device("cuda")
-    sdpa, flex = GPT(256, 200, 2, 2, 64, 0.0, False).to(cuda), GPT(256, 200, 2, 2, 64, 0.0, False, flex=True)
-    flex.load_state_dict(sdpa.state_dict())
-    flex.to(cuda)
-    batch = {k: torch.randint(0, 256, (4, 200), device=cuda) for k in ("x", "y")}
-    with torch.inference_mode():
-        assert flex.eval()(batch).item() == pytest.approx(sdpa.eval()(batch).item(), rel=1e-5)
-    flex.train(), sdpa.train()
-    losses = [m(batch) for m in (sdpa, flex)]
-    for loss in losses:
-        loss.backward()
+    cuda, tf32 = torch.device("cuda"), torch.backends.cuda.matmul.fp32_precision
+    use_tf32(cuda, False)
+    try:
+        sdpa = GPT(256, 200, 2, 2, 64, 0.0, False).to(cuda)
+        flex = GPT(256, 200, 2, 2, 64, 0.0, False, flex=True).to(cuda)
+        flex.load_state_dict(sdpa.state_dict())
+        batch = {k: torch.randint(0, 256, (4, 200), device=cuda) for k in ("x", "y")}
+        with torch.inference_mode():
+            assert flex.eval()(batch).item() == pytest.approx(sdpa.eval()(batch).item(), rel=1e-5)
+        flex.train(), sdpa.train()
+        losses = [m(batch) for m in (sdpa, flex)]
+        for loss in losses:
+            loss.backward()
+    finally:
+        use_tf32(cuda, tf32 == "tf32")
     assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
     for (name, a), b in zip(sdpa.named_parameters(), flex.parameters()):
         assert (b.grad - a.grad).norm() <= 1e-4 * a.grad.norm(), name

@@ -230,9 +230,9 @@ def test_flex_attentions_block_mask_is_causal_attention():
 
 
 def test_flex_attention_trains_on_cuda_only_and_evaluates_anywhere(tmp_path, cache):
-    # No FlexAttention backward on the CPU: a training run stops at its first step with exit 2,
-    # before any checkpoint; no attention dropout either, refused before the run dir is made. A
-    # trained model's evaluation and sampling on the CPU take SDPA: the same numbers.
+    # No FlexAttention backward on the CPU: a training run stops at its first step with exit 2
+    # (nothing trained, no checkpoint); no attention dropout either, refused before the run dir is
+    # made. A trained model's evaluation and sampling on the CPU take SDPA: the same numbers.
     r = train_here(tmp_path / "cpu", cache, "model.attention=flex", "model.dropout=0", check=False)
     assert r.returncode == 2 and "model.attention=flex" in r.stderr and "CUDA" in r.stderr, r.stderr
     assert not (tmp_path / "cpu" / "checkpoints").exists()
