@@ -22,8 +22,8 @@
 #            BENCH_OVERRIDES="key=value ..." go to every arm (settings to try before the config has them)
 #   attention  each attention kernel at GPT-2 124M's shape, deterministic flag off and on: time, and
 #            whether its backward repeats bit for bit (bench/attention.py)
-#   determinism  GPT-2 124M: scaffold vs bare loop, arms of their own: run.deterministic=true with
-#            SDPA, and with FlexAttention (model.attention=flex); FlexAttention without it
+#   determinism  GPT-2 124M: scaffold vs bare loop, run.deterministic=true as an arm with SDPA and
+#            one with FlexAttention (model.attention=flex)
 #   levers   GPT-2 124M: scaffold vs bare loop, each speed setting an arm of its own: flash's
 #            attention first (torch's own order on Hopper puts cuDNN's first), micro-batches of 32
 #            and 16 instead of the config's 64 (the whole global batch at once), and
@@ -86,7 +86,7 @@ for s in "${stages[@]}"; do
     determinism)
         stage determinism "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
             --reps "$BENCH_REPS" --variant run.deterministic=true \
-            --variant "run.deterministic=true model.attention=flex" --variant model.attention=flex
+            --variant "run.deterministic=true model.attention=flex"
         cp bench/results/*.jsonl "$OUT/" ;;
     levers)
         stage levers "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
