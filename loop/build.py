@@ -79,8 +79,13 @@ def build_data(cfg, datasets: dict) -> Data:
     """data.name's data set, its first and last samples checked against the contract."""
     if cfg.name not in datasets:
         raise BadInput(f"config key data.name: expected one of {', '.join(datasets)}; got {cfg.name!r}.")
-    data = datasets[cfg.name](cfg)
-    check_samples(data, cfg.name)
+    try:
+        data = datasets[cfg.name](cfg)
+        check_samples(data, cfg.name)
+    except PermissionError as e:  # a cache or data directory another user made (umask 077)
+        raise BadInput(f"data.name={cfg.name}: cannot read {e.filename or 'its files'} ({e.strerror}); "
+                       f"expected files and directories this user can read (data.cache_dir, "
+                       f"data.path).") from None
     return data
 
 

@@ -22,6 +22,8 @@ def pick_device(name: str, key: str = "config key train.device") -> torch.device
     try:
         device = torch.device(name)
     except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda", "mps"):  # xpu, meta: a traceback later
         raise BadInput(f"{key}: expected auto, cpu, cuda, cuda:N or mps; got {name!r}.")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise BadInput(f"{key}: {name!r} asked for, but this machine has no CUDA.")

@@ -144,6 +144,8 @@ def test_upper_bounds_and_list_elements():
     assert bad(["data.name=markov", "data.markov.vocab_size=99999999999999999999"]) == \
         "config key data.markov.vocab_size: expected a value <= 1024, got 99999999999999999999."
     assert (cfg.model.dropout, cfg.ema.decay, cfg.optim.betas, cfg.optim.eps) == (1.0, 1.0, [0.0, 0.999], 1e-30)
+    # added to an int64 tensor at the first EMA update: an OverflowError after the run's files
+    assert bad(["ema.warmup=99999999999999999999"]).startswith("config key ema.warmup: expected a value <=")
 
 
 def test_integers_are_decimal_in_files_and_overrides(tmp_path):

@@ -633,6 +633,25 @@ def test_a_token_directory_with_an_id_past_its_vocabulary_or_an_odd_size_is_bad_
         build_data(cfg.data)
 
 
+def test_a_data_directory_this_user_cannot_read_is_bad_input(tmp_path, monkeypatch):
+    # A cache or token directory another user made with umask 077: a PermissionError traceback
+    # unless named. Root reads anything, so the refusal is stood in for where the files are mapped.
+    root = tmp_path / "tok"
+    root.mkdir()
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 10}))
+    for name in ("train.bin", "val.bin"):
+        (np.arange(3000, dtype=np.uint16) % 10).tofile(root / name)
+
+    def refused(path, *args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+
+    monkeypatch.setattr(np, "memmap", refused)
+    cfg = load_config(DEFAULT_CONFIG, ["data.name=tokens", f"data.path={root}", "data.seq_len=16"])
+    with pytest.raises(BadInput) as e:
+        build_data(cfg.data)
+    assert str(e.value).startswith(f"data.name=tokens: cannot read {root / 'train.bin'}"), str(e.value)
+
+
 @pytest.mark.parametrize("dtype", [np.uint32, np.int32, np.int64])
 def test_a_token_directory_of_wider_ids_is_bad_input(tmp_path, dtype):
     # Another tokenizer's 32- or 64-bit ids of a vocabulary under 65536: read as uint16 each id is
