@@ -86,11 +86,12 @@ def token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
 
 def check_files(root: Path, meta: dict, again: str) -> None:
     """The token files against their meta.json. A prepared cache cut short would train on what is left
-    without a word, and one overwritten (or another tokenizer's files) held an id past the
+    without a word, and one overwritten (or another tokenizer's files) could hold an id past the
     vocabulary: an IndexError traceback at whichever step drew it (on CUDA, a device-side assert);
-    32-bit ids read as uint16 trained on each id and a 0; one edited in place (same size, valid ids) trained on other tokens: where meta.json holds the
-    files' tokens_sha256 (this project's caches), they are hashed too. Two passes over each file:
-    the maximum, about 0.1 s a GB from the page cache, and sha256 (1.7 GB/s on this 2-core VM)."""
+    32-bit ids read as uint16 would train on each id and a 0; one edited in place (same size, valid
+    ids) would train on other tokens: where meta.json holds the files' tokens_sha256 (this
+    project's caches), they are hashed too. Two passes over each file: the maximum, about 0.1 s a
+    GB from the page cache, and sha256 (1.7 GB/s on a 2-core VM)."""
     for name in ("train.bin", "val.bin"):
         f, want = root / name, meta.get(f"{name[:-4]}_tokens")
         want = int(want) if isinstance(want, str) and want.isdecimal() else want  # as another tool may write it
