@@ -150,6 +150,22 @@ def test_a_run_with_local_checkpoints_resumes_from_them_not_the_mirror(tmp_path)
     assert choose("auto", root, target) == root / "step_00000002"
 
 
+def test_a_run_whose_local_checkpoints_none_verifies_resumes_from_the_mirror(tmp_path):
+    # docs/resume.md: no valid checkpoint in checkpoints/ (a damaged disk) and run.mirror set: the
+    # mirror's newest, which replaces the damaged local copy of its step. Without a mirror, exit 2.
+    from loop.checkpoint.resume import choose
+
+    target, root = mem_target(), tmp_path / "out" / "checkpoints"
+    run_with_mirror(Mirror(target), root, [1, 2])
+    for step in (1, 2):
+        (root / f"step_0000000{step}" / "state.pt").write_bytes(b"damaged")
+    with pytest.raises(BadInput, match="verifies"):
+        choose("auto", root, "")
+    assert choose("auto", root, target) == root / "step_00000002"
+    assert store.verify(root / "step_00000002") is None
+    assert_same(target, root / "step_00000002")
+
+
 def test_a_run_resumed_from_its_mirror_keeps_the_best_checkpoint_there(tmp_path, cache):
     # The disk lost, the resume fetches the newest alone; the mirror's prune keeps the best too
     # (retention: the newest train.keep_last and the best), not only what the new disk holds.

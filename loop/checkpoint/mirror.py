@@ -200,7 +200,7 @@ def fetch_latest(target: str, local_root: Path, before_write=lambda: None, wante
             atomic_write(local_root / "latest", name.encode())
         # Said: the resume line names the local copy, and a mirror two runs share hands one the
         # other's checkpoints without a word otherwise.
-        print(f"note: no checkpoint in {local_root}; {name} fetched from run.mirror={target} (a "
+        print(f"note: no valid checkpoint in {local_root}; {name} fetched from run.mirror={target} (a "
               f"mirror holds one run's checkpoints: give each run its own)")
         return final
     if refused:  # a fresh start would delete them from the mirror: an error (a credential, a full

@@ -56,7 +56,15 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None,
     if resume != "auto":
         given = followed(Path(resume))
         return continued(ckpt_root, Path(resume), given, say) or verified(given, "run.resume")
-    path = store.newest_valid(ckpt_root)
+    try:
+        path = store.newest_valid(ckpt_root)
+    except BadInput:  # none verifies: the mirror's copies are there for this too
+        if not mirror:
+            raise
+        from loop.checkpoint.mirror import fetch_latest
+
+        if (path := fetch_latest(mirror, ckpt_root, before_fetch)) is None:
+            raise
     if path is None and (latest := ckpt_root / "latest").is_file():  # its checkpoints deleted by hand
         raise BadInput(f"run.resume=auto: {latest} names {latest.read_text(errors='replace').strip()}, "
                        f"but {ckpt_root} holds no checkpoint; a fresh start would overwrite this "
