@@ -207,3 +207,14 @@ def test_a_reader_that_stops_early_ends_it_quietly(run):
     err = proc.stderr.decode()
     assert proc.returncode == 141 and len(proc.stdout) == 100, err  # bytes: head -c cut a character
     assert "Traceback" not in err and "Exception" not in err, err
+
+
+@pytest.mark.slow
+def test_a_diverged_model_is_exit_2_not_a_traceback(run, capsys, tmp_path):
+    # Finite weights whose forward overflows, as a run that diverged in its last steps exports them
+    # (its val_loss not finite): torch.multinomial refuses the NaN probabilities.
+    export = torch.load(run / "model.pt", weights_only=True)
+    export["model"]["blocks.0.attn.qkv.weight"] *= 1e30
+    torch.save(export, tmp_path / "model.pt")
+    code, out, err = drawn(capsys, tmp_path / "model.pt", "--tokens", "5")
+    assert code == 2 and str(tmp_path / "model.pt") in err and "Traceback" not in err, err

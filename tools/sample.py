@@ -11,7 +11,8 @@ from where the training ran, relative paths are read from there. On the CPU unle
 otherwise. The same seed gives the same text. A character-level corpus takes the prompt as text; a
 token file takes it as token ids ("1 2 3") and prints ids. An empty prompt starts from token 0 (a
 newline in most texts). Bad input (no such file, a prompt outside the vocabulary, a model that does
-not generate, a corpus edited since training) is exit 2 with a message that names it.
+not generate or whose weights diverged, a corpus edited since training) is exit 2 with a message
+that names it.
 """
 from __future__ import annotations
 
@@ -148,7 +149,15 @@ def main(argv: list[str] | None = None) -> int:
         if options and "temperature" not in inspect.signature(model.generate).parameters:
             raise BadInput(f"option --temperature: this model's generate() ({type(model).__name__}) "
                            f"takes no temperature; leave the option out.")
-        stream(model, prompt, a.tokens, g, options, data.decode)
+        try:
+            stream(model, prompt, a.tokens, g, options, data.decode)
+        except RuntimeError as e:  # torch.multinomial's refusal of inf or NaN probabilities
+            if "probability tensor contains" not in str(e):
+                raise
+            raise BadInput(f"{a.path}: the model's next-token probabilities are not finite, so no token "
+                           f"can be drawn: its weights diverged (see val_loss in the run's "
+                           f"summary.json); expected a model that trained, e.g. an earlier "
+                           f"checkpoint.") from None
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
