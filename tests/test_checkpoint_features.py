@@ -380,7 +380,7 @@ def test_resume_from_mirror_when_local_checkpoints_are_gone(tmp_path, cache, ref
     shutil.rmtree(out / "checkpoints" if gone == "checkpoints" else out)  # the mirror is not gone
     rerun = run_train(out, *args)
     assert re.search(r"resumed from \S+ at step 30", rerun.stdout), rerun.stdout
-    assert (f"note: no checkpoint in {out / 'checkpoints'}; step_00000030 fetched from "
+    assert (f"note: no valid checkpoint in {out / 'checkpoints'}; step_00000030 fetched from "
             f"run.mirror={mirror}") in rerun.stdout, rerun.stdout
     if gone == "checkpoints":
         same_run(reference, out)
