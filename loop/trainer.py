@@ -88,9 +88,9 @@ class Trainer:
                     continue  # rolled back to a checkpoint
                 if profiler:
                     profiler.step()
-                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
                 evaluate = (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps
                 best = bool(evaluate) and self.evaluator.evaluate(self.log, self.monitor)  # a best like any other
+                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank; during eval too
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()
@@ -102,10 +102,12 @@ class Trainer:
                     break
             ended = True  # the loop ran to its end (done, early stop, preempted): finish() follows
         finally:
-            preemption.close()
-            if profiler:
-                profiler.close()
-            self.close(ended)
+            try:
+                if profiler:
+                    profiler.close()
+                self.close(ended)  # the last async checkpoint write finishes under the stop handlers
+            finally:
+                preemption.close()
         return self.finish()
 
     def start(self) -> None:

@@ -51,6 +51,59 @@ def test_preemption_saves_exits_143_and_resumes_exactly(tmp_path, cache, referen
     same_run(reference, out)
 
 
+def test_a_signal_during_evaluation_stops_the_run_at_that_step(tmp_path, cache, monkeypatch):
+    # The run finishes the current optimizer step: a stop signal that comes while the step's
+    # evaluation runs stops it there, not after one more step of the scheduler's grace period.
+    import os
+
+    from loop.evaluate import Evaluator
+
+    evaluate = Evaluator.evaluate
+
+    def signalled(self, *args):
+        if self.progress.step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # the run's own handler takes it (train.main here)
+        return evaluate(self, *args)
+
+    monkeypatch.setattr(Evaluator, "evaluate", signalled)
+    r = train_here(tmp_path / "run", cache, "train.max_steps=12", "train.eval_every=4", check=False)
+    assert r.returncode == EXIT_PREEMPTED and "preempted at step 4" in r.stdout, r.stdout + r.stderr
+    assert [m["step"] for m in metrics(tmp_path / "run")][-1] == 4
+
+
+@pytest.mark.slow
+def test_a_second_signal_during_the_last_async_write_changes_nothing(tmp_path, cache):
+    # The stop handlers stay until the last checkpoint is on disk: with train.async_save its write
+    # is still going when the loop ends (Saver.close waits for it), and a second SIGTERM there (a
+    # container runtime's, a user's repeated kill) would end the run with no checkpoint at all.
+    import subprocess
+    import sys
+    import time
+
+    from conftest import train_cmd, watchdog
+
+    out = tmp_path / "run"
+    # tests/slow_save.py: train.py whose every checkpoint write takes a second longer
+    cmd = [sys.executable, str(ROOT / "tests" / "slow_save.py"),
+           *train_cmd(out, cache, "train.max_steps=200", "train.ckpt_every=1000", "train.async_save=true")[2:]]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    timer, seen = watchdog(proc), []
+    for line in proc.stdout:
+        seen.append(line)
+        if re.match(r"step +3/", line):
+            proc.send_signal(signal.SIGTERM)
+            break
+    time.sleep(0.5)  # the step finished, its checkpoint's one-second write under way
+    proc.send_signal(signal.SIGTERM)
+    seen.append(proc.stdout.read())
+    proc.wait(timeout=60)
+    timer.cancel()
+    printed = "".join(seen)
+    assert proc.returncode == EXIT_PREEMPTED, printed
+    step = int(re.search(r"preempted at step (\d+)", printed).group(1))
+    assert store.verify(out / "checkpoints" / f"step_{step:08d}") is None
+
+
 @pytest.mark.slow
 def test_a_closed_terminal_saves_and_exits_143(tmp_path, cache):
     # An ssh connection that drops closes the run's terminal and sends SIGHUP. Ending the run at
