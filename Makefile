@@ -58,5 +58,7 @@ $(VENV)/.stamp: requirements.lock pyproject.toml
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r requirements.lock
 	touch $@
 
+# make clean: the venv and the prepared data cache, both made again on demand; never runs/, whose
+# checkpoints and results are the user's to delete.
 clean:
-	rm -rf $(VENV) runs data/cache
+	rm -rf $(VENV) data/cache
