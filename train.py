@@ -13,6 +13,8 @@ from __future__ import annotations
 import gc
 import sys
 
+import torch
+
 from data import DATASETS
 from loop import determinism
 from loop.build import build_trainer
@@ -26,7 +28,7 @@ from loop.distributed import group
 from loop.errors import EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_GAVE_UP, EXIT_INTERRUPTED, NO_ROOM
 from loop.errors import BadInput, GaveUp, no_room
 from loop.guards.console import HangupProof, console_gone, mute_dead_console, tell
-from loop.guards.oom import configure_allocator
+from loop.guards.oom import beyond_split, configure_allocator
 from loop.guards.preemption import EXIT_PREEMPTED
 from model import MODELS
 
@@ -47,8 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         tell(f"error: {e}")
         return EXIT_BAD_INPUT
-    except GaveUp as e:
-        tell(f"error: {e}")
+    except (GaveUp, torch.OutOfMemoryError) as e:  # out of memory where no split retries it
+        tell(f"error: {e if isinstance(e, GaveUp) else beyond_split(e)}")
         return EXIT_GAVE_UP
     except BrokenPipeError:  # before OSError: the console's reader went away, or a bug if not
         if not console_gone():

@@ -543,6 +543,21 @@ def test_oom_policy_abort(tmp_path, cache):
     assert proc.returncode == 3 and "train.oom_policy=abort" in proc.stderr
 
 
+def test_out_of_memory_outside_the_forward_and_backward_gives_up_with_exit_3(tmp_path, cache, monkeypatch):
+    # AdamW's first step makes its two moments (twice the weights): a model whose forward and
+    # backward fit can run out there, where no smaller micro-batch retries it. Exit 3 in one line
+    # (docs/failures.md), not a traceback.
+    from loop import optim
+
+    def step(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(optim.AdamW, "step", step)
+    proc = train_here(tmp_path / "run", cache, *STEPS, check=False)
+    assert proc.returncode == 3 and "error: out of memory" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize("ema", [False, True])
 def test_one_host_read_per_optimizer_step(tmp_path, monkeypatch, ema):
     """Count every tensor -> Python conversion during three steps of 4 micro-batches each."""

@@ -46,6 +46,15 @@ def out_of_memory(e: BaseException) -> bool:
                                                      and "_ALLOC_FAILED" in str(e))
 
 
+def beyond_split(e: torch.OutOfMemoryError) -> str:
+    """Exit 3's message for an out-of-memory error outside a step's forward and backward (AdamW's
+    first step making its two moments, evaluation), where a smaller micro-batch cannot retry it."""
+    first = (str(e).strip().splitlines() or ["OutOfMemoryError"])[0]
+    return (f"out of memory outside a training step's forward and backward ({first}); a smaller "
+            f"micro-batch cannot retry it. The checkpoints are whole: rerun with a smaller model or "
+            f"data.batch_size, or shard the model's state (train.strategy=fsdp), to continue.")
+
+
 def release_memory(device: torch.device) -> None:
     """After an out-of-memory error, before a smaller try: free what a reference cycle through the
     dropped error's traceback still holds of the failed try (its activations, up to a whole GPU,
