@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, fields
 
+# Fields a checkpoint may lack: read as their defaults (no row of bad steps under way).
+MAY_LACK = ("bad_streak", "last_bad")
+
 
 @dataclass
 class Progress:
@@ -23,6 +26,8 @@ class Progress:
     micro_split: int = 1  # each loaded batch is cut in this many micro-batches (doubles on OOM)
     rollbacks: int = 0  # times training went back to a checkpoint after a non-finite step
     skip_windows: list[int] = field(default_factory=list)  # data positions never trained on
+    bad_streak: int = 0  # non-finite steps in a row, none past them between (loop/guards/nonfinite.py)
+    last_bad: int = 0  # the step the last of them was
 
     def advance(self, batches: list[dict], n_targets: int, world: int) -> None:
         """Count one optimizer step over `batches` (this rank's batches; every rank took as many)."""
@@ -35,4 +40,4 @@ class Progress:
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, state[f.name])
+            setattr(self, f.name, state[f.name] if f.name in state or f.name not in MAY_LACK else f.default)

@@ -90,7 +90,7 @@ class Trainer:
                     profiler.step()
                 evaluate = (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps
                 best = bool(evaluate) and self.evaluator.evaluate(self.log, self.monitor)  # a best like any other
-                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank; during eval too
+                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()

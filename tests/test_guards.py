@@ -543,6 +543,29 @@ def test_oom_policy_abort(tmp_path, cache):
     assert proc.returncode == 3 and "train.oom_policy=abort" in proc.stderr
 
 
+def test_a_resumed_run_gives_up_at_the_same_bad_step_as_the_uninterrupted_one(tmp_path, cache):
+    # train.max_bad_steps counts non-finite steps in a row. A run stopped inside such a row (here
+    # by its max_steps) resumes the count with the checkpoint: otherwise it trains on past the step
+    # where the uninterrupted run gives up.
+    import re
+
+    from loop.progress import Progress
+
+    diverge = [cache, "optim.lr=1e30", "schedule.warmup_steps=0", "train.clip_grad=0",
+               "train.ckpt_every=100", "train.max_bad_steps=3"]
+    ref = train_here(tmp_path / "ref", *diverge, "train.max_steps=30", check=False)
+    assert ref.returncode == 3, ref.stderr
+    gave_up = re.search(r"error: step (\d+): non-finite", ref.stderr).group(1)
+    first_bad = int(re.search(r"warning: step (\d+): non-finite", ref.stderr).group(1))
+    out = tmp_path / "run"
+    train_here(out, *diverge, f"train.max_steps={first_bad + 1}")  # ends two bad steps into the row
+    rerun = train_here(out, *diverge, "train.max_steps=30", check=False)
+    assert rerun.returncode == 3 and f"error: step {gave_up}: non-finite" in rerun.stderr, rerun.stderr
+    p = Progress()  # a checkpoint without the count: no row under way
+    p.load_state_dict({k: v for k, v in Progress(bad_streak=2).state_dict().items() if k != "bad_streak"})
+    assert p.bad_streak == 0
+
+
 def test_out_of_memory_outside_the_forward_and_backward_gives_up_with_exit_3(tmp_path, cache, monkeypatch):
     # AdamW's first step makes its two moments (twice the weights): a model whose forward and
     # backward fit can run out there, where no smaller micro-batch retries it. Exit 3 in one line

@@ -23,25 +23,27 @@ from loop.progress import Progress
 
 class NonFinite:
     def __init__(self, policy: str, max_bad: int, progress: Progress, dist: Dist):
+        # The row of bad steps is counted in `progress` (bad_streak, last_bad): in the checkpoint,
+        # so a resumed run gives up where the uninterrupted one does.
         self.policy, self.max_bad, self.progress, self.dist = policy, max_bad, progress, dist
-        self.streak = 0  # non-finite steps in a row, with no step past them in between
-        self.last_bad = 0  # the step the last of them was
 
     def passed(self) -> None:
         """The step is taken; past the last bad step (not a replay after a rollback) the streak ends."""
-        if self.progress.step + 1 >= self.last_bad:
-            self.streak = 0
+        if self.progress.step + 1 >= self.progress.last_bad:
+            self.progress.bad_streak = 0
 
     def verdict(self, what: str) -> str:
         """`skip` (counted as skipped) or `rollback` for this non-finite step (`what`: describe()),
         or GaveUp if the policy says abort, or this is one bad step too many."""
-        step, position = self.progress.step + 1, self.progress.samples
-        self.streak, self.last_bad = self.streak + 1, step
-        if self.policy == "abort" or self.streak > self.max_bad:
+        p = self.progress
+        step, position = p.step + 1, p.samples
+        p.bad_streak, p.last_bad = p.bad_streak + 1, step
+        streak = p.bad_streak
+        if self.policy == "abort" or streak > self.max_bad:
             why = "train.nan_policy=abort" if self.policy == "abort" else \
-                f"{self.streak} bad steps in a row (train.max_bad_steps={self.max_bad})"
-            if self.policy == "rollback" and self.streak > 1:  # a replay's good steps do not count
-                why += f"; the last {self.streak - 1} rollbacks did not get the run past step {step}"
+                f"{streak} bad steps in a row (train.max_bad_steps={self.max_bad})"
+            if self.policy == "rollback" and streak > 1:  # a replay's good steps do not count
+                why += f"; the last {streak - 1} rollbacks did not get the run past step {step}"
             raise GaveUp(f"{what}. Gave up: {why}. Lower optim.lr, clip harder (train.clip_grad), "
                          f"or check the data at sample position {position}.")
         who = f"rank {self.dist.rank}: " if self.dist.world > 1 else ""  # each rank saw its own values
@@ -70,14 +72,14 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     log.flush()  # the steps before the bad one first: on the console before "resumed from"
     p = parts["progress"]
     bad = p.samples
-    carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split)
+    carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split, p.bad_streak, p.last_bad)
     parts["optimizer"].zero_grad(set_to_none=True)
     parts["scaler"].update()  # consume this step's inf checks before the scaler state is replaced
     checkpoints.wait()  # the newest checkpoint may still be being written
     # Not past this step: a run resumed back in time has the newer checkpoints of the run before.
     path = dist.on_main(lambda: store.newest_valid(checkpoints.root, upto=p.step))
     checkpoints.origin = state.restore(path, parts, cfg, dist, metadata)
-    p.rollbacks, p.skip_windows, p.micro_split = carry
+    p.rollbacks, p.skip_windows, p.micro_split, p.bad_streak, p.last_bad = carry
     log.rewind(p.step, p.tokens, p.samples)
     feed.start()
     dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
