@@ -295,6 +295,32 @@ def test_invalid_checkpoint_is_not_mirrored(tmp_path, capsys):
     assert fetch_latest(target, tmp_path / "fresh") is None
 
 
+def test_a_checkpoint_pruned_locally_before_or_while_it_is_copied_is_passed_over_quietly(
+        tmp_path, capsys, monkeypatch):
+    # A mirror behind frequent checkpoints: the local retention deletes one still queued, or being
+    # copied, as it saves the next (queued behind it). Not a mirror failure to warn about: the
+    # newer one is mirrored, and the part copy, never fetched, goes at the next prune.
+    target, root = mem_target(), tmp_path / "out" / "checkpoints"
+    mirror = Mirror(target)
+    gone, cut = save(root, 1), save(root, 2)
+    shutil.rmtree(gone)  # before its turn
+    put = mirror.fs.put_file
+
+    def pruned_midway(src, dst, *args, **kwargs):
+        shutil.rmtree(cut, ignore_errors=True)
+        return put(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(mirror.fs, "put_file", pruned_midway)
+    mirror.submit(gone, set())
+    mirror.submit(cut, {cut.name})
+    mirror.close()
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+    assert fetch_latest(target, tmp_path / "fresh") is None
+    run_with_mirror(Mirror(target), root, [3])
+    assert mirrored_names(target) == {"step_00000003", "latest"}
+
+
 def test_unknown_protocol_is_bad_input():
     with pytest.raises(BadInput, match="run.mirror=nope://x"):
         Mirror("nope://x")

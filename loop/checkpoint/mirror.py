@@ -104,7 +104,9 @@ class Mirror:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None and not self._abandon.is_set():
             ckpt_dir, keep = item
-            if reason := verify(ckpt_dir):  # also fails if local retention already deleted it
+            if not ckpt_dir.exists():  # pruned by the local retention: a newer checkpoint is queued
+                continue
+            if reason := verify(ckpt_dir):
                 print(f"warning: mirror {self.target}: not copying {ckpt_dir}, it does not verify "
                       f"({reason})", file=sys.stderr)
             else:  # pruned before the copy too: a full mirror would refuse every copy from then on
@@ -128,12 +130,17 @@ class Mirror:
 
     def _copy(self, ckpt_dir: Path) -> None:
         fs, dest = self.fs, posixpath.join(self.root, ckpt_dir.name)
-        names = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
-        if fs.exists(posixpath.join(dest, MANIFEST)):  # a re-copy must not look complete midway
-            fs.rm_file(posixpath.join(dest, MANIFEST))
-        fs.makedirs(dest, exist_ok=True)  # needed by local dirs; a no-op on object stores
-        for name in [*names, MANIFEST]:  # manifest last: its presence means the rest is there
-            fs.put_file(str(ckpt_dir / name), posixpath.join(dest, name))
+        try:
+            names = json.loads((ckpt_dir / MANIFEST).read_text())["files"]
+            if fs.exists(posixpath.join(dest, MANIFEST)):  # a re-copy must not look complete midway
+                fs.rm_file(posixpath.join(dest, MANIFEST))
+            fs.makedirs(dest, exist_ok=True)  # needed by local dirs; a no-op on object stores
+            for name in [*names, MANIFEST]:  # manifest last: its presence means the rest is there
+                fs.put_file(str(ckpt_dir / name), posixpath.join(dest, name))
+        except FileNotFoundError:
+            if ckpt_dir.exists():
+                raise
+            return  # pruned locally mid-copy (a newer one is queued); the part copy is pruned next
         fs.pipe_file(posixpath.join(self.root, "latest"), ckpt_dir.name.encode())
 
     def _prune(self, keep: frozenset[str], replacing: str = "") -> None:
