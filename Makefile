@@ -51,7 +51,8 @@ test-fast: $(ENV)
 # make new-project DEST=../myproj [EXAMPLES=1]: a project of your own, ready to train
 # (tools/new_project.py); it copies files, so any python3 does.
 new-project:
-	python3 -m tools.new_project $(if $(DEST),"$(DEST)") $(if $(EXAMPLES),--examples)
+	@test -n "$(DEST)" || { echo "make new-project: DEST is not set; expected a new directory, e.g. make new-project DEST=../myproj" >&2; exit 2; }
+	python3 -m tools.new_project "$(DEST)" $(if $(EXAMPLES),--examples)
 
 $(VENV)/.stamp: requirements.lock pyproject.toml
 	python3 -m venv $(VENV)

@@ -151,6 +151,8 @@ def test_a_dest_with_a_space_is_made_and_the_examples_come_only_from_the_scaffol
     project = tmp_path / "my proj"
     made = make(ROOT, "new-project", f"DEST={project}")
     assert made.returncode == 0 and f"cd '{project}' && make train" in made.stdout, made.stderr
+    unset = make(ROOT, "new-project")  # the variable named, not the tool's positional "dest"
+    assert unset.returncode == 2 and "DEST is not set" in unset.stderr, unset.stderr
     again = subprocess.run([sys.executable, "-m", "tools.new_project", str(tmp_path / "q"), "--examples"],
                            cwd=project, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "--examples" in again.stderr and not (tmp_path / "q").exists()

@@ -173,3 +173,24 @@ def test_bad_input_leaves_no_lock_in_a_directory_it_wrote_nothing_in(tmp_path, c
     train_here(out, cache, "train.max_steps=1")
     assert train_here(out, cache, f"run.resume={tmp_path / 'missing'}", check=False).returncode == 2
     assert (out / ".lock").exists()
+
+
+def test_an_out_dir_the_file_system_will_not_make_is_bad_input(tmp_path, monkeypatch):
+    # /proc takes no new directory even where its permission bits let root write: the check
+    # before the run passes, and mkdir is where it fails.
+    import errno
+    from pathlib import Path
+
+    from loop.checkpoint import runlock
+    from loop.errors import BadInput
+
+    with pytest.raises(BadInput, match=r"^config key run.out_dir=/proc/honest_loop_x: cannot make"):
+        runlock.claim(Path("/proc/honest_loop_x"))
+    # A full disk stays a full disk: exit 3 naming the room wanted (train.py), not bad input.
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(Path, "mkdir", full)
+    with pytest.raises(OSError) as e:
+        runlock.claim(tmp_path / "run")
+    assert e.value.errno == errno.ENOSPC and not isinstance(e.value, BadInput)

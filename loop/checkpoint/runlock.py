@@ -24,7 +24,7 @@ import os
 import socket
 from pathlib import Path
 
-from loop.errors import BadInput
+from loop.errors import NO_ROOM, BadInput
 
 _held: dict[Path, int | None] = {}  # run dirs this process holds -> the lock's fd (None: no locks)
 _unsigned: set[Path] = set()  # of those, where this process made .lock and has written nothing
@@ -54,7 +54,13 @@ def hold(out: Path, sign: bool = False) -> None:
 
 def claim(out: Path) -> None:
     """Make run directory `out` and hold it, signed: from here on the run writes there."""
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # where the permission bits say yes and the file system no (/proc, /sys)
+        if e.errno in NO_ROOM:
+            raise  # a full disk: exit 3, as for any write (train.py)
+        raise BadInput(f"config key run.out_dir={out}: cannot make the directory ({e.strerror}); "
+                       f"expected a directory this user can write to.") from None
     hold(out, sign=True)
 
 
