@@ -14,7 +14,8 @@ import torch.nn as nn
 from torch.nn.parameter import UninitializedParameter
 
 from loop import auto_batch
-from loop.config.runtime import check_same_config, check_with_world, follow_global_batch, idle_settings
+from loop.config.runtime import check_same_config, check_same_data, check_with_world, follow_global_batch, \
+    idle_settings
 from loop.data.bundle import Data, check_samples
 from loop.device import use_attention_kernel, use_tf32
 from loop.distributed import fsdp
@@ -38,6 +39,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
     # split) and the same initial weights.
     seed_everything(cfg.run.seed)
     data = build_data(cfg.data, datasets)
+    check_same_data(data, dist)
     use_tf32(device, cfg.train.tf32)
     use_attention_kernel(cfg.train.attention_kernel, device)
     precision = Precision(cfg.train.precision, device)

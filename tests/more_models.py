@@ -8,12 +8,14 @@ with a parameter of shape (), and `gpt_shared`, its second block the first one a
 shared across layers). Data sets: `text_broken`, the text corpus with training samples that raise
 (a user's Dataset bug); `text_augmented`, the text corpus with random augmentation
 (conftest.augment); `text_masked`, the text corpus with a varying number of each sample's targets
-masked (-100).
+masked (-100); `text_per_node`, the text corpus one sample shorter on rank 1 (a node with another
+copy of the data).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -61,6 +63,14 @@ def text_augmented(cfg: TextOptions) -> Data:
     return d
 
 
+def text_per_node(cfg: TextOptions) -> Data:
+    d = build_text(cfg)
+    if os.environ.get("RANK") == "1":
+        d.train = torch.utils.data.Subset(d.train, range(len(d.train) - 1))  # item i is still idx i
+        d.meta = {**d.meta, "train_tokens": d.meta["train_tokens"] - 1}
+    return d
+
+
 class TokenNorm(nn.BatchNorm1d):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x: (B, T, C), normalised per channel
         return super().forward(x.transpose(1, 2)).transpose(1, 2)
@@ -99,5 +109,6 @@ def gpt_shared(cfg: GPTOptions, data: Data) -> nn.Module:
 if __name__ == "__main__":
     MODELS.update(gpt_spare=gpt_spare, gpt_bn_spare_bf16=gpt_bn_spare_bf16, gpt_wrong=gpt_wrong,
                   gpt_scalar=gpt_scalar, gpt_shared=gpt_shared)
-    DATASETS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked)
+    DATASETS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked,
+                    text_per_node=text_per_node)
     sys.exit(train.main())

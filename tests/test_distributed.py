@@ -369,6 +369,23 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
     assert summary(tmp_path / "b")["steps"] == 3
 
 
+@pytest.mark.slow
+def test_processes_with_different_data_exit_2_naming_what_differs(tmp_path, cache):
+    # Each node reads its own copy of the data: with rank 1's one sample shorter, DDP trained each
+    # rank on another sample order without a word, and FSDP hung at its first evaluation.
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, "train.max_steps=3",
+                           "data.name=text_per_node"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1 and "exitcode  : 2 " in proc.stderr, proc.stderr
+    said = re.search(r"error: the data differs between processes: rank 1 has len\(train\)=(\d+), "
+                     r"meta\.train_tokens=(\d+) where rank 0 has len\(train\)=(\d+), meta\.train_tokens=(\d+);",
+                     proc.stderr)
+    assert said, proc.stderr
+    mine, theirs = map(int, said.groups()[:2]), map(int, said.groups()[2:])
+    assert [a + 1 for a in mine] == list(theirs) and not out.exists()
+
+
 def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
     # A rank the checkpoint has no RNG file for (more processes than saved it) is seeded from the
     # run's seed, its rank and the step (loop/checkpoint/state.py): with the step left out, rank 1

@@ -1,7 +1,9 @@
-"""Config checks that need the run: one config on every process, keys whose range is the run's
-ranks (both refused), and settings that cannot act in this run (said as notes).
+"""Config checks that need the run: one config and one data set on every process, keys whose
+range is the run's ranks (all refused), and settings that cannot act in this run (said as notes).
 """
 from __future__ import annotations
+
+import json
 
 from loop.config.load import differing, flat, to_dict
 from loop.distributed.group import Dist
@@ -51,17 +53,35 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
 def check_same_config(cfg, dist: Dist) -> None:
     """One config on every process: each node reads its own files, overrides and .env, and a
     train.max_steps apart would hang the run at its end, an optim.lr apart would train replicas
-    that part without a word. Every rank raises, so none waits for the others in a collective."""
+    that part without a word."""
+    check_same("config", flat(to_dict(cfg)), dist,
+               "the same config on every process (the same config file, overrides and .env on every node)")
+
+
+def check_same_data(data, dist: Dist) -> None:
+    """One data set on every process: each node reads its own files, and a corpus apart gives the
+    ranks another sample order (DDP trains on without a word) or other validation batch counts
+    (FSDP hangs in evaluation). Sizes and the data set's meta (a corpus's sha256) are compared;
+    contents are not read again."""
+    facts = {"len(train)": len(data.train), "len(val)": len(data.val), "vocab_size": data.vocab_size,
+             "seq_len": data.seq_len, **{f"meta.{k}": json.dumps(v, sort_keys=True, default=str) for k, v in data.meta.items()}}
+    check_same("data", facts, dist, "the same data on every process (the same files under data.path "
+                                    "and data.cache_dir on every node)")
+
+
+def check_same(what: str, mine: dict, dist: Dist, expected: str) -> None:
+    """`mine` ({key: value}) equal to rank 0's on every process. Every rank raises, so none waits
+    for the others in a collective; each names the keys it holds apart."""
     if dist.world == 1:
         return
-    main, mine = flat(dist.from_main(to_dict(cfg))), flat(to_dict(cfg))
+    main = dist.from_main(mine)
     differ = differing(main, mine)
     if n := int(dist.sum_host([float(bool(differ))])[0]):
-        here = (f"rank {dist.rank} has {', '.join(f'{k}={mine.get(k)}' for k in differ)} where rank 0 "
-                f"has {', '.join(f'{k}={main.get(k)}' for k in differ)}" if differ else
+        def say(d: dict) -> str:
+            return ", ".join(f"{k}={str(d.get(k))[:80]}" for k in differ)  # a meta value may be long
+        here = (f"rank {dist.rank} has {say(mine)} where rank 0 has {say(main)}" if differ else
                 f"{n} process(es) have another one than rank 0 (their messages name the keys)")
-        raise BadInput(f"the config differs between processes: {here}; expected the same config on "
-                       f"every process (the same config file, overrides and .env on every node).")
+        raise BadInput(f"the {what} differs between processes: {here}; expected {expected}.")
 
 
 def refuse_auto(cfg) -> None:
