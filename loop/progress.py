@@ -25,7 +25,7 @@ class Progress:
     train_s: float = 0.0  # wall time spent training, over every start of the run (resumes too)
     micro_split: int = 1  # each loaded batch is cut in this many micro-batches (doubles on OOM)
     rollbacks: int = 0  # times training went back to a checkpoint after a non-finite step
-    skip_windows: list[int] = field(default_factory=list)  # data positions never trained on
+    skip_windows: list[list[int]] = field(default_factory=list)  # [start, end) positions never trained on
     bad_streak: int = 0  # non-finite steps in a row, none past them between (loop/guards/nonfinite.py)
     last_bad: int = 0  # the step the last of them was
 
@@ -34,6 +34,27 @@ class Progress:
         self.step += 1
         self.samples += sum(len(b["idx"]) for b in batches) * world
         self.tokens += n_targets
+
+    def pass_over(self, width: int) -> None:
+        """Mark the next step's `width` global samples, from the data position on, as never to be
+        trained on (a rollback's bad window)."""
+        self.skip_windows = [list(w) for w in sorted({*self.windows(width), (self.samples, self.samples + width)})]
+
+    def windows(self, width: int) -> set[tuple[int, int]]:
+        """The windows as (start, end); an int is a window's start, one step of `width` samples."""
+        return {(w, w + width) if isinstance(w, int) else tuple(w) for w in self.skip_windows}
+
+    def past_windows(self, width: int) -> int:
+        """The data position of the next step of `width` global samples, past every window it
+        would touch: a resume may take another width than the run that marked a window, and the
+        step then starts past the window's end, never inside it."""
+        at, moved = self.samples, True
+        while moved:
+            moved = False
+            for start, end in self.windows(width):
+                if start < at + width and at < end:
+                    at, moved = end, True
+        return at
 
     def state_dict(self) -> dict:
         return asdict(self)

@@ -220,7 +220,7 @@ def test_rollback_passes_over_the_bad_window_and_resumes_exactly(tmp_path, cache
     assert [r["loss"] for r in recs[:12]] == [r["loss"] for r in plain[:12]]  # replay is exact
     assert recs[12]["loss"] != plain[12]["loss"]  # step 13 trained on the next window instead
     final = state(ref, 20)["progress"]
-    assert final["skip_windows"] == [12 * GB] and final["rollbacks"] == 1
+    assert final["skip_windows"] == [[12 * GB, 13 * GB]] and final["rollbacks"] == 1
     assert final["samples"] == 21 * GB  # one window more was drawn than steps were taken
     assert summary(ref)["rollbacks"] == 1 and summary(ref)["skipped_steps"] == 0
     # A run killed after the rollback and rerun ends the same: the skip list is in the checkpoint.
@@ -324,6 +324,36 @@ def test_bad_steps_that_are_not_in_a_row_never_give_up(tmp_path, cache):
     assert (s["skipped_steps"], s["steps"]) == (3, 20)
 
 
+@pytest.mark.parametrize("at, windows, batch, starts", [
+    (96, [[96, 112]], 4, 112),  # half the width that marked it: not its second half trained
+    (96, [[96, 104]], 8, 104),  # twice the width: not the good samples past the window
+    (88, [[96, 104]], 8, 104),  # a step that would end inside a window starts past it
+    (96, [[96, 104], [104, 120]], 4, 120),  # windows back to back
+    (88, [[96, 104]], 2, 88),  # a step that ends where a window starts is trained
+    (96, [96], 4, 104),  # a window as its start only: one step of the run's width
+])
+def test_a_window_is_passed_over_whole_at_any_step_width(cache, at, windows, batch, starts):
+    # A checkpoint written after a rollback and before its window came up holds the window; a run
+    # resumed from it with another global batch (another process count or data.batch_size, without
+    # train.global_batch) takes its first step past the window's end.
+    import itertools
+
+    from conftest import TINY, build_data
+    from loop.data.feed import Feed
+    from loop.data.sampler import StreamSampler
+    from loop.progress import Progress
+
+    cfg = load_config(DEFAULT, [cache, *TINY, f"data.batch_size={batch}"])  # x train.grad_accum 2
+    data = build_data(cfg.data)
+    order = [i for _, i in itertools.islice(iter(StreamSampler(len(data.train), cfg.run.seed)), 200)]
+    p = Progress(samples=at, skip_windows=windows)
+    feed = Feed(data, cfg, False, p, Dist())
+    feed.start()
+    drawn = [i for b in feed.draw() for i in b["idx"].tolist()]
+    feed.close()
+    assert p.samples == starts and drawn == order[starts:starts + 2 * batch]
+
+
 def test_every_window_rolled_back_from_stays_passed_over(tmp_path, cache):
     # Two bad windows after the same checkpoint (step 10): the second rollback goes back to it
     # too, and must pass over the first window as well, or it meets it again (and again...). The
@@ -334,7 +364,7 @@ def test_every_window_rolled_back_from_stays_passed_over(tmp_path, cache):
     recs = metrics(out)
     assert [r["step"] for r in recs] == list(range(1, 21)) and not any(r["skipped"] for r in recs)
     final = state(out, 20)["progress"]
-    assert final["skip_windows"] == [12 * GB, 14 * GB] and final["samples"] == 22 * GB
+    assert final["skip_windows"] == [[12 * GB, 13 * GB], [14 * GB, 15 * GB]] and final["samples"] == 22 * GB
     assert (s["rollbacks"], s["skipped_steps"]) == (2, 0)
 
 

@@ -31,8 +31,9 @@ class Feed:
     def draw(self) -> list[dict]:
         """The next optimizer step's train.grad_accum batches."""
         p, k = self.progress, self.cfg.train.grad_accum
-        while p.samples in p.skip_windows:
-            p.samples += sum(len(next(self.batches)["idx"]) for _ in range(k)) * self.dist.world
+        if (past := p.past_windows(self.cfg.data.batch_size * k * self.dist.world)) != p.samples:
+            p.samples = past  # the samples between are passed over: a fresh loader from there
+            self.start()
         return [next(self.batches) for _ in range(k)]
 
     def ids(self, batches: list[dict]) -> list[int] | None:

@@ -72,7 +72,8 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     log.flush()  # the steps before the bad one first: on the console before "resumed from"
     p = parts["progress"]
     bad = p.samples
-    carry = (p.rollbacks + 1, sorted(set(p.skip_windows) | {bad}), p.micro_split, p.bad_streak, p.last_bad)
+    p.pass_over(cfg.data.batch_size * cfg.train.grad_accum * dist.world)  # the bad step's global samples
+    carry = (p.rollbacks + 1, p.skip_windows, p.micro_split, p.bad_streak, p.last_bad)
     parts["optimizer"].zero_grad(set_to_none=True)
     parts["scaler"].update()  # consume this step's inf checks before the scaler state is replaced
     checkpoints.wait()  # the newest checkpoint may still be being written
