@@ -2,8 +2,9 @@
 
 Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn once by their own
 generator) and reports each sum the model returns (loop/contract.py) divided by the number of real
-targets, as `val_loss`, `val_accuracy`, ..., with one host read. The sample uses its own
-`torch.Generator`. `Evaluator` is a run's evaluation: its fixed validation batches, its samples,
+targets, as `val_loss`, `val_accuracy`, ..., with one host read. A model that draws from torch's
+global streams in eval mode (a diffusion model's noise) draws them seeded by run.seed, and
+training's streams are put back after (`own_rng`). The sample uses its own `torch.Generator`. `Evaluator` is a run's evaluation: its fixed validation batches, its samples,
 and the probe of the model's contract before anything is written.
 """
 from __future__ import annotations
@@ -51,6 +52,18 @@ def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decod
 
 
 @contextlib.contextmanager
+def own_rng(device: torch.device, seed: int):
+    """Torch's global random streams (the CPU's and `device`'s) seeded with `seed` inside, and as
+    they were after: what a forward draws there is the same at every evaluation, and training's
+    next draws (dropout) are those of a run that never evaluated."""
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        torch.default_generator.manual_seed(seed)
+        if device.type != "cpu":
+            torch.get_device_module(device.type).manual_seed(seed)  # this process's device only
+        yield
+
+
+@contextlib.contextmanager
 def evaluating(model: nn.Module):
     """Eval mode (no dropout, BatchNorm's running statistics) inside; the model's own mode after,
     and under FSDP each block's weights back to their shards (loop/distributed/fsdp.py::reshard)."""
@@ -88,8 +101,9 @@ class Evaluator:
         if self.lab == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
             batches = val_batches(self.data.val, self.batch_size, self.n_batches, None, self.dist.rank,
                                   self.dist.world)
-        metrics = val_metrics(self.model, batches, self.precision, self.device, self.dist,
-                              self.progress.micro_split)
+        with own_rng(self.device, self.seed):
+            metrics = val_metrics(self.model, batches, self.precision, self.device, self.dist,
+                                  self.progress.micro_split)
         self.last = (self.progress.step, metrics)
         return metrics
 
@@ -126,15 +140,16 @@ class Evaluator:
 
     def check_model(self, raw: nn.Module, best_metric: str, compiled: bool) -> None:
         """Before anything is written, probe one validation batch through the trained model `raw`
-        (eval mode, no gradients, no random draws): it keeps its contract (`loss_and_sums`, a loss
-        summed over the targets), and train.best_metric is one it reports."""
+        (eval mode, no gradients, torch's streams as they were after): it keeps its contract
+        (`loss_and_sums`, a loss summed over the targets), and train.best_metric is one it reports."""
         if not self.dist.sum_host([sum(b["n_targets"] for b in self.batches)])[0]:
             raise BadInput("data: the validation batches hold no targets (every y is -100, the ignored "
                            "index); expected some to measure val_loss on.")
         # A batch with targets where this rank has one: the probe divides by the count over ranks.
         probe = next((b for b in self.batches if b["n_targets"]), self.batches[0])
         try:  # a compiled model is built here, at its first forward
-            names, split = self._probe(raw, probe)
+            with own_rng(self.device, self.seed):
+                names, split = self._probe(raw, probe)
         except Exception as e:
             if not (compiled and _cannot_compile(e)):
                 raise
@@ -149,25 +164,42 @@ class Evaluator:
 
     @torch.no_grad()
     def _sums_add_up(self, raw: nn.Module, batch: dict) -> None:
-        """A loss summed over the targets is the sum of its halves' losses; a mean is about half that
-        (HF's `.loss`, reduction="mean"), and a prediction broadcast against its targets ((B,) and
-        (B, 1): a B x B matrix of errors) more. Either trains without a word, on gradients the loop
-        divides by the wrong count. One more forward of this batch, in two halves; every rank takes
-        part (under FSDP each forward is a collective)."""
-        halves = split_batch(batch, 2)
-        if self.dist.sum_host([float(len(halves) < 2 or not all(h["n_targets"] for h in halves))])[0]:
-            return  # a batch of one sample, or a half without targets, on some rank: nothing to compare
-        with evaluating(raw), self.precision.autocast():
-            whole, *parts = (loss_and_sums(raw(to_device(b, self.device)))[0].float().item()
-                             for b in (batch, *halves))
-        adds_up = math.isclose(whole, sum(parts), rel_tol=1e-2, abs_tol=1e-6)
-        if self.dist.sum_host([float(not adds_up)])[0]:
+        """A loss summed over the targets is the sum of its halves' losses (of a batch of one
+        sample: the batch twice over is twice its loss); a mean is about half that (HF's `.loss`,
+        reduction="mean"), and a prediction broadcast against its targets ((B,) and (B, 1): a B x B
+        matrix of errors) more. Either trains without a word, on gradients the loop divides by the
+        wrong count. Three more forwards: the batch under a second seed (a model that draws random
+        numbers in eval mode cannot be compared, and is said), then its two halves. Every rank
+        takes part (under FSDP each forward is a collective)."""
+        parts = split_batch(batch, 2)
+        if len(parts) < 2:  # one sample: it is both parts, and the whole is it twice
+            parts = [batch, batch]
+            batch = {**{k: torch.cat([v, v]) for k, v in batch.items() if torch.is_tensor(v)},
+                     "n_targets": 2 * batch["n_targets"]}
+        if self.dist.sum_host([float(not all(h["n_targets"] for h in parts))])[0]:
+            return  # a half without targets on some rank: nothing to compare
+
+        def loss(b: dict, seed: int = self.seed) -> float:
+            with own_rng(self.device, seed), self.precision.autocast():
+                return loss_and_sums(raw(to_device(b, self.device)))[0].float().item()
+
+        with evaluating(raw):
+            whole, again, *halves = loss(batch), loss(batch, self.seed + 1), *map(loss, parts)
+        random = not math.isclose(whole, again, rel_tol=1e-4, abs_tol=1e-9)  # not a sum order
+        adds_up = random or math.isclose(whole, sum(halves), rel_tol=1e-2, abs_tol=1e-6)
+        randoms, wrongs = self.dist.sum_host([float(random), float(not adds_up)])
+        if wrongs:
             raise BadInput(f"the model's loss is not a sum over the batch's targets: on a validation batch "
                            f"of {batch['n_targets']} targets it gave {whole:.6g}, on its two halves "
-                           f"{parts[0]:.6g} + {parts[1]:.6g} = {sum(parts):.6g}. Expected the loss summed over "
+                           f"{halves[0]:.6g} + {halves[1]:.6g} = {sum(halves):.6g}. Expected the loss summed over "
                            f"the real targets (reduction=\"sum\", not the mean: the loop divides by the whole "
                            f"step's target count), and a prediction of the targets' shape (one of shape (B,) "
                            f"against targets of (B, 1) broadcasts to a B x B matrix of errors).")
+        if randoms:
+            self.dist.say(f"note: the model draws random numbers in eval mode (one validation batch under "
+                          f"two seeds gave losses {whole:.6g} and {again:.6g}), so whether its loss is a sum "
+                          f"over the targets is not checked; validation draws them seeded by run.seed, the "
+                          f"same at every evaluation")
 
     def _probe(self, raw: nn.Module, batch: dict) -> tuple[dict[str, float], int]:
         """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch

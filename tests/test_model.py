@@ -355,18 +355,49 @@ def test_a_broken_model_stops_the_run_before_anything_is_written(tmp_path, cache
     (lambda logits, y: ((logits.flatten(0, 1)[:, 0] - y.flatten()[:, None].float()) ** 2).sum(),
      "not a sum over the batch's targets"),
 ])
-def test_a_loss_that_is_not_a_sum_over_the_targets_stops_the_run_before_anything_is_written(tmp_path, cache, loss, said):
+@pytest.mark.parametrize("batch", [4, 1])  # 1: no halves to compare; the sample twice over is
+def test_a_loss_that_is_not_a_sum_over_the_targets_stops_the_run_before_anything_is_written(tmp_path, cache, loss,
+                                                                                             said, batch):
     from conftest import TINY, build_trainer, load_config
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
-    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}"])
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", f"data.batch_size={batch}"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
     t.raw.forward = lambda batch: loss(t.raw.logits(batch["x"]), batch["y"])
     with pytest.raises(BadInput) as e:
         t.run()
     assert said in str(e.value) and 'reduction=\"sum\"' in str(e.value), e.value
     assert not (tmp_path / "run").exists()
+
+
+def test_a_model_that_draws_random_numbers_in_eval_mode_trains_and_evaluating_changes_nothing(tmp_path, cache,
+                                                                                               capsys):
+    # A diffusion model's noise, drawn from torch's global stream in eval mode too: its loss is a
+    # sum, which halves under other draws cannot show (it was refused), and each validation drew
+    # from training's stream (the steps after it trained on other draws).
+    from conftest import TINY, build_trainer, load_config, metrics
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+
+    def run(out, *overrides):
+        cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=4",
+                                           "model.dropout=0", *overrides])
+        t = build_trainer(cfg, Dist(), torch.device("cpu"))
+        noisy = t.raw.forward
+
+        def forward(batch):
+            per = F.cross_entropy(t.raw.logits(batch["x"]).transpose(1, 2), batch["y"], reduction="none")
+            return (per * 2 * torch.rand(len(per), 1)).sum()  # per: (B, T), a weight per sample
+
+        t.raw.forward = forward
+        summary = t.run()
+        t.raw.forward = noisy
+        return [r["loss"] for r in metrics(out)], summary["val_loss"]
+
+    every, final = run(tmp_path / "every", "train.eval_every=1"), run(tmp_path / "end", "train.eval_every=0")
+    assert every == final  # the same training losses, bit for bit, and the same last validation
+    assert "note: the model draws random numbers in eval mode" in capsys.readouterr().out
 
 
 def test_validation_without_any_target_stops_the_run_before_anything_is_written(tmp_path, cache):
