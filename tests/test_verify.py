@@ -190,6 +190,25 @@ def test_a_model_whose_forward_casts_to_its_16_bit_layer_is_audited_in_its_own_d
     assert results[1].numbers.endswith("(train.clip_grad=1, bf16 weights)"), results[1].numbers
 
 
+def test_a_failed_run_is_named_by_its_error_not_by_torchrun_s_summary(tmp_path, monkeypatch):
+    # Under torchrun the worker's one-paragraph error comes first and the launcher's failure summary
+    # (a traceback, a table of ranks) last: the row shows the error.
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import audit_runs
+
+    plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=10, every=2, kill_at=5, nproc=2, root=tmp_path,
+                           timeout=60)
+    said = ("import sys; print('error: step 1: parameters spare.weight got no gradient', file=sys.stderr); "
+            "print('Traceback (most recent call last):\\n  error_file: <N/A>\\n====', file=sys.stderr); sys.exit(1)")
+    monkeypatch.setattr(audit_runs.jobs, "train_cmd", lambda args, nproc: [sys.executable, "-c", said])
+    why = audit_runs.run(plan, "P", nproc=2)
+    assert why == "run P exited 1 (P.log): step 1: parameters spare.weight got no gradient", why
+    plan.nproc = 0  # a run that fails without saying "error: " shows its last lines
+    monkeypatch.setattr(audit_runs.jobs, "train_cmd", lambda args, nproc: [
+        sys.executable, "-c", "import sys; print('a\\nb\\nc\\nd', file=sys.stderr); sys.exit(3)"])
+    assert audit_runs.run(plan, "Q").endswith("(Q.log): b | c | d")
+
+
 def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monkeypatch):
     # Two ways the resume check could pass without proving anything: run R finished before the kill
     # (a config that runs fewer steps than asked), or its rerun started over instead of resuming (a

@@ -84,7 +84,9 @@ def run(plan: Plan, name: str, *extra: str, nproc: int = 0) -> str | None:
         return f"run {name} did not finish within --timeout {plan.timeout:g} s and was killed ({name}.log)"
     (plan.root / f"{name}.log").write_text(out + err)
     if proc.returncode != 0:
-        tail = " | ".join((err or out).strip().splitlines()[-3:])
+        lines = (err or out).strip().splitlines()
+        said = [line for line in lines if line.startswith("error: ")]  # torchrun's summary follows it
+        tail = said[0][len("error: "):] if said else " | ".join(lines[-3:])
         return f"run {name} exited {proc.returncode} ({name}.log): {tail}"
     return None
 
