@@ -1,7 +1,8 @@
 """The ways a run ends with a message instead of a traceback.
 
 `BadInput` (config, data, checkpoint): `train.py` prints the message and exits 2, before anything
-in `run.out_dir` is written or changed. Raise it with a message that names the key or file and
+in `run.out_dir` is written or changed, but for what only a training step can show (a loss
+detached from the weights, a parameter without gradient under DDP), after the run's first files. Raise it with a message that names the key or file and
 says what was expected. `GaveUp`: training started but cannot continue; exit 3, as for any write
 the system refuses for want of room (`NO_ROOM`). Ctrl-C (KeyboardInterrupt): exit 130, as a shell
 reports it; the checkpoints on disk are whole (atomic writes), so the same command continues from

@@ -19,10 +19,11 @@ class Progress:
     step: int = 0  # optimizer steps done, skipped ones included
     samples: int = 0  # training samples consumed by those steps: the data position
     tokens: int = 0  # targets in those samples
-    skipped: int = 0  # steps dropped because the loss or gradients were not finite
+    skipped: int = 0  # steps train.nan_policy=skip dropped (fp16 overflows, empty steps: counted apart)
     overflows: int = 0  # fp16 steps skipped by the GradScaler (scale backed off)
     empty: int = 0  # steps skipped because their batches held no target (every y -100)
-    train_s: float = 0.0  # wall time spent training, over every start of the run (resumes too)
+    train_s: float = 0.0  # wall time of the steps taken and their evaluations, not of checkpoint
+    # writes or rolled-back steps, over every start of the run (resumes too)
     micro_split: int = 1  # each loaded batch is cut in this many micro-batches (doubles on OOM)
     rollbacks: int = 0  # times training went back to a checkpoint after a non-finite step
     skip_windows: list[list[int]] = field(default_factory=list)  # [start, end) positions never trained on
@@ -41,7 +42,8 @@ class Progress:
         self.skip_windows = [list(w) for w in sorted({*self.windows(width), (self.samples, self.samples + width)})]
 
     def windows(self, width: int) -> set[tuple[int, int]]:
-        """The windows as (start, end); an int is a window's start, one step of `width` samples."""
+        """The windows as (start, end); an int, as a checkpoint holding starts only has them, is a
+        window's start, one step of `width` samples."""
         return {(w, w + width) if isinstance(w, int) else tuple(w) for w in self.skip_windows}
 
     def past_windows(self, width: int) -> int:

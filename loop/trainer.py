@@ -89,15 +89,16 @@ class Trainer:
                 if profiler:
                     profiler.step()
                 evaluate = (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps
-                best = bool(evaluate) and self.evaluator.evaluate(self.log, self.monitor)  # a best like any other
-                stop = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
+                # A new best of train.best_metric: checkpointed at this step, named by checkpoints/best.
+                best = bool(evaluate) and self.evaluator.evaluate(self.log, self.monitor)
+                preempt = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()
                 p.train_s += time.perf_counter() - t0
-                if (tc.ckpt_every and p.step % tc.ckpt_every == 0) or done or best or stop:
+                if (tc.ckpt_every and p.step % tc.ckpt_every == 0) or done or best or preempt:
                     self.save()
-                if stop:
+                if preempt:
                     self.preempted = True
                     break
             ended = True  # the loop ran to its end (done, early stop, preempted): finish() follows
@@ -152,11 +153,12 @@ class Trainer:
                     self.log.close()
 
     def step(self) -> bool:
-        """One optimizer step: train.grad_accum micro-batches, in p.micro_split pieces each. False: rolled back."""
+        """One optimizer step: train.grad_accum loaded batches, each cut into progress.micro_split
+        micro-batches (1 until an out-of-memory halves them). False: rolled back."""
         tc, p = self.cfg.train, self.progress
         t0 = time.perf_counter()
         with record_function("data"):
-            batches = self.feed.draw()  # this rank's train.grad_accum micro-batches
+            batches = self.feed.draw()  # this rank's train.grad_accum loaded batches
         data_ms = 1000 * (time.perf_counter() - t0)  # waiting for the DataLoader
         # Targets in the step on every rank: counted by the collate, summed on the CPU (no GPU sync).
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in batches)])[0])
@@ -171,10 +173,10 @@ class Trainer:
                     with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
                         loss = self.forward(batch)  # summed over the micro-batch's targets
                         losses.append(loss.detach().float())
-                        per = n_targets  # the step's targets on every rank (x world: DDP averages)
+                        divisor = n_targets  # the step's targets over all ranks; x world: DDP averages
                         if self.lab == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
-                            per = batch["n_targets"] * len(pieces)
-                        scaled = self.scaler.scale(loss * (self.dist.world / per))  # one big batch's gradients
+                            divisor = batch["n_targets"] * len(pieces)
+                        scaled = self.scaler.scale(loss * (self.dist.world / divisor))  # one big batch's gradients
                         if last:
                             attempt.agree()  # before gradients cross ranks: did any rank run out?
                         with record_function("backward"):
@@ -206,6 +208,7 @@ class Trainer:
                 self.nonfinite.passed()
             elif self.scaler.is_enabled() and loss_ok:
                 p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
+            # Not finite: the verdict warns and counts (skip: on to zero_grad), or raises GaveUp.
             elif self.nonfinite.verdict(describe(p.step + 1, losses, grad_norm, self.raw)) == "rollback":
                 return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
             self.scaler.update()
@@ -214,7 +217,8 @@ class Trainer:
         return True
 
     def forward(self, batch: dict) -> torch.Tensor:
-        """One micro-batch's loss, summed over its targets (the model's contract: loop/contract.py)."""
+        """One micro-batch's loss, summed over its targets (the model's contract: loop/contract.py).
+        loop/build.py wraps it with the configured faults (loop/guards/faults.py)."""
         batch = to_device(batch, self.device, non_blocking=True)
         if self.sharded:
             fsdp.sync_buffers(self.raw)  # rank 0's buffers on every rank, as DDP does

@@ -37,8 +37,8 @@ class Saver:
 
         self.mirror = Mirror(target)
 
-    def save(self, step: int, parts: dict, sharded: bool, run: dict, best_step: int) -> None:
-        """Checkpoint `step` of `parts` (loop/checkpoint/state.py), `run` beside them in state.pt;
+    def save(self, step: int, parts: dict, sharded: bool, run_facts: dict, best_step: int) -> None:
+        """Checkpoint `step` of `parts` (loop/checkpoint/state.py), `run_facts` beside them in state.pt;
         `best_step`: the best checkpoint's step, kept by retention and named by `best` (0: none)."""
         model, ema = parts["model"], parts["ema"]
         finite = torch.stack([torch.isfinite(fsdp.local(p)).all() for p in model.parameters()]).all()
@@ -50,9 +50,9 @@ class Saver:
             for module in (model, *([ema.module] if ema else [])):
                 fsdp.sync_buffers(module)
         best = f"step_{best_step:08d}" if best_step else None
-        meta = {"config_sha256": run["config_sha256"], "world_size": self.dist.world,
+        meta = {"config_sha256": run_facts["config_sha256"], "world_size": self.dist.world,
                 "resumed_from": self.origin}
-        files = state.files(parts, self.dist.rank, sharded, run)
+        files = state.files(parts, self.dist.rank, sharded, run_facts)
         midway = partial(self.midway, step) if self.midway else None
         args = (self.root, step, files, self.keep_last, meta, {best} - {None}, midway)
         then = partial(self.saved, best=best)

@@ -23,15 +23,15 @@ SHARDED = ("model", "optimizer")  # under FSDP: in the shards every rank writes,
 FORMAT = 2  # state.pt's layout: one entry per part. A resume refuses another (weights.py)
 
 
-def files(parts: dict, rank: int, sharded: bool, run: dict) -> dict[str, object]:
-    """The files this rank writes: rank 0 state.pt (every part but the RNG streams, and `run`),
+def files(parts: dict, rank: int, sharded: bool, run_facts: dict) -> dict[str, object]:
+    """The files this rank writes: rank 0 state.pt (every part but the RNG streams, and `run_facts`),
     every rank its RNG streams. A part that is off (EMA) is None."""
     mine = {f"rng_rank{rank}.pt": parts["rng"].state_dict()}
     if rank != 0:
         return mine
     shared = {name: None if part is None or (sharded and name in SHARDED) else part.state_dict()
               for name, part in parts.items() if name != "rng"}
-    return {"state.pt": {**shared, **run, "sharded": sharded, "format": FORMAT}, **mine}
+    return {"state.pt": {**shared, **run_facts, "sharded": sharded, "format": FORMAT}, **mine}
 
 
 def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:

@@ -1,7 +1,7 @@
 """The training batches of a run, from its data position on: what the step draws.
 
 A DataLoader over the resumable order (loop/data/sampler.py) starts at `Progress.samples`, the
-global samples that optimizer steps took; `draw` hands out the next step's micro-batches, passing
+global samples that optimizer steps took; `draw` hands out the next step's batches, passing
 over windows a rollback marked as never to be trained on (loop/guards/nonfinite.py::rollback).
 """
 from __future__ import annotations
@@ -31,10 +31,14 @@ class Feed:
     def draw(self) -> list[dict]:
         """The next optimizer step's train.grad_accum batches."""
         p, k = self.progress, self.cfg.train.grad_accum
-        if (past := p.past_windows(self.cfg.data.batch_size * k * self.dist.world)) != p.samples:
+        if (past := p.past_windows(self.width())) != p.samples:
             p.samples = past  # the samples between are passed over: a fresh loader from there
             self.start()
         return [next(self.batches) for _ in range(k)]
+
+    def width(self) -> int:
+        """The global samples a step takes: data.batch_size x train.grad_accum x processes."""
+        return self.cfg.data.batch_size * self.cfg.train.grad_accum * self.dist.world
 
     def ids(self, batches: list[dict]) -> list[int] | None:
         """The global ids of a step's samples in the order they were trained on, on rank 0 (data.log_ids,

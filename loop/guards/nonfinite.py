@@ -72,7 +72,7 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     log.flush()  # the steps before the bad one first: on the console before "resumed from"
     p = parts["progress"]
     bad = p.samples
-    p.pass_over(cfg.data.batch_size * cfg.train.grad_accum * dist.world)  # the bad step's global samples
+    p.pass_over(feed.width())  # the bad step's global samples
     carry = (p.rollbacks + 1, p.skip_windows, p.micro_split, p.bad_streak, p.last_bad)
     parts["optimizer"].zero_grad(set_to_none=True)
     parts["scaler"].update()  # consume this step's inf checks before the scaler state is replaced

@@ -73,11 +73,11 @@ class Attempt:
     """One try at a step's forward and backward passes (`OutOfMemory.attempt`)."""
 
     def __init__(self, dist: Dist):
-        self.dist, self.agreed, self.failed = dist, False, False
+        self.dist, self.at_last_backward, self.failed = dist, False, False
 
     def agree(self) -> None:
         """Before the last backward, where gradients cross ranks: did any rank run out of memory?"""
-        self.agreed = True
+        self.at_last_backward = True
         if self.dist.sum_host([0.0])[0]:
             raise _OtherRank
 
@@ -109,9 +109,9 @@ class OutOfMemory:
                 raise
             if self.sharded:
                 self.in_collectives(UNDER_FSDP)
-            if a.agreed and self.dist.world > 1:  # alone, a fresh DDP starts clean (recover)
+            if a.at_last_backward and self.dist.world > 1:  # alone, a fresh DDP starts clean (recover)
                 self.in_collectives(LAST_BACKWARD)
-            if not a.agreed:
+            if not a.at_last_backward:
                 self.dist.sum_host([1.0])  # what the others' agree() waits for
             a.failed = True
         except _OtherRank:
