@@ -1,7 +1,8 @@
 """EMA of the weights: a copy of the model (`EMA.module`), averaged after every optimizer step taken.
 
-The decay warms up as min(decay, (1+n)/(warmup+n)) after n updates, so early averages are not
-dominated by the random initial weights. The copy is validated, checkpointed and exported; its
+The first update copies the weights; the one after n updates averages with the decay
+min(decay, (1+n)/(warmup+n)), which warms up so that early averages are not dominated by the
+random initial weights. The copy is validated, checkpointed and exported; its
 checkpoint state is its plain weights (no `module.` prefix) and the update count, and with FSDP
 the weights are sharded like the model's and saved with its shards (loop/distributed/fsdp.py).
 

@@ -484,6 +484,11 @@ def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_o
     assert note.startswith(f"train.max_steps 30 -> 60 reshapes schedule.name=warmup_cosine over the new "
                            f"horizon: the learning rate at this step goes from {before:.3g} to {after:.3g}")
     assert note.endswith(f"schedule.name=constant schedule.warmup_steps=0 optim.lr={before:.3g}")
+    # With optim.lr and the schedule changed too, the rate reached is still the checkpoint's run's.
+    cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "optim.lr=0.02", "schedule.min_lr_ratio=0.5"])
+    other = reshaped(state, cfg)
+    assert f"goes from {before:.3g} to {lr_factor(30, cfg.schedule, 60) * 0.02:.3g}" in other, other
+    assert other.endswith(f"optim.lr={before:.3g}") and before != lr_factor(30, cfg.schedule, 30) * 0.02
     cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant"])
     assert reshaped({"config": to_dict(cfg), "scheduler": {"last_epoch": 30}}, cfg) is None
     # Going on as the note says: the constant rate is the rate the schedule reached.

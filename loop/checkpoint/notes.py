@@ -6,6 +6,7 @@ is allowed, and said as a note.
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 from loop.checkpoint import store
 from loop.config.load import changed_keys
@@ -63,11 +64,12 @@ def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
 
 def reshaped(state: dict, cfg) -> str | None:
     """What a new train.max_steps does to a schedule that depends on it (warmup_cosine's horizon):
-    the LR at the resumed step jumps. None if it stays (a schedule without a horizon)."""
-    was_steps, s = state["config"]["train"]["max_steps"], state["scheduler"]["last_epoch"]
-    lr = cfg.optim.lr
-    before = lr_factor(s, cfg.schedule, was_steps) * lr
-    after = lr_factor(s, cfg.schedule, cfg.train.max_steps) * lr
+    the LR at the resumed step jumps from the one the checkpoint's run would have taken (its own
+    optim.lr and schedule) to this run's. None if it stays (a schedule without a horizon)."""
+    was, s = state["config"], state["scheduler"]["last_epoch"]
+    before = lr_factor(s, SimpleNamespace(**was["schedule"]), was["train"]["max_steps"]) * was["optim"]["lr"]
+    after = lr_factor(s, cfg.schedule, cfg.train.max_steps) * cfg.optim.lr
+    was_steps = was["train"]["max_steps"]
     if before == after:
         return None
     return (f"train.max_steps {was_steps} -> {cfg.train.max_steps} reshapes schedule.name={cfg.schedule.name} "

@@ -106,7 +106,8 @@ class EmaConfig:
     """Exponential moving average of the weights, used for validation and exported at the end."""
     enabled: bool = False
     decay: float = opt(0.999, min=0.0, max=1.0)
-    # The effective decay is min(decay, (1+n)/(warmup+n)) after n updates, n an int64 tensor.
+    # The first update copies the weights; the decay after n updates is min(decay, (1+n)/(warmup+n)),
+    # n an int64 tensor.
     warmup: int = opt(10, min=1, max=2**62)
 
 
