@@ -160,34 +160,46 @@ class Evaluator:
         if best_metric not in names:
             raise BadInput(f"config key train.best_metric: expected one of the validation metrics this "
                            f"model reports ({', '.join(names)}); got {best_metric!r}.")
-        self._sums_add_up(raw, split_batch(probe, split)[0])
+        self._sums_add_up(raw, split_batch(probe, split)[0], split)
 
     @torch.no_grad()
-    def _sums_add_up(self, raw: nn.Module, batch: dict) -> None:
+    def _sums_add_up(self, raw: nn.Module, batch: dict, split: int) -> None:
         """A loss summed over the targets is the sum of its halves' losses (of a batch of one
         sample: the batch twice over is twice its loss); a mean is about half that (HF's `.loss`,
         reduction="mean"), and a prediction broadcast against its targets ((B,) and (B, 1): a B x B
         matrix of errors) more. Either trains without a word, on gradients the loop divides by the
-        wrong count. Three more forwards: the batch under a second seed (a model that draws random
-        numbers in eval mode cannot be compared, and is said), then its two halves. Every rank
-        takes part (under FSDP each forward is a collective)."""
-        parts = split_batch(batch, 2)
-        if len(parts) < 2:  # one sample: it is both parts, and the whole is it twice
+        wrong count. Four more forwards: the batch under two seeds (a model that draws random numbers
+        in eval mode cannot be compared, and is said), then its two halves. `split`: the
+        probe's pieces, of which `batch` is one (more than 1: two samples ran out of memory). Every
+        rank takes part (under FSDP each forward is a collective)."""
+        parts, cannot = split_batch(batch, 2), False
+        if len(parts) < 2:  # one sample: it is both parts, and the whole is it twice, where that may fit
+            cannot = split > 1 or self.sharded  # under FSDP an out of memory cannot be retried
             parts = [batch, batch]
             batch = {**{k: torch.cat([v, v]) for k, v in batch.items() if torch.is_tensor(v)},
                      "n_targets": 2 * batch["n_targets"]}
-        if self.dist.sum_host([float(not all(h["n_targets"] for h in parts))])[0]:
-            return  # a half without targets on some rank: nothing to compare
+        if self.dist.sum_host([float(cannot or not all(h["n_targets"] for h in parts))])[0]:
+            return  # on some rank: nothing to compare (or a half without targets)
 
         def loss(b: dict, seed: int = self.seed) -> float:
             with own_rng(self.device, seed), self.precision.autocast():
                 return loss_and_sums(raw(to_device(b, self.device)))[0].float().item()
 
-        with evaluating(raw):
-            whole, again, *halves = loss(batch), loss(batch, self.seed + 1), *map(loss, parts)
-        random = not math.isclose(whole, again, rel_tol=1e-4, abs_tol=1e-9)  # not a sum order
-        adds_up = random or math.isclose(whole, sum(halves), rel_tol=1e-2, abs_tol=1e-6)
-        randoms, wrongs = self.dist.sum_host([float(random), float(not adds_up)])
+        got = None
+        try:
+            with evaluating(raw):
+                got = [loss(batch), loss(batch, self.seed + 1), *map(loss, parts)]
+        except (torch.OutOfMemoryError, RuntimeError) as e:
+            if not out_of_memory(e) or self.sharded:  # FSDP: the other ranks wait in this forward's gathers
+                raise
+        if got is None:  # the sample twice over did not fit
+            release_memory(self.device)  # outside the except, whose traceback pins the tensors
+        whole, again, *halves = got or [0.0] * 4
+        random = got is not None and not math.isclose(whole, again, rel_tol=1e-4, abs_tol=1e-9)  # not rounding
+        adds_up = got is None or random or math.isclose(whole, sum(halves), rel_tol=1e-2, abs_tol=1e-6)
+        full, randoms, wrongs = self.dist.sum_host([float(got is None), float(random), float(not adds_up)])
+        if full:
+            return  # on some rank: nothing compared
         if wrongs:
             raise BadInput(f"the model's loss is not a sum over the batch's targets: on a validation batch "
                            f"of {batch['n_targets']} targets it gave {whole:.6g}, on its two halves "

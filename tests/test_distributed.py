@@ -19,6 +19,8 @@ import torch
 
 from conftest import DIST as STEPS
 from conftest import ROOT, TINY, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
+from loop.distributed.group import Dist
+from loop.errors import BadInput
 from loop.rng import rank_seed
 from tools import jobs
 
@@ -384,6 +386,39 @@ def test_processes_with_different_data_exit_2_naming_what_differs(tmp_path, cach
     assert said, proc.stderr
     mine, theirs = map(int, said.groups()[:2]), map(int, said.groups()[2:])
     assert [a + 1 for a in mine] == list(theirs) and not out.exists()
+
+
+def test_the_data_check_compares_plain_meta_values_only():
+    # A builder may put anything in Data.meta: an object's text holds its address and a set's its
+    # process's hash order, so comparing them refused runs whose data is the same; a key that is
+    # not a string must not break a one-process run.
+    from loop.config.runtime import check_same_data
+    from loop.data.bundle import Data
+
+    class Rank(Dist):
+        def __init__(self, rank, sent=None):
+            self.rank, self.world, self.sent = rank, 2, sent
+
+        def from_main(self, obj):
+            if self.rank == 0:
+                self.sent = obj
+            return self.sent
+
+        def sum_host(self, values):
+            return values  # rank 0 adds nothing: it holds the facts compared with
+
+    def data(n, **meta):
+        return Data(list(range(n)), list(range(3)), vocab_size=5, seq_len=1,
+                    meta={"obj": object(), "nan": float("nan"), (0, 1): {3, 4}, **meta})
+
+    check_same_data(data(10), Dist())  # one process: nothing to compare
+    main, mine = Rank(0), data(10, sha256="a")
+    check_same_data(mine, main)
+    check_same_data(data(10, sha256="a"), Rank(1, main.sent))  # the same data, other objects
+    for other, said in ((data(11, sha256="a"), "len(train)=11 where rank 0 has len(train)=10"),
+                        (data(10, sha256="b"), "meta.sha256='b' where rank 0 has meta.sha256='a'")):
+        with pytest.raises(BadInput, match=re.escape(f"the data differs between processes: rank 1 has {said};")):
+            check_same_data(other, Rank(1, main.sent))
 
 
 def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():

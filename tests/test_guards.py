@@ -560,6 +560,29 @@ def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, 
     assert sizes == [8, 4, 2, 1] and not (tmp_path / "none").exists()  # nothing written
 
 
+@pytest.mark.parametrize("batch", [4, 1])
+def test_a_card_that_fits_one_sample_trains_at_micro_batch_1(tmp_path, cache, batch):
+    # The contract probe fits at one sample: its check of the loss as a sum does not run the sample
+    # twice over where two did not fit (batch 4), and at data.batch_size=1 it tries, and passes
+    # over the check when that runs out of memory, as training needs only one at a time.
+    from conftest import TINY, build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2",
+                                f"data.batch_size={batch}", "train.grad_accum=1", "train.eval_every=0"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    forward, sizes = t.raw.forward, []
+
+    def one_fits(b):
+        sizes.append(len(b["idx"]))
+        if sizes[-1] > 1:
+            raise torch.OutOfMemoryError("test double: one sample fits")
+        return forward(b)
+
+    t.raw.forward = one_fits
+    assert t.run()["micro_batch"] == 1
+    assert sizes[:3] == ([4, 2, 1] if batch == 4 else [1, 2, 1])  # the probe, then training (or the twice over)
+
+
 def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
     out = tmp_path / "run"
     proc = train_here(out, cache, *STEPS, "data.batch_size=1", "faults.oom_at_step=3", check=False)

@@ -489,6 +489,10 @@ def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_o
     other = reshaped(state, cfg)
     assert f"goes from {before:.3g} to {lr_factor(30, cfg.schedule, 60) * 0.02:.3g}" in other, other
     assert other.endswith(f"optim.lr={before:.3g}") and before != lr_factor(30, cfg.schedule, 30) * 0.02
+    # A checkpoint whose config lacks a schedule key (another copy of the loop wrote it) takes this
+    # run's for it.
+    del was["schedule"]["min_lr_ratio"]
+    assert f"goes from {before:.3g} to" in reshaped(state, load_config(DEFAULT_CONFIG, ["train.max_steps=60"]))
     cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant"])
     assert reshaped({"config": to_dict(cfg), "scheduler": {"last_epoch": 30}}, cfg) is None
     # Going on as the note says: the constant rate is the rate the schedule reached.

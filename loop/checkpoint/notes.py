@@ -5,12 +5,13 @@ is allowed, and said as a note.
 """
 from __future__ import annotations
 
+from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
 from loop.checkpoint import store
 from loop.config.load import changed_keys
-from loop.schedule import lr_factor
+from loop.schedule import SCHEDULES, lr_factor
 
 
 def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
@@ -67,7 +68,10 @@ def reshaped(state: dict, cfg) -> str | None:
     the LR at the resumed step jumps from the one the checkpoint's run would have taken (its own
     optim.lr and schedule) to this run's. None if it stays (a schedule without a horizon)."""
     was, s = state["config"], state["scheduler"]["last_epoch"]
-    before = lr_factor(s, SimpleNamespace(**was["schedule"]), was["train"]["max_steps"]) * was["optim"]["lr"]
+    saved = SimpleNamespace(**{**asdict(cfg.schedule), **was.get("schedule", {})})  # a key it lacks: this run's
+    if saved.name not in SCHEDULES:  # a schedule of the copy of the loop that wrote it
+        saved = cfg.schedule
+    before = lr_factor(s, saved, was["train"]["max_steps"]) * was.get("optim", {}).get("lr", cfg.optim.lr)
     after = lr_factor(s, cfg.schedule, cfg.train.max_steps) * cfg.optim.lr
     was_steps = was["train"]["max_steps"]
     if before == after:

@@ -3,8 +3,6 @@ range is the run's ranks (all refused), and settings that cannot act in this run
 """
 from __future__ import annotations
 
-import json
-
 from loop.config.load import differing, flat, to_dict
 from loop.distributed.group import Dist
 from loop.errors import BadInput
@@ -61,10 +59,14 @@ def check_same_config(cfg, dist: Dist) -> None:
 def check_same_data(data, dist: Dist) -> None:
     """One data set on every process: each node reads its own files, and a corpus apart gives the
     ranks another sample order (DDP trains on without a word) or other validation batch counts
-    (FSDP hangs in evaluation). Sizes and the data set's meta (a corpus's sha256) are compared;
-    contents are not read again."""
+    (FSDP hangs in evaluation). Sizes and the plain values of the data set's meta (a corpus's
+    sha256) are compared, as repr (a NaN equals itself); contents are not read again. A builder
+    may put anything in meta: an object's text holds its address, a set's its process's order."""
+    if dist.world == 1:
+        return
+    meta = {f"meta.{k}": repr(v) for k, v in data.meta.items() if v is None or isinstance(v, (str, int, float, bool))}
     facts = {"len(train)": len(data.train), "len(val)": len(data.val), "vocab_size": data.vocab_size,
-             "seq_len": data.seq_len, **{f"meta.{k}": json.dumps(v, sort_keys=True, default=str) for k, v in data.meta.items()}}
+             "seq_len": data.seq_len, **meta}
     check_same("data", facts, dist, "the same data on every process (the same files under data.path "
                                     "and data.cache_dir on every node)")
 
