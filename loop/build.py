@@ -14,8 +14,13 @@ import torch.nn as nn
 from torch.nn.parameter import UninitializedParameter
 
 from loop import auto_batch
-from loop.config.runtime import check_same_config, check_same_data, check_with_world, follow_global_batch, \
-    idle_settings
+from loop.config.runtime import (
+    check_same_config,
+    check_same_data,
+    check_with_world,
+    follow_global_batch,
+    idle_settings,
+)
 from loop.data.bundle import Data, check_samples
 from loop.device import use_attention_kernel, use_tf32
 from loop.distributed import fsdp

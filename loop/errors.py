@@ -2,13 +2,14 @@
 
 `BadInput` (config, data, checkpoint): `train.py` prints the message and exits 2, before anything
 in `run.out_dir` is written or changed, but for what only a training step can show (a loss
-detached from the weights, a parameter without gradient under DDP), after the run's first files. Raise it with a message that names the key or file and
-says what was expected. `GaveUp`: training started but cannot continue; exit 3, as for any write
-the system refuses for want of room (`NO_ROOM`). Ctrl-C (KeyboardInterrupt): exit 130, as a shell
-reports it; the checkpoints on disk are whole (atomic writes), so the same command continues from
-the newest. A console whose reader went away (`python train.py | head`, `less` quit): exit 141, as a shell
-reports a SIGPIPE, and no traceback (nobody could read it); a `tee` ended by the same Ctrl-C as the
-run still gives 130 (the Ctrl-C came first); loop/guards/console.py notices that.
+detached from the weights, a parameter without gradient under DDP), after the run's first files.
+Raise it with a message that names the key or file and says what was expected. `GaveUp`: training
+started but cannot continue; exit 3, as for any write the system refuses for want of room
+(`NO_ROOM`). Ctrl-C (KeyboardInterrupt): exit 130, as a shell reports it; the checkpoints on disk
+are whole (atomic writes), so the same command continues from the newest. A console whose reader
+went away (`python train.py | head`, `less` quit): exit 141, as a shell reports a SIGPIPE, and no
+traceback (nobody could read it); a `tee` ended by the same Ctrl-C as the run still gives 130 (the
+Ctrl-C came first); loop/guards/console.py notices that.
 """
 
 import errno

@@ -4,8 +4,10 @@ Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn on
 generator) and reports each sum the model returns (loop/contract.py) divided by the number of real
 targets, as `val_loss`, `val_accuracy`, ..., with one host read. A model that draws from torch's
 global streams in eval mode (a diffusion model's noise) draws them seeded by run.seed, and
-training's streams are put back after (`own_rng`). The sample uses its own `torch.Generator`. `Evaluator` is a run's evaluation: its fixed validation batches, its samples,
-and the probe of the model's contract before anything is written.
+training's streams are put back after (`own_rng`). The sample uses its own `torch.Generator`.
+
+`Evaluator` is a run's evaluation: its fixed validation batches, its samples, and the probe of the
+model's contract before anything is written.
 """
 from __future__ import annotations
 
