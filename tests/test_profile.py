@@ -77,3 +77,21 @@ def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cac
     proc = run_train(out, cache, "train.max_steps=7", "train.profile=true")
     note = next((line for line in proc.stdout.splitlines() if line.startswith("note: train.profile")), "")
     assert "ended 0 step(s) in" in note and "a new run.out_dir" in note, proc.stdout
+
+
+def test_the_profiler_s_own_shutdown_is_not_step_time(tmp_path, monkeypatch):
+    # The trace is read after the profiled steps, inside the profiler's last step() (60 ms of a
+    # 2 s window on the default config, most of a tiny model's): counted, it went to "other".
+    import time
+
+    from loop.observe import profile
+
+    walls = []
+    monkeypatch.setattr(profile, "breakdown", lambda prof, wall_us: walls.append(wall_us) or {"other": 1.0})
+    ready = profile.StepProfiler._ready
+    monkeypatch.setattr(profile.StepProfiler, "_ready", lambda self, prof: time.sleep(0.5) or ready(self, prof))
+    p = profile.StepProfiler(tmp_path / "profile", warmup=1, active=2)
+    for _ in range(3):
+        time.sleep(0.02)  # a step
+        p.step()
+    assert len(walls) == 1 and 0.03e6 < walls[0] < 0.3e6, walls  # two steps of 20 ms, not the 500 ms after

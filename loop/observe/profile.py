@@ -46,12 +46,13 @@ class StepProfiler:
         self.prof.start()
         self.result: dict[str, float] | None = None
         self.window, self.taken = (warmup + 1, warmup + active), 0  # the profiled steps; steps seen
-        self.started = time.perf_counter()  # of the profiled steps (reset when the warm-up ends)
+        self.started = self.ended = time.perf_counter()  # of the profiled steps (set as they go)
 
     def step(self) -> None:
         """Call once per optimizer step; stops itself after the profiled steps."""
         if self.result is None:
             self.taken += 1
+            self.ended = time.perf_counter()  # before the profiler stops and reads its trace
             self.prof.step()  # calls _ready at the end of the window
             if self.taken == self.window[0] - 1:
                 self.started = time.perf_counter()
@@ -59,7 +60,7 @@ class StepProfiler:
     def _ready(self, prof: profile) -> None:
         if self.taken < self.window[1]:  # stopped early: the steps profiled so far plus the run's end
             return
-        self.result = breakdown(prof, 1e6 * (time.perf_counter() - self.started))
+        self.result = breakdown(prof, 1e6 * (self.ended - self.started))
         self.out_dir.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.out_dir / "trace.json"))
         (self.out_dir / "breakdown.json").write_text(json.dumps(self.result, indent=1))
