@@ -63,8 +63,7 @@ def finish(out: Path, preempted: bool, parts: dict, evaluator, log, dist, cfg, d
         summary["ema_params_sha256"] = store.params_sha256(averaged)
     # The run's energy (over its starts) and this start's peak memory, NVML read now (not at its last tick).
     summary.update({k: v for k, v in log.readings().items() if k in ("energy_j", "cuda_max_alloc_gb")})
-    log.text(p.step, "sample", sample or "")
-    log.close()
+    log.close()  # the sample is in the log already: the loop evaluates at its last step
     write(out, summary, weights, averaged, to_dict(cfg), data, cfg.report)
     return summary
 
