@@ -32,6 +32,16 @@ def test_readers_skip_a_line_cut_short(tmp_path):
     assert jsonl.read_records(path) == [{"step": 1, "loss": 0.1}, {"step": 2, "loss": 0.2}]
 
 
+def test_a_line_that_is_no_record_is_passed_over(tmp_path):
+    # A log edited by hand: a list or a record without a step reads as a cut line, not a traceback
+    # at the report or the resume.
+    path = tmp_path / "metrics.jsonl"
+    whole = write(path, range(1, 3))
+    write(path, range(1, 3), b'[1, 2]\n{"loss": 9}\n')
+    assert jsonl.read_records(path) == [{"step": 1, "loss": 0.1}, {"step": 2, "loss": 0.2}, {"loss": 9}]
+    assert jsonl.truncate(path, 2) == {"step": 2, "loss": 0.2} and path.read_bytes() == whole
+
+
 def test_a_whole_last_record_without_its_newline_gets_one(tmp_path):
     # Appending after it would otherwise join two records on one line.
     path = tmp_path / "metrics.jsonl"

@@ -297,6 +297,26 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     assert (run / "report.md").read_bytes() == before and (tmp_path / "file").read_text() == "mine"
 
 
+@pytest.mark.slow
+def test_run_files_edited_into_another_shape_are_bad_input(runs, tmp_path, capsys):
+    # Each a traceback (exit 1) where the tool promises exit 2; a metrics.jsonl line that is no
+    # record is passed over, as a line cut short is.
+    run, out = tmp_path / "edited", tmp_path / "out"
+    shutil.copytree(runs["finished"], run)
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write("[1, 2]\n")
+    assert report_main([str(run), "--out", str(out)]) == 0
+    summ = json.loads((run / "summary.json").read_text())
+    for name, text in [("summary.json", json.dumps({**summ, "wall_s": "x"})),
+                       ("config.yaml", yaml.safe_dump({"report": 5}))]:
+        shutil.copy(runs["finished"] / name, tmp_path / name)
+        (run / name).write_text(text)
+        capsys.readouterr()
+        assert report_main([str(run), "--out", str(out)]) == 2, name
+        assert capsys.readouterr().err.startswith(f"error: {run}: a run file holds a value of another kind"), name
+        shutil.copy(tmp_path / name, run / name)
+
+
 def test_a_report_that_cannot_be_written_does_not_fail_the_run(tmp_path, cache, monkeypatch):
     def broken(*args, **kwargs):
         raise ValueError("cannot draw this")

@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, BadInput) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except (TypeError, ValueError, AttributeError, KeyError) as e:  # a file edited into another shape
+        print(f"error: {', '.join(map(str, a.run_dirs))}: a run file holds a value of another kind than "
+              f"a run writes ({type(e).__name__}: {e}); expected metrics.jsonl, summary.json, "
+              f"metadata.json and config.yaml as the run wrote them.", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(f"report written: {path}")
     return 0
 

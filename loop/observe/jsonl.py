@@ -10,13 +10,16 @@ from loop.checkpoint.atomic import atomic_write
 
 
 def read_records(path: Path) -> list[dict]:
-    """The whole records in `path`, in order; a line cut short (not valid JSON) is skipped."""
+    """The whole records in `path`, in order; a line cut short (not valid JSON), or one that is no
+    record (a line edited by hand), is skipped."""
     out = []
     for line in path.read_text(errors="replace").splitlines():  # a cut may split a UTF-8 character
         try:
-            out.append(json.loads(line))
+            rec = json.loads(line)
         except ValueError:
-            pass
+            continue
+        if isinstance(rec, dict):
+            out.append(rec)
     return out
 
 
@@ -34,7 +37,7 @@ def truncate(path: Path, last_step: int) -> dict | None:
         try:
             rec = json.loads(data[start:end])
             last = rec if rec["step"] <= last_step else None
-        except ValueError:
+        except (ValueError, TypeError, KeyError):  # cut short, or no record: dropped from the tail
             pass
         if last is None:
             end = start
