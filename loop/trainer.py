@@ -126,8 +126,7 @@ class Trainer:
         if path:
             self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata)
         elif cfg.run.init_from:
-            taken = state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg)
-            self.dist.say(f"initialised model weights from {taken}")
+            state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg, self.dist)
         if cfg.run.mirror:  # opened before any write: a bad URL is bad input (said on every rank)
             self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
         self.dist.on_main(lambda: runlock.claim(self.out))

@@ -387,6 +387,31 @@ def test_a_command_naming_the_best_checkpoint_reruns_from_what_it_saved_since(tm
     assert [r["step"] for r in metrics(out)] == list(range(1, 31))
 
 
+def test_a_resume_from_another_run_directory_says_where_the_best_so_far_is(tmp_path):
+    # Its best checkpoint stays in the other directory: this run's checkpoints/ has no best to name
+    # until it makes one, while summary.json and report.md name the best so far by its step.
+    from conftest import load_config
+    from loop.checkpoint.notes import after_resume
+    from loop.checkpoint.resume import checkpoints_near
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.monitor import MonitorState
+
+    src, here = tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints"
+    for step in (5, 10):
+        (src / f"step_{step:08d}").mkdir(parents=True)
+    (src / "best").write_text("step_00000005")
+    cfg = load_config(DEFAULT_CONFIG, [f"run.out_dir={tmp_path / 'b'}", f"run.resume={src / 'step_00000010'}"])
+    state = MonitorState(best=4.25, best_step=5)
+    notes = after_resume(10, state, cfg, here, src / "step_00000010")
+    assert notes == [f"the best so far is step 5 (4.25); its checkpoint is {src / 'step_00000005'}, not in "
+                     f"{here}, whose best names this run's own once it makes a new one"]
+    assert after_resume(10, state, cfg, src, src / "step_00000010") == []  # in its own directory
+    # A pointer named where it is gone (run.init_from=.../checkpoints/best): the message lists the
+    # checkpoints beside it.
+    assert checkpoints_near(src / "gone") == f" {src} holds checkpoints: the newest is {src / 'step_00000010'}; " \
+                                             f"the best: {src / 'step_00000005'}."
+
+
 @pytest.mark.slow
 def test_a_changed_optimizer_setting_applies_from_the_resumed_step(tmp_path, cache, reference):
     # Going back to step 30 with another optim.lr or weight_decay: the config wins, as for a

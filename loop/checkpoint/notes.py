@@ -114,11 +114,18 @@ def global_batch_change(saved: dict, saved_world: int, cfg, world: int) -> str |
             f"order continues where it stopped")
 
 
-def after_resume(step: int, stop_reason: str, cfg, ckpt_root: Path) -> list[str]:
-    """What the resumed state means here. run.resume=PATH back in time in the same out_dir, or from
-    another into one with newer checkpoints: those are from the run before; this one replaces each
-    as it saves that step (loop/checkpoint/store.py::save)."""
-    notes = []
+def after_resume(step: int, monitor, cfg, ckpt_root: Path, source: Path) -> list[str]:
+    """What the resumed state means here (`monitor`: its loop/monitor.py state; `source`: the
+    checkpoint). run.resume=PATH back in time in the same out_dir, or from another into one with
+    newer checkpoints: those are from the run before; this one replaces each as it saves that step
+    (loop/checkpoint/store.py::save). From another out_dir, the best so far is in that one."""
+    notes, stop_reason, best = [], monitor.stop_reason, f"step_{monitor.best_step:08d}"
+    outside = source.parent.resolve() != ckpt_root.resolve()  # not a mirror's fetch: that keeps the best
+    if monitor.best_step and outside and not (ckpt_root / best).is_dir():
+        there = source.parent / best
+        where = f"its checkpoint is {there}" if there.is_dir() else "its checkpoint is gone"
+        notes.append(f"the best so far is step {monitor.best_step} ({monitor.best:.6g}); {where}, not in "
+                     f"{ckpt_root}, whose best names this run's own once it makes a new one")
     if stop_reason:
         notes.append(f"this run stopped early ({stop_reason}), so nothing more is trained; to train "
                      f"on, rerun with a larger train.early_stop_patience, or 0")

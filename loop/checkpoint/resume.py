@@ -126,7 +126,7 @@ def verified(path: Path, key: str) -> Path:
 def checkpoints_near(path: Path) -> str:
     """Where a run directory, its checkpoints/ or its model.pt was named instead of a checkpoint:
     the ones in it that would do (the newest, and the best if marked), for the error message."""
-    for root in (path / "checkpoints", path, path.parent / "checkpoints"):
+    for root in (path / "checkpoints", path, path.parent / "checkpoints", path.parent):  # .../checkpoints/best
         if dirs := store.step_dirs(root):
             best = root / "best"
             best = f"; the best: {root / best.read_text()}" if best.is_file() else ""

@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from loop.checkpoint import notes, store
 from loop.checkpoint.resume import followed, origin, verified
-from loop.checkpoint.weights import load_export, load_model_state
+from loop.checkpoint.weights import load_export, load_model_state, trained_otherwise
 from loop.distributed import fsdp
 from loop.rng import rank_seed, seed_everything
 
@@ -65,20 +65,24 @@ def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
         dist.say(f"note: {note}")
     step = parts["progress"].step
     dist.say(f"resumed from {path} at step {step}")
-    for note in notes.after_resume(step, parts["monitor"].state.stop_reason, cfg,
-                                   Path(cfg.run.out_dir) / "checkpoints"):
+    here = Path(cfg.run.out_dir) / "checkpoints"
+    for note in notes.after_resume(step, parts["monitor"].state, cfg, here, path):
         dist.say(f"note: {note}")
     return origin(cfg.run.resume, path)
 
 
-def warm_start(path: Path, model: nn.Module, ema, cfg) -> Path:
+def warm_start(path: Path, model: nn.Module, ema, cfg, dist) -> None:
     """run.init_from: model weights only (optimizer, schedule and step start fresh), from a
-    checkpoint directory or a model.pt; returns the path they came from."""
+    checkpoint directory or a model.pt; said, with the model keys its run set otherwise (weights
+    that fit in shape may still compute another function: model.n_head)."""
     path = followed(path)
     if path.is_file():  # a model.pt: train.py's export, or one given to you
-        load_export(path, model, cfg)
+        saved_cfg = load_export(path, model, cfg)
     else:
-        load_model_state(verified(path, "run.init_from"), model, cfg)
+        saved_cfg = load_model_state(verified(path, "run.init_from"), model, cfg).get("config")
     if ema:  # the average starts from the warm-start weights
         ema.reset(model)
-    return path
+    dist.say(f"initialised model weights from {path}")
+    if otherwise := trained_otherwise(saved_cfg, cfg):
+        dist.say(f"note: run.init_from: {otherwise[0].lower()}{otherwise[1:]}; its weights fit in shape "
+                 f"and load as they are: check that each key is one meant to change")
