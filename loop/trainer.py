@@ -126,7 +126,8 @@ class Trainer:
         if path:
             self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata)
         elif cfg.run.init_from:
-            state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg, self.dist)
+            taken = state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg)
+            self.dist.say(f"initialised model weights from {taken}")
         if cfg.run.mirror:  # opened before any write: a bad URL is bad input (said on every rank)
             self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
         self.dist.on_main(lambda: runlock.claim(self.out))

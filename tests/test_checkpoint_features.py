@@ -507,12 +507,12 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
     proc = train_here(zero, cache, "train.max_steps=0", f"run.init_from={alone}")
     assert f"initialised model weights from {alone}" in proc.stdout, proc.stdout
     assert summary(zero)["params_sha256"] == summary(reference)["params_sha256"]
-    assert "note: run.init_from" not in proc.stdout  # trained with this config's model keys
-    # Weights that fit in shape but compute another function (the same projections cut into 4
-    # heads, not 2): they load, and the keys that differ are said.
-    heads = train_here(tmp_path / "heads", cache, "train.max_steps=0", "model.n_head=4", f"run.init_from={alone}")
-    assert ("note: run.init_from: it was trained with model.n_head=2 (this config: model.n_head=4); its "
-            "weights fit in shape") in heads.stdout, heads.stdout
+    # Its one validation, at the end, logs its text sample (the loop took no step to log one at).
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = EventAccumulator(str(zero / "tb"))
+    tb.Reload()
+    assert [e.step for e in tb.Tensors("sample/text_summary")] == [0]
     # A bare state_dict, as torch.save(model.state_dict(), PATH) writes it, loads the same.
     torch.save(torch.load(alone, weights_only=True)["model"], alone)
     bare = tmp_path / "bare"

@@ -410,6 +410,11 @@ def test_a_resume_from_another_run_directory_says_where_the_best_so_far_is(tmp_p
     # checkpoints beside it.
     assert checkpoints_near(src / "gone") == f" {src} holds checkpoints: the newest is {src / 'step_00000010'}; " \
                                              f"the best: {src / 'step_00000005'}."
+    # A checkpoint refused (damaged) is not named as the one to take instead, as newest or best.
+    assert checkpoints_near(src / "step_00000010") == f" {src} holds checkpoints: the newest is " \
+                                                      f"{src / 'step_00000005'}; the best: {src / 'step_00000005'}."
+    (src / "best").write_text("step_00000010")
+    assert checkpoints_near(src / "step_00000010") == f" {src} holds checkpoints: the newest is {src / 'step_00000005'}."
 
 
 @pytest.mark.slow

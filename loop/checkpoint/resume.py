@@ -127,9 +127,9 @@ def checkpoints_near(path: Path) -> str:
     """Where a run directory, its checkpoints/ or its model.pt was named instead of a checkpoint:
     the ones in it that would do (the newest, and the best if marked), for the error message."""
     for root in (path / "checkpoints", path, path.parent / "checkpoints", path.parent):  # .../checkpoints/best
-        if dirs := store.step_dirs(root):
-            best = root / "best"
-            best = f"; the best: {root / best.read_text()}" if best.is_file() else ""
+        if dirs := [d for d in store.step_dirs(root) if d != path]:  # not the one refused
+            best = root / (root / "best").read_text() if (root / "best").is_file() else path
+            best = f"; the best: {best}" if best != path else ""
             return f" {root} holds checkpoints: the newest is {dirs[-1]}{best}."
     return ""
 

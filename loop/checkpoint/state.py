@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from loop.checkpoint import notes, store
 from loop.checkpoint.resume import followed, origin, verified
-from loop.checkpoint.weights import load_export, load_model_state, trained_otherwise
+from loop.checkpoint.weights import load_export, load_model_state
 from loop.distributed import fsdp
 from loop.rng import rank_seed, seed_everything
 
@@ -71,18 +71,14 @@ def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
     return origin(cfg.run.resume, path)
 
 
-def warm_start(path: Path, model: nn.Module, ema, cfg, dist) -> None:
+def warm_start(path: Path, model: nn.Module, ema, cfg) -> Path:
     """run.init_from: model weights only (optimizer, schedule and step start fresh), from a
-    checkpoint directory or a model.pt; said, with the model keys its run set otherwise (weights
-    that fit in shape may still compute another function: model.n_head)."""
+    checkpoint directory or a model.pt; returns the path they came from."""
     path = followed(path)
     if path.is_file():  # a model.pt: train.py's export, or one given to you
-        saved_cfg = load_export(path, model, cfg)
+        load_export(path, model, cfg)
     else:
-        saved_cfg = load_model_state(verified(path, "run.init_from"), model, cfg).get("config")
+        load_model_state(verified(path, "run.init_from"), model, cfg)
     if ema:  # the average starts from the warm-start weights
         ema.reset(model)
-    dist.say(f"initialised model weights from {path}")
-    if otherwise := trained_otherwise(saved_cfg, cfg):
-        dist.say(f"note: run.init_from: {otherwise[0].lower()}{otherwise[1:]}; its weights fit in shape "
-                 f"and load as they are: check that each key is one meant to change")
+    return path

@@ -53,10 +53,10 @@ def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
     return state
 
 
-def load_export(path: Path, model: nn.Module, cfg: Config) -> dict | None:
+def load_export(path: Path, model: nn.Module, cfg: Config) -> None:
     """run.init_from=FILE: the weights of an exported model.pt (loop/observe/summary.py: {"model",
     "config", "data"}, "ema" too with EMA on; FSDP runs export it whole), or of a bare state_dict
-    (`torch.save(model.state_dict(), PATH)`), into `model`. Returns the config saved with it."""
+    (`torch.save(model.state_dict(), PATH)`), into `model`."""
     export = store.load(path.parent, path.name)
     weights = export.get("model", export) if isinstance(export, dict) else None
     if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
@@ -65,7 +65,6 @@ def load_export(path: Path, model: nn.Module, cfg: Config) -> dict | None:
                        f"state_dict saved with torch.save(model.state_dict(), PATH).")
     refuse_mismatch(model, weights, f"model file {path}", export.get("config"), cfg, WARM_START)
     load_whole(model, weights)
-    return export.get("config")
 
 
 def load_whole(model: nn.Module, weights: dict) -> None:
@@ -84,24 +83,16 @@ def refuse_mismatch(model: nn.Module, saved: dict, source: str, saved_cfg, cfg: 
     bad = shape_mismatches(model, saved)
     if not bad:
         return
-    why = f"{trained_otherwise(saved_cfg, cfg)}. "
-    if why == ". ":
-        why = ("It was trained with this config's model.* keys and data.seq_len: the data's vocabulary "
-               "or the model code differs. " if isinstance(saved_cfg, dict) else "")
+    why = ""
+    if isinstance(saved_cfg, dict):
+        old, new = flat(saved_cfg), flat(to_dict(cfg))
+        keys = [k for k in differing(old, new) if k.startswith("model.") or k == "data.seq_len"]
+        why = (f"It was trained with {', '.join(f'{k}={old.get(k)}' for k in keys)} (this config: "
+               f"{', '.join(f'{k}={new.get(k)}' for k in keys)}). " if keys else
+               "It was trained with this config's model.* keys and data.seq_len: the data's "
+               "vocabulary or the model code differs. ")
     raise BadInput(f"{source} does not fit the configured model ({len(bad)} tensor(s)):\n  "
                    + "\n  ".join(bad) + f"\n{why}{advice}")
-
-
-def trained_otherwise(saved_cfg, cfg: Config) -> str:
-    """'It was trained with model.n_head=4 (this config: model.n_head=2)': the keys that shape a
-    model (model.*, and data.seq_len, its context) its run set otherwise; '' if none, or no config
-    was saved with it (a bare state_dict)."""
-    if not isinstance(saved_cfg, dict):
-        return ""
-    old, new = flat(saved_cfg), flat(to_dict(cfg))
-    keys = [k for k in differing(old, new) if k.startswith("model.") or k == "data.seq_len"]
-    return (f"It was trained with {', '.join(f'{k}={old.get(k)}' for k in keys)} (this config: "
-            f"{', '.join(f'{k}={new.get(k)}' for k in keys)})" if keys else "")
 
 
 def shape_mismatches(model: nn.Module, saved: dict) -> list[str]:

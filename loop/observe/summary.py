@@ -42,7 +42,8 @@ def finish(out: Path, preempted: bool, parts: dict, evaluator, log, dist, cfg, d
         log.close()
         dist.say(f"preempted at step {p.step}; checkpoint written to {out / 'checkpoints'}")
         return {"steps": p.step, "preempted": True}
-    if not (evaluator.last and evaluator.last[0] == p.step):
+    fresh = not (evaluator.last and evaluator.last[0] == p.step)  # no step evaluated in this start
+    if fresh:
         evaluator.validate()  # every rank takes part: validation sums over ranks
     # Collectives with FSDP (gather the whole model, sample through it): every rank takes part.
     weights, sample = fsdp.full_state(parts["model"]), evaluator.sample()
@@ -63,7 +64,9 @@ def finish(out: Path, preempted: bool, parts: dict, evaluator, log, dist, cfg, d
         summary["ema_params_sha256"] = store.params_sha256(averaged)
     # The run's energy (over its starts) and this start's peak memory, NVML read now (not at its last tick).
     summary.update({k: v for k, v in log.readings().items() if k in ("energy_j", "cuda_max_alloc_gb")})
-    log.close()  # the sample is in the log already: the loop evaluates at its last step
+    if fresh and sample:  # else the loop's last evaluation logged it
+        log.text(p.step, "sample", sample)
+    log.close()
     write(out, summary, weights, averaged, to_dict(cfg), data, cfg.report)
     return summary
 
