@@ -109,6 +109,8 @@ class Trainer:
                 self.close(ended)  # the last async checkpoint write finishes under the stop handlers
             finally:
                 preemption.close()
+        if not self.preempted and self.dist.sum_host([float(preemption.requested())])[0] > 0:
+            self.preempted = True  # a stop signal while the last checkpoint was written: it is on disk
         return self.finish()
 
     def start(self) -> None:

@@ -71,6 +71,30 @@ def test_a_signal_during_evaluation_stops_the_run_at_that_step(tmp_path, cache, 
     assert [m["step"] for m in metrics(tmp_path / "run")][-1] == 4
 
 
+def test_a_signal_during_the_last_checkpoint_ends_the_run_with_143(tmp_path, cache, monkeypatch):
+    # The run said "saving a checkpoint and exiting with 143", then wrote its end (sample, model.pt,
+    # report) and exited 0: a job its scheduler was stopping went on for its grace period and
+    # reported success. The checkpoint is on disk; the rerun writes the end.
+    import os
+
+    from loop.checkpoint.saver import Saver
+
+    save = Saver.save
+
+    def signalled(self, step, *args):
+        save(self, step, *args)
+        if step == 4:
+            os.kill(os.getpid(), signal.SIGTERM)  # as the write ends: the loop has no step left to check
+
+    monkeypatch.setattr(Saver, "save", signalled)
+    out = tmp_path / "run"
+    r = train_here(out, cache, "train.max_steps=4", check=False)
+    assert r.returncode == EXIT_PREEMPTED and "preempted at step 4" in r.stdout, r.stdout + r.stderr
+    assert not (out / "summary.json").exists() and store.verify(out / "checkpoints" / "step_00000004") is None
+    monkeypatch.setattr(Saver, "save", save)
+    assert train_here(out, cache, "train.max_steps=4").returncode == 0 and summary(out)["steps"] == 4
+
+
 @pytest.mark.slow
 def test_a_second_signal_during_the_last_async_write_changes_nothing(tmp_path, cache):
     # The stop handlers stay until the last checkpoint is on disk: with train.async_save its write

@@ -259,6 +259,35 @@ def test_a_run_resumed_back_in_time_rolls_back_to_its_own_past(tmp_path, cache):
     assert summary(other)["params_sha256"] == summary(ref)["params_sha256"]
 
 
+@pytest.mark.slow
+def test_a_run_stopped_between_a_rollback_and_its_bad_step_reruns_without_the_fault(tmp_path, cache):
+    # Stopped by a signal while it replays steps 11 and 12 after rolling back from 13, the run
+    # saves a checkpoint that holds the window to pass over; the rerun takes step 13 past it, as
+    # the run that was never stopped did, and meets no second injected NaN there.
+    import signal
+
+    from conftest import train_cmd
+    from tools import jobs
+
+    args = [cache, *STEPS, "train.nan_policy=rollback", "faults.nan_at_step=13", "train.keep_last=10"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    run_train(ref, *args)
+    calls = []  # step lines from 11 on: 11 and 12, the rollback, then 11 again
+
+    def replaying() -> bool:
+        calls.append(1)
+        return len(calls) == 3
+
+    code, printed = jobs.run_until(train_cmd(out, *args), 11, signal.SIGTERM, cwd=ROOT, ready=replaying)
+    assert code == 143 and "rolled back to step 10" in printed, printed
+    assert state(out, int(json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["step"])
+                 )["progress"]["last_bad"] == 13
+    rerun = run_train(out, *args)
+    assert "rolled back" not in rerun.stderr, rerun.stderr
+    assert summary(out)["params_sha256"] == summary(ref)["params_sha256"]
+    assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(ref)]
+
+
 def test_rollback_that_never_gets_past_a_bad_step_gives_up(tmp_path, cache):
     # Step 1 throws the weights to ~1e30 and step 2 is non-finite, whatever its data: each
     # rollback replays step 1 (a good step, which would reset the count of bad steps in a row) and

@@ -9,7 +9,9 @@ when a fault is configured:
     faults.nan_rank / oom_rank     on that rank only (-1: every rank)
     faults.kill_in_ckpt_at_step=N  SIGKILL this process midway through step N's checkpoint
 
-Each fires once in a process: a rollback replays the step without it, as a rerun would.
+Each fires once in a process, and a NaN not at a step the run has found bad already (`Progress.
+last_bad`, in the checkpoint): a rollback's replay of the step goes without it, as does a rerun
+resumed from a checkpoint written between the rollback and the step.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def around_forward(forward: Callable[[dict], torch.Tensor], cfg, progress: Progr
             if cfg.oom_in == "forward":
                 raise_oom()
             loss.register_hook(raise_oom)  # called as backward reaches the loss: its start
-        if due.get("nan") == step:
+        if due.get("nan") == step and progress.last_bad < step:
             del due["nan"]
             loss = loss * float("nan")
         return loss
