@@ -46,6 +46,10 @@ class GPTOptions(ModelSection):
 
 
 def build_gpt(cfg: GPTOptions, data: Data) -> "GPT":
+    x = torch.as_tensor(data.train[0]["x"])  # one sample's input
+    if x.dim() != 1 or x.is_floating_point() or x.is_complex():
+        raise BadInput(f"config key model.name=gpt: expected data whose samples are token ids (x a row "
+                       f"of integers); got x of shape {tuple(x.shape)} and dtype {x.dtype}.")
     if cfg.n_embd % cfg.n_head:
         raise BadInput(f"config key model.n_embd: expected a multiple of model.n_head="
                        f"{cfg.n_head}; got {cfg.n_embd}.")

@@ -119,6 +119,16 @@ def gpt_then(change):
     return build
 
 
+def token_data(vocab_size: int, seq_len: int):
+    """What a model builder reads of a token data set (loop/data/bundle.py::Data), without one."""
+    from types import SimpleNamespace
+
+    import torch
+
+    return SimpleNamespace(vocab_size=vocab_size, seq_len=seq_len,
+                           train=[{"x": torch.zeros(seq_len, dtype=torch.long)}])
+
+
 def build_data(opts):
     """loop.build.build_data with this project's data sets."""
     from data import DATASETS

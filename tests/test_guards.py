@@ -812,7 +812,7 @@ def test_activation_checkpointing_needs_the_model_s_own_switch():
     # advise it to every model): refused, naming the key and the method; the GPT's is switched on.
     from types import SimpleNamespace
 
-    from conftest import build_model, model_options
+    from conftest import build_model, model_options, token_data
     from loop.errors import BadInput
 
     images = SimpleNamespace(train=[{"x": torch.zeros(1, 8, 8)}], vocab_size=10, seq_len=1)
@@ -821,7 +821,7 @@ def test_activation_checkpointing_needs_the_model_s_own_switch():
     assert str(e.value).startswith("config key model.activation_checkpointing=true: model.name=cnn has no "
                                    "switch for it; expected a method set_activation_checkpointing(on)")
     gpt = build_model(model_options("gpt", activation_checkpointing=True, n_layer=1, n_head=1, n_embd=8),
-                      SimpleNamespace(vocab_size=8, seq_len=4))
+                      token_data(8, 4))
     assert gpt.activation_checkpointing
 
 

@@ -88,6 +88,14 @@ def test_cnn_needs_images(tmp_path):
         build_model(model_options("cnn"), text)
 
 
+def test_gpt_needs_token_ids(digits):
+    # Images into an embedding table: nn.Embedding's RuntimeError in the contract probe, not a
+    # message naming the key.
+    images = build_data(data_options("mnist", path=str(digits)))
+    with pytest.raises(BadInput, match=r"model.name=gpt: expected data whose samples are token ids.*\(1, 28, 28\)"):
+        build_model(model_options("gpt"), images)
+
+
 def test_items_are_normalised_images_with_labels(digits):
     data = build_data(data_options("mnist", path=str(digits)))
     assert (len(data.train), len(data.val), data.vocab_size, data.seq_len) == (2000, 500, 10, 1)

@@ -1,12 +1,11 @@
 """The GPT returns the summed CE over real targets, has the hand-counted parameters, and can overfit."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import token_data
 from data import DATASETS
 from data.markov import MarkovConfig, MarkovOptions
 from loop.build import build_data, build_model
@@ -24,7 +23,7 @@ from model.gpt import GPT, GPTOptions, build_gpt
 def gpt(V=16, T=8, L=2, H=2, C=32, dropout=0.0, bias=False, seed=0) -> GPT:
     torch.manual_seed(seed)
     cfg = GPTOptions(name="gpt", n_layer=L, n_head=H, n_embd=C, dropout=dropout, bias=bias)
-    return build_model(cfg, SimpleNamespace(vocab_size=V, seq_len=T), MODELS)
+    return build_model(cfg, token_data(V, T), MODELS)
 
 
 def random_batch(B, T, V, seed=1) -> dict:
@@ -137,7 +136,7 @@ def test_parameter_count_matches_formula(V, T, L, H, C, bias):
 
 def test_n_embd_not_divisible_by_n_head():
     with pytest.raises(BadInput) as e:
-        build_model(GPTOptions(name="gpt", n_head=3, n_embd=32), SimpleNamespace(vocab_size=8, seq_len=4), MODELS)
+        build_model(GPTOptions(name="gpt", n_head=3, n_embd=32), token_data(8, 4), MODELS)
     assert str(e.value) == "config key model.n_embd: expected a multiple of model.n_head=3; got 32."
 
 
@@ -146,7 +145,7 @@ def test_a_model_with_nothing_to_train_is_named(monkeypatch):
     # model is built, not at the first step as a loss detached from the weights.
     monkeypatch.setitem(MODELS, "frozen", lambda cfg, data: build_gpt(cfg, data).requires_grad_(False))
     with pytest.raises(BadInput) as e:
-        build_model(GPTOptions(name="frozen", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4),
+        build_model(GPTOptions(name="frozen", n_layer=1, n_head=2, n_embd=8), token_data(8, 4),
                     MODELS)
     assert str(e.value) == ("config key model.name=frozen: the model has no parameter to train (888 "
                             "parameters, none with requires_grad=True); expected at least one.")
@@ -177,14 +176,14 @@ def test_what_the_loop_cannot_keep_is_named_when_the_model_is_built(monkeypatch,
     # hashing the weights (no model.pt, no summary.json) and at every resume.
     monkeypatch.setitem(MODELS, "mine", lambda cfg, data: (m := build_gpt(cfg, data), add(m))[0])
     with pytest.raises(BadInput) as e:
-        build_model(GPTOptions(name="mine", n_layer=1, n_head=2, n_embd=8), SimpleNamespace(vocab_size=8, seq_len=4),
+        build_model(GPTOptions(name="mine", n_layer=1, n_head=2, n_embd=8), token_data(8, 4),
                     MODELS)
     assert str(e.value) == f"config key model.name=mine: {said}"
 
 
 def test_unknown_model_name():
     with pytest.raises(BadInput, match="model.name"):
-        build_model(GPTOptions(name="rnn"), SimpleNamespace(vocab_size=8, seq_len=4), MODELS)
+        build_model(GPTOptions(name="rnn"), token_data(8, 4), MODELS)
 
 
 # ------------------------------------------------------------------------------- device

@@ -218,3 +218,14 @@ def test_a_diverged_model_is_exit_2_not_a_traceback(run, capsys, tmp_path):
     torch.save(export, tmp_path / "model.pt")
     code, out, err = drawn(capsys, tmp_path / "model.pt", "--tokens", "5")
     assert code == 2 and str(tmp_path / "model.pt") in err and "Traceback" not in err, err
+
+
+def test_a_prompt_is_read_as_the_data_set_decodes():
+    # A token directory whose meta.json lists characters without saying kind: chars trains on ids
+    # and prints ids (data/tokens.py); its prompt is ids too, not characters.
+    from types import SimpleNamespace
+
+    ids = SimpleNamespace(meta={"kind": "tokens", "chars": "abcdefghij"}, vocab_size=10)
+    assert sample.encode("1 2", ids) == [1, 2]
+    chars = SimpleNamespace(meta={"kind": "chars", "chars": "abcdefghij"}, vocab_size=10)
+    assert sample.encode("cab", chars) == [2, 0, 1]

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import warnings
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from conftest import ROOT, build_trainer, load_config, metrics, run_train, summary, train_cmd, train_here
+from conftest import ROOT, build_trainer, load_config, metrics, run_train, summary, token_data, train_cmd, train_here
 from loop.config.runtime import idle_settings
 from loop.data.bundle import IGNORE_INDEX
 from loop.device import use_attention_kernel
@@ -204,7 +203,7 @@ def test_the_chunked_loss_needs_a_torch_that_has_it(monkeypatch):
     monkeypatch.delattr(F, "linear_cross_entropy")
     with pytest.raises(BadInput) as e:
         build_gpt(GPTOptions(name="gpt", n_layer=1, n_head=1, n_embd=8, loss_chunks=2),
-                  SimpleNamespace(vocab_size=16, seq_len=8))
+                  token_data(16, 8))
     assert str(e.value).startswith("config key model.loss_chunks=2") and torch.__version__ in str(e.value)
 
 

@@ -100,7 +100,7 @@ def check_corpus(data, recorded: dict | None, path: Path) -> None:
     content, so it is prepared anew), it may list them in another order, and the text came out
     decoded with the wrong characters without a word. Compared by the sha256 the run recorded."""
     was, now = (recorded or {}).get("sha256"), data.meta.get("sha256")
-    if "chars" in data.meta and was and was != now:
+    if data.meta.get("kind") == "chars" and was and was != now:
         raise BadInput(f"{path}: trained on a corpus with sha256 {was[:16]}..., but data.path "
                        f"({data.meta.get('source')}) now holds {now[:16]}...: its characters, the "
                        f"model's vocabulary, may differ, and the text would be decoded wrongly; "
@@ -109,7 +109,7 @@ def check_corpus(data, recorded: dict | None, path: Path) -> None:
 
 def encode(prompt: str, data) -> list[int]:
     """The prompt's token ids: characters of a character-level corpus, else ids written out."""
-    if "chars" in data.meta:
+    if data.meta.get("kind") == "chars":  # as the data set decodes (data/tokens.py)
         lut = {c: i for i, c in enumerate(data.meta["chars"])}
         if missing := sorted(set(prompt) - lut.keys()):
             raise BadInput(f"option --prompt: {''.join(missing)!r} not in the model's vocabulary "
