@@ -46,7 +46,8 @@ class GPTOptions(ModelSection):
 
 
 def build_gpt(cfg: GPTOptions, data: Data) -> "GPT":
-    x = torch.as_tensor(data.train[0]["x"])  # one sample's input
+    with torch.device("cpu"):  # FSDP builds the model on the meta device: not the sample
+        x = torch.as_tensor(data.train[0]["x"])  # one sample's input
     if x.dim() != 1 or x.is_floating_point() or x.is_complex():
         raise BadInput(f"config key model.name=gpt: expected data whose samples are token ids (x a row "
                        f"of integers); got x of shape {tuple(x.shape)} and dtype {x.dtype}.")

@@ -15,6 +15,7 @@ from fake_mnist import IMAGES_MAGIC, LABELS_MAGIC, NAMES, idx_gz, images_and_lab
 from test_verify import rows, verify
 
 from conftest import (
+    Mapped,
     build_data,
     build_model,
     data_options,
@@ -94,6 +95,18 @@ def test_gpt_needs_token_ids(digits):
     images = build_data(data_options("mnist", path=str(digits)))
     with pytest.raises(BadInput, match=r"model.name=gpt: expected data whose samples are token ids.*\(1, 28, 28\)"):
         build_model(model_options("gpt"), images)
+
+
+def test_gpt_reads_its_sample_on_the_cpu_when_built_on_the_meta_device():
+    # Under FSDP, ranks but 0 build the model on the meta device; a data set that makes tensors as
+    # it reads a sample (a BOS token prepended) must make them where it always does.
+    from conftest import token_data
+
+    data = token_data(8, 4)
+    data.train = Mapped(data.train, lambda i, item: {**item, "x": torch.cat([torch.tensor([1]), item["x"][1:]])})
+    with torch.device("meta"):
+        model = build_model(model_options("gpt", n_layer=1, n_head=1, n_embd=8), data)
+    assert next(model.parameters()).is_meta
 
 
 def test_items_are_normalised_images_with_labels(digits):
