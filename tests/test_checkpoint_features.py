@@ -72,9 +72,9 @@ def test_a_signal_during_evaluation_stops_the_run_at_that_step(tmp_path, cache, 
 
 
 def test_a_signal_during_the_last_checkpoint_ends_the_run_with_143(tmp_path, cache, monkeypatch):
-    # The run said "saving a checkpoint and exiting with 143", then wrote its end (sample, model.pt,
-    # report) and exited 0: a job its scheduler was stopping went on for its grace period and
-    # reported success. The checkpoint is on disk; the rerun writes the end.
+    # The run says "saving a checkpoint and exiting with 143": going on to write its end (sample,
+    # model.pt, report) and exit 0, a job its scheduler is stopping would use its grace period and
+    # report success. The checkpoint is on disk; the rerun writes the end.
     import os
 
     from loop.checkpoint.saver import Saver

@@ -373,8 +373,8 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
 
 @pytest.mark.slow
 def test_processes_with_different_data_exit_2_naming_what_differs(tmp_path, cache):
-    # Each node reads its own copy of the data: with rank 1's one sample shorter, DDP trained each
-    # rank on another sample order without a word, and FSDP hung at its first evaluation.
+    # Each node reads its own copy of the data: with rank 1's one sample shorter, DDP would train
+    # each rank on another sample order without a word, and FSDP hang at its first evaluation.
     out = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, "train.max_steps=3",
@@ -390,8 +390,8 @@ def test_processes_with_different_data_exit_2_naming_what_differs(tmp_path, cach
 
 def test_the_data_check_compares_plain_meta_values_only():
     # A builder may put anything in Data.meta: an object's text holds its address and a set's its
-    # process's hash order, so comparing them refused runs whose data is the same; a key that is
-    # not a string must not break a one-process run.
+    # process's hash order, so comparing them would refuse runs whose data is the same; a key that
+    # is not a string must not break a one-process run.
     from loop.config.runtime import check_same_data
     from loop.data.bundle import Data
 

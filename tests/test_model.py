@@ -373,8 +373,8 @@ def test_a_loss_that_is_not_a_sum_over_the_targets_stops_the_run_before_anything
 def test_a_model_that_draws_random_numbers_in_eval_mode_trains_and_evaluating_changes_nothing(tmp_path, cache,
                                                                                                capsys):
     # A diffusion model's noise, drawn from torch's global stream in eval mode too: its loss is a
-    # sum, which halves under other draws cannot show (it was refused), and each validation drew
-    # from training's stream (the steps after it trained on other draws).
+    # sum, which halves under other draws cannot show (compared, it would be refused), and a
+    # validation that drew from training's stream would change the draws of every step after it.
     from conftest import TINY, build_trainer, load_config, metrics
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist

@@ -81,7 +81,7 @@ def test_a_run_that_ends_before_the_profiled_steps_reports_nothing(tmp_path, cac
 
 def test_the_profiler_s_own_shutdown_is_not_step_time(tmp_path, monkeypatch):
     # The trace is read after the profiled steps, inside the profiler's last step() (60 ms of a
-    # 2 s window on the default config, most of a tiny model's): counted, it went to "other".
+    # 2 s window on the default config, most of a tiny model's): counted, it would go to "other".
     import time
 
     from loop.observe import profile

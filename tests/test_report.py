@@ -299,8 +299,8 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
 
 @pytest.mark.slow
 def test_run_files_edited_into_another_shape_are_bad_input(runs, tmp_path, capsys):
-    # Each a traceback (exit 1) where the tool promises exit 2; a metrics.jsonl line that is no
-    # record is passed over, as a line cut short is.
+    # Each would be a traceback (exit 1) where the tool promises exit 2; a metrics.jsonl line that
+    # is no record is passed over, as a line cut short is.
     run, out = tmp_path / "edited", tmp_path / "out"
     shutil.copytree(runs["finished"], run)
     with (run / "metrics.jsonl").open("a") as f:
