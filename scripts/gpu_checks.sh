@@ -94,6 +94,11 @@ for s in "${stages[@]}"; do
             --variant data.batch_size=16 --variant data.batch_size=auto
         cp bench/results/*.jsonl "$OUT/" ;;
     chunked_loss)
+        # Checked first: the bench builds a variant's model after the scaffold and bare arms ran.
+        if ! "$PYTHON" -c 'import sys, torch.nn.functional as F; sys.exit(not hasattr(F, "linear_cross_entropy"))'; then
+            echo "=== chunked_loss: skipped: this torch has no F.linear_cross_entropy (2.13 has it)"
+            continue
+        fi
         stage chunked_loss "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
             --reps "$BENCH_REPS" --variant model.loss_chunks=4 --variant model.loss_chunks=16
         cp bench/results/*.jsonl "$OUT/" ;;
