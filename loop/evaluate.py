@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from loop.contract import loss_and_sums
+from loop.data.bundle import IGNORE_INDEX
 from loop.data.sampler import split_batch, to_device, val_batches
 from loop.data.seeded import SeededSamples
 from loop.distributed import fsdp
@@ -166,16 +167,17 @@ class Evaluator:
 
     @torch.no_grad()
     def _sums_add_up(self, raw: nn.Module, batch: dict, split: int) -> None:
-        """A loss summed over the targets is the sum of its halves' losses (of a batch of one
-        sample: the batch twice over is twice its loss); a mean is about half that (HF's `.loss`,
-        reduction="mean"), and a prediction broadcast against its targets ((B,) and (B, 1): a B x B
-        matrix of errors) more. Either trains without a word, on gradients the loop divides by the
-        wrong count. Four more forwards: the batch under two seeds (a model that draws random numbers
-        in eval mode cannot be compared, and is said), then its two halves. `split`: the
-        probe's pieces, of which `batch` is one (more than 1: two samples ran out of memory). Every
-        rank takes part (under FSDP each forward is a collective)."""
+        """A loss summed over the targets is the sum of its halves' losses; a mean is about half that
+        (HF's `.loss`, reduction="mean"), and a prediction broadcast against its targets ((B,) and
+        (B, 1): a B x B matrix of errors) more. Either trains without a word, on gradients the loop
+        divides by the wrong count. The halves of a batch of one sample are its targets' halves
+        (the others -100); of one target (a classifier's), the whole is the sample twice over,
+        where that may fit. Four more forwards: the batch under two seeds (a model that draws
+        random numbers in eval mode cannot be compared, and is said), then its two halves.
+        `split`: the probe's pieces, of which `batch` is one (more than 1: two samples ran out of
+        memory). Every rank takes part (under FSDP each forward is a collective)."""
         parts, cannot = split_batch(batch, 2), False
-        if len(parts) < 2:  # one sample: it is both parts, and the whole is it twice, where that may fit
+        if len(parts) < 2 and not (parts := target_halves(batch)):
             cannot = split > 1 or self.sharded  # under FSDP an out of memory cannot be retried
             parts = [batch, batch]
             batch = {**{k: torch.cat([v, v]) for k, v in batch.items() if torch.is_tensor(v)},
@@ -237,6 +239,22 @@ class Evaluator:
                              f"{self.device}; use a smaller model or data.seq_len.")
             split *= 2
             release_memory(self.device)
+
+
+def target_halves(batch: dict) -> list[dict] | None:
+    """`batch` twice, each with one half of its real targets, the other half set to -100 (not
+    counted); None where they cannot be halved (one target, or float targets, which a model need
+    not mask)."""
+    y = batch["y"]
+    real = (y != IGNORE_INDEX).flatten().nonzero().flatten()
+    if y.is_floating_point() or len(real) < 2:
+        return None
+    out = []
+    for keep in (real[: len(real) // 2], real[len(real) // 2 :]):
+        half = torch.full_like(y, IGNORE_INDEX).flatten()
+        half[keep] = y.flatten()[keep]
+        out.append({**batch, "y": half.view_as(y), "n_targets": len(keep)})
+    return out
 
 
 def _cannot_compile(e: Exception) -> bool:

@@ -591,9 +591,9 @@ def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, 
 
 @pytest.mark.parametrize("batch", [4, 1])
 def test_a_card_that_fits_one_sample_trains_at_micro_batch_1(tmp_path, cache, batch):
-    # The contract probe fits at one sample: its check of the loss as a sum does not run the sample
-    # twice over where two did not fit (batch 4), and at data.batch_size=1 it tries, and passes
-    # over the check when that runs out of memory, as training needs only one at a time.
+    # The contract probe fits at one sample: its check of the loss as a sum compares that sample's
+    # loss with its targets' two halves', and runs nothing larger (a classifier's one target:
+    # tests/test_mnist.py).
     from conftest import TINY, build_trainer
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2",
@@ -609,7 +609,9 @@ def test_a_card_that_fits_one_sample_trains_at_micro_batch_1(tmp_path, cache, ba
 
     t.raw.forward = one_fits
     assert t.run()["micro_batch"] == 1
-    assert sizes[:3] == ([4, 2, 1] if batch == 4 else [1, 2, 1])  # the probe, then training (or the twice over)
+    probe = [4, 2, 1] if batch == 4 else [1]  # halved until it fits
+    # Then the check: the sample under two seeds and its targets' two halves; then training.
+    assert sizes[:len(probe) + 4] == probe + [1] * 4, sizes
 
 
 def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):

@@ -370,6 +370,38 @@ def test_a_loss_that_is_not_a_sum_over_the_targets_stops_the_run_before_anything
     assert not (tmp_path / "run").exists()
 
 
+def test_a_mean_at_a_micro_batch_of_one_is_found_by_halving_the_sample_s_targets():
+    # No larger forward than the sample's own: under FSDP (where an out-of-memory in a forward
+    # cannot be retried) as anywhere, a mean loss at data.batch_size=1 is exit 2.
+    from types import SimpleNamespace
+
+    from loop.distributed.group import Dist
+    from loop.evaluate import Evaluator, target_halves
+    from loop.precision import Precision
+
+    class Mean(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, batch):
+            counted = batch["y"] != IGNORE_INDEX
+            return (self.w * batch["y"].float() * counted).sum() / counted.sum()
+
+    cpu = torch.device("cpu")
+    y = torch.tensor([[3, 1, IGNORE_INDEX, 4, 1, 5]])
+    batch = {"idx": torch.tensor([0]), "x": torch.zeros(1, 6, dtype=torch.long), "y": y, "n_targets": 5}
+    halves = target_halves(batch)
+    assert [h["y"].tolist() for h in halves] == [[[3, 1, -100, -100, -100, -100]], [[-100, -100, -100, 4, 1, 5]]]
+    assert [h["n_targets"] for h in halves] == [2, 3]
+    evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=True, seed=0)
+    with pytest.raises(BadInput, match="not a sum over the batch's targets"):
+        Evaluator._sums_add_up(evaluator, Mean(), batch, 1)
+    Mean.forward = lambda self, b: (self.w * b["y"].float() * (b["y"] != IGNORE_INDEX)).sum()  # a sum
+    Evaluator._sums_add_up(evaluator, Mean(), batch, 1)
+    assert target_halves({**batch, "y": torch.tensor([[2]])}) is None  # one target: nothing to halve
+
+
 def test_a_model_that_draws_random_numbers_in_eval_mode_trains_and_evaluating_changes_nothing(tmp_path, cache,
                                                                                                capsys):
     # A diffusion model's noise, drawn from torch's global stream in eval mode too: its loss is a
