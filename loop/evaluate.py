@@ -4,7 +4,7 @@ Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn on
 generator) and reports each sum the model returns (loop/contract.py) divided by the number of real
 targets, as `val_loss`, `val_accuracy`, ..., with one host read. A model that draws from torch's
 global streams in eval mode (a diffusion model's noise) draws them seeded by run.seed, and
-training's streams are put back after (`own_rng`). The sample uses its own `torch.Generator`.
+training's streams are put back after (loop/rng.py::own_rng). The sample uses its own `torch.Generator`.
 
 `Evaluator` is a run's evaluation: its fixed validation batches, its samples, and the probe of the
 model's contract before anything is written.
@@ -19,12 +19,12 @@ import torch
 import torch.nn as nn
 
 from loop.contract import loss_and_sums
-from loop.data.bundle import IGNORE_INDEX
-from loop.data.sampler import split_batch, to_device, val_batches
+from loop.data.sampler import split_batch, target_halves, to_device, val_batches
 from loop.data.seeded import SeededSamples
 from loop.distributed import fsdp
 from loop.errors import BadInput, GaveUp
 from loop.guards.oom import out_of_memory, release_memory
+from loop.rng import own_rng
 
 
 @torch.no_grad()
@@ -52,18 +52,6 @@ def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decod
     with evaluating(model):
         ids = model.generate(prompt, n, torch.Generator(prompt.device).manual_seed(seed))[0].tolist()
     return decode(ids)
-
-
-@contextlib.contextmanager
-def own_rng(device: torch.device, seed: int):
-    """Torch's global random streams (the CPU's and `device`'s) seeded with `seed` inside, and as
-    they were after: what a forward draws there is the same at every evaluation, and training's
-    next draws (dropout) are those of a run that never evaluated."""
-    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
-        torch.default_generator.manual_seed(seed)
-        if device.type != "cpu":
-            torch.get_device_module(device.type).manual_seed(seed)  # this process's device only
-        yield
 
 
 @contextlib.contextmanager
@@ -239,22 +227,6 @@ class Evaluator:
                              f"{self.device}; use a smaller model or data.seq_len.")
             split *= 2
             release_memory(self.device)
-
-
-def target_halves(batch: dict) -> list[dict] | None:
-    """`batch` twice, each with one half of its real targets, the other half set to -100 (not
-    counted); None where they cannot be halved (one target, or float targets, which a model need
-    not mask)."""
-    y = batch["y"]
-    real = (y != IGNORE_INDEX).flatten().nonzero().flatten()
-    if y.is_floating_point() or len(real) < 2:
-        return None
-    out = []
-    for keep in (real[: len(real) // 2], real[len(real) // 2 :]):
-        half = torch.full_like(y, IGNORE_INDEX).flatten()
-        half[keep] = y.flatten()[keep]
-        out.append({**batch, "y": half.view_as(y), "n_targets": len(keep)})
-    return out
 
 
 def _cannot_compile(e: Exception) -> bool:

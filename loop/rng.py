@@ -3,10 +3,12 @@
 Streams: Python `random`, NumPy's global generator, torch CPU, and the current accelerator
 device (CUDA or MPS). They are the process's, so each rank checkpoints its own (`RngStreams`, a
 file per rank). The state holds only tensors and primitives, so it loads with
-`torch.load(weights_only=True)`.
+`torch.load(weights_only=True)`. `own_rng`: the streams seeded for a while and put back (what
+validation draws in a model that draws in eval mode).
 """
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -52,3 +54,15 @@ class RngStreams:
             torch.cuda.set_rng_state(state["cuda"])
         if "mps" in state:
             torch.mps.set_rng_state(state["mps"])
+
+
+@contextlib.contextmanager
+def own_rng(device: torch.device, seed: int):
+    """Torch's global random streams (the CPU's and `device`'s) seeded with `seed` inside, and as
+    they were after: what a forward draws there is the same at every evaluation, and training's
+    next draws (dropout) are those of a run that never evaluated."""
+    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+        torch.default_generator.manual_seed(seed)
+        if device.type != "cpu":
+            torch.get_device_module(device.type).manual_seed(seed)  # this process's device only
+        yield

@@ -375,8 +375,9 @@ def test_a_mean_at_a_micro_batch_of_one_is_found_by_halving_the_sample_s_targets
     # cannot be retried) as anywhere, a mean loss at data.batch_size=1 is exit 2.
     from types import SimpleNamespace
 
+    from loop.data.sampler import target_halves
     from loop.distributed.group import Dist
-    from loop.evaluate import Evaluator, target_halves
+    from loop.evaluate import Evaluator
     from loop.precision import Precision
 
     class Mean(torch.nn.Module):

@@ -80,6 +80,22 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
     return [b for b in out if len(b["idx"])]
 
 
+def target_halves(batch: dict) -> list[dict] | None:
+    """`batch` twice, each with one half of its real targets, the other half set to -100 (not
+    counted); None where they cannot be halved (one target, or float targets, which a model need
+    not mask)."""
+    y = batch["y"]
+    real = (y != IGNORE_INDEX).flatten().nonzero().flatten()
+    if y.is_floating_point() or len(real) < 2:
+        return None
+    out = []
+    for keep in (real[: len(real) // 2], real[len(real) // 2 :]):
+        half = torch.full_like(y, IGNORE_INDEX).flatten()
+        half[keep] = y.flatten()[keep]
+        out.append({**batch, "y": half.view_as(y), "n_targets": len(keep)})
+    return out
+
+
 def to_device(batch: dict, device: torch.device, non_blocking: bool = False) -> dict:
     """The batch's tensors on `device`; its other values (a list of texts, say) as they are."""
     return {k: v.to(device, non_blocking=non_blocking) if torch.is_tensor(v) else v for k, v in batch.items()}
