@@ -219,6 +219,23 @@ def run_and_kill(out: Path, at_step: int, *overrides: str) -> str:
     return printed
 
 
+def small_card(trainer, fits: int) -> list[int]:
+    """A card that holds `fits` samples at a time (a test double): the trainer's model runs out of
+    memory on a larger batch. Returns the list of batch sizes its forward is given, as they come."""
+    import torch
+
+    forward, sizes = trainer.raw.forward, []
+
+    def forward_on_the_card(batch):
+        sizes.append(len(batch["idx"]))
+        if sizes[-1] > fits:
+            raise torch.OutOfMemoryError(f"test double: at most {fits} samples fit")
+        return forward(batch)
+
+    trainer.raw.forward = forward_on_the_card
+    return sizes
+
+
 def out_of_memory_in_a_cycle() -> None:
     """Raise an out-of-memory error from a frame that keeps it: error -> traceback -> this frame ->
     error, a reference cycle that holds every frame it passed through, and their tensors (one held a

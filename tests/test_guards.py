@@ -527,20 +527,13 @@ def test_validation_after_an_oom_runs_in_the_smaller_micro_batches():
 def test_a_split_into_uneven_pieces_records_the_largest(tmp_path, cache, capsys):
     # 6 samples on a card that fits 2: halves of 3 fail, quarters are 2, 2, 1 and 1. The recorded
     # micro-batch (the log's and the summary's) is the largest piece, 2, not 1 (rounded down).
-    from conftest import TINY, build_trainer
+    from conftest import TINY, build_trainer, small_card
 
     out = tmp_path / "run"
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=2",
                                 "data.batch_size=6", "train.grad_accum=1", "train.eval_every=0"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
-    forward = t.raw.forward
-
-    def small_card(batch):
-        if len(batch["idx"]) > 2:
-            raise torch.OutOfMemoryError("test double: at most 2 samples fit")
-        return forward(batch)
-
-    t.raw.forward = small_card
+    small_card(t, 2)
     assert t.run()["micro_batch"] == 2
     assert [r["micro_batch"] for r in metrics(out)] == [2, 2]
     err = capsys.readouterr().err
@@ -552,20 +545,12 @@ def test_a_batch_too_big_from_the_start_reaches_training_and_is_split(tmp_path, 
     # more). The contract probe before training must not run the whole validation batch: its out
     # of memory would be a traceback before any step, and the recovery below would never get its
     # chance.
-    from conftest import TINY, build_trainer
+    from conftest import TINY, build_trainer, small_card
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=3",
                                 "data.batch_size=8", "train.grad_accum=1", "train.eval_every=0"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
-    forward, sizes = t.raw.forward, []
-
-    def small_card(batch):
-        sizes.append(len(batch["idx"]))
-        if sizes[-1] > 2:
-            raise torch.OutOfMemoryError("test double: at most 2 samples fit")
-        return forward(batch)
-
-    t.raw.forward = small_card
+    sizes = small_card(t, 2)
     assert t.run()["micro_batch"] == 2
     err = capsys.readouterr().err
     assert "step 1: out of memory; micro-batch 8 -> 4" in err and "micro-batch 4 -> 2" in err
@@ -594,20 +579,12 @@ def test_a_card_that_fits_one_sample_trains_at_micro_batch_1(tmp_path, cache, ba
     # The contract probe fits at one sample: its check of the loss as a sum compares that sample's
     # loss with its targets' two halves', and runs nothing larger (a classifier's one target:
     # tests/test_mnist.py).
-    from conftest import TINY, build_trainer
+    from conftest import TINY, build_trainer, small_card
 
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2",
                                 f"data.batch_size={batch}", "train.grad_accum=1", "train.eval_every=0"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
-    forward, sizes = t.raw.forward, []
-
-    def one_fits(b):
-        sizes.append(len(b["idx"]))
-        if sizes[-1] > 1:
-            raise torch.OutOfMemoryError("test double: one sample fits")
-        return forward(b)
-
-    t.raw.forward = one_fits
+    sizes = small_card(t, 1)
     assert t.run()["micro_batch"] == 1
     probe = [4, 2, 1] if batch == 4 else [1]  # halved until it fits
     # Then the check: the sample under two seeds and its targets' two halves; then training.

@@ -199,7 +199,7 @@ def test_train_py_bad_idx_exits_2(tmp_path):
 def test_a_classifier_at_micro_batch_1_on_a_card_that_fits_one_sample(digits, tmp_path):
     # One target a sample: the check of the loss as a sum runs the sample twice over, and passes
     # over the check where that runs out of memory, as training needs one at a time.
-    from conftest import ROOT, build_trainer, load_config
+    from conftest import ROOT, build_trainer, load_config, small_card
     from loop.distributed.group import Dist
 
     cfg = load_config(ROOT / "configs" / "mnist.yaml", [
@@ -207,15 +207,7 @@ def test_a_classifier_at_micro_batch_1_on_a_card_that_fits_one_sample(digits, tm
         "train.eval_every=0", "train.eval_batches=1", "train.device=cpu", "model.cnn.channels=4",
         "model.cnn.hidden=8", "report.plots=false"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
-    forward, sizes = t.raw.forward, []
-
-    def one_fits(batch):
-        sizes.append(len(batch["idx"]))
-        if sizes[-1] > 1:
-            raise torch.OutOfMemoryError("test double: one sample fits")
-        return forward(batch)
-
-    t.raw.forward = one_fits
+    sizes = small_card(t, 1)
     assert t.run()["micro_batch"] == 1
     assert sizes[:3] == [1, 2, 1] and set(sizes[2:]) == {1}  # the probe, the twice over, then training
 
