@@ -155,8 +155,7 @@ class Trainer:
                     self.log.close()
 
     def step(self) -> bool:
-        """One optimizer step: train.grad_accum loaded batches, each cut into progress.micro_split
-        micro-batches (1 until an out-of-memory halves them). False: rolled back."""
+        """One optimizer step: train.grad_accum loaded batches, p.micro_split micro-batches each. False: rolled back."""
         tc, p = self.cfg.train, self.progress
         t0 = time.perf_counter()
         with record_function("data"):
@@ -210,7 +209,6 @@ class Trainer:
                 self.nonfinite.passed()
             elif self.scaler.is_enabled() and loss_ok:
                 p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
-            # Not finite: the verdict warns and counts (skip: on to zero_grad), or raises GaveUp.
             elif self.nonfinite.verdict(describe(p.step + 1, losses, grad_norm, self.raw)) == "rollback":
                 return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
             self.scaler.update()
