@@ -1,19 +1,21 @@
 """The config layer rejects every bad input with a BadInput naming the key/file, and round-trips."""
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
 from conftest import load_config, train_here
 from data import DATASETS
-from loop.config.fields import to_dict
-from loop.config.load import changed_keys, config_hash, flat, parse_args, save
+from loop.config.fields import opt, to_dict
+from loop.config.load import build, changed_keys, config_hash, flat, parse_args, read, save
 from loop.config.runtime import follow_global_batch
-from loop.config.schema import Config
+from loop.config.schema import Config, ModelSection
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from model import MODELS
 
@@ -488,3 +490,46 @@ def test_a_global_batch_sets_the_accumulation_or_names_what_would_divide_it(tmp_
     # Bad input: exit 2 with the key named, before anything is written.
     proc = train_here(tmp_path / "run", cache, "train.global_batch=6", check=False)
     assert proc.returncode == 2 and "train.global_batch=6" in proc.stderr and not (tmp_path / "run").exists()
+
+
+@dataclasses.dataclass
+class MaybeOptions(ModelSection):
+    layers: int | None = opt(None, min=1)  # none: the model picks
+    tag: typing.Optional[str] = None  # noqa: UP045 (the older spelling is taken too)
+
+
+@dataclasses.dataclass
+class TupleOptions(ModelSection):
+    shape: tuple[int, ...] = (64, 64)
+
+
+def build_maybe(cfg: MaybeOptions, data):
+    return None
+
+
+def build_tuple(cfg: TupleOptions, data):
+    return None
+
+
+def test_a_key_typed_x_or_none_takes_none_and_x_and_its_config_yaml_reruns(tmp_path):
+    def load(raw, *overrides):
+        return build(raw, "test", ["data.name=text", "model.name=maybe", *overrides], DATASETS,
+                     {**MODELS, "maybe": build_maybe})
+
+    assert (load({}).model.layers, load({}).model.tag) == (None, None)
+    cfg = load({}, "model.layers=3", "model.tag=007")
+    assert (cfg.model.layers, cfg.model.tag) == (3, "007")  # text stays text: 007, not 7
+    for empty in ("", "none", "null", "~"):
+        assert load({}, "model.layers=3", f"model.layers={empty}", f"model.tag={empty}").model.tag is None
+    save(load({}), tmp_path / "config.yaml")  # layers: null, as a run's config.yaml holds it
+    assert load(read(tmp_path / "config.yaml")).model.layers is None
+    assert load(read(tmp_path / "config.yaml"), "model.layers=2").model.layers == 2
+    with pytest.raises(BadInput, match=r"model\.layers: expected int or none"):
+        load({}, "model.layers=abc")
+    with pytest.raises(BadInput, match=r"model\.layers: expected a value >= 1, got 0"):
+        load({}, "model.layers=0")  # the bounds hold for a value, none passes them
+
+
+def test_a_key_of_a_type_no_config_takes_is_refused_naming_it():
+    with pytest.raises(BadInput, match=r"model\.shape .*tuple.*expected bool, int, float, str.*list"):
+        build({}, "test", ["data.name=text", "model.name=t"], DATASETS, {**MODELS, "t": build_tuple})

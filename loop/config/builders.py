@@ -23,7 +23,7 @@ import inspect
 import typing
 from typing import Callable
 
-from loop.config.fields import key_of
+from loop.config.fields import TYPES, key_of, unsupported
 from loop.config.schema import Config, DataSection, ModelSection
 from loop.errors import BadInput
 
@@ -46,16 +46,25 @@ def options_of(section: str, name: str, builder: Callable) -> type:
         raise BadInput(f"config key {section}.name={name}: its builder {builder.__name__} takes "
                        f"{hint!r} as its first parameter; expected a dataclass that extends "
                        f"loop.config.schema.{base.__name__} (the options it reads), or no annotation.")
+    for key, field_hint in typed_keys(hint):
+        if unsupported(field_hint):  # else a traceback, or a key no value passes, at some later run
+            raise BadInput(f"config key {section}.{key} ({section}.name={name}): typed {field_hint!r} in "
+                           f"{hint.__name__}, which no config key takes; expected {TYPES}.")
     return hint
 
 
-def keys(cls: type, prefix: str = "") -> list[str]:
-    """The dotted keys of a section class, nested sections spelled out."""
+def typed_keys(cls: type, prefix: str = "") -> list[tuple[str, object]]:
+    """(dotted key, type) of each field of a section class, nested sections spelled out."""
     out = []
     for name, hint in typing.get_type_hints(cls).items():
         key = f"{prefix}{key_of(name)}"
-        out += keys(hint, key + ".") if dataclasses.is_dataclass(hint) else [key]
+        out += typed_keys(hint, key + ".") if dataclasses.is_dataclass(hint) else [(key, hint)]
     return out
+
+
+def keys(cls: type) -> list[str]:
+    """The dotted keys of a section class, nested sections spelled out."""
+    return [key for key, _ in typed_keys(cls)]
 
 
 def own(cls: type, section: str) -> list[str]:

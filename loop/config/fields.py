@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import keyword
 import math
+import types
 import typing
 
 import yaml
@@ -99,9 +100,35 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
 NONE_WORDS = {"none", "null", "~", "off", "false", "no"}  # meant as "none" for a key whose none is ''
 
 
+def optional(hint):
+    """X for a field typed `X | None` (or `Optional[X]`), else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return next(a for a in args if a is not type(None))
+    return None
+
+
+SCALARS = (bool, int, float, str)
+TYPES = "bool, int, float, str, one of them | None, or list[one of them] (its default: opt([...]))"
+
+
+def unsupported(hint) -> bool:
+    """A field type no config key takes (`TYPES` lists those it does)."""
+    if typing.get_origin(hint) is list:
+        return typing.get_args(hint)[0] not in SCALARS
+    return hint not in SCALARS and optional(hint) not in SCALARS and not dataclasses.is_dataclass(hint)
+
+
+def _is_none(value) -> bool:
+    """The empty value of an `X | None` key: `key=`, null or ~ (YAML's), or the word none."""
+    return value is None or (isinstance(value, str) and value.strip().lower() in ("", "null", "~", "none"))
+
+
 def _parse(text: str, hint):
     """Command-line text -> a Python value; strings stay verbatim so a path like 007 survives."""
-    if hint is str:
+    if optional(hint) is str and _is_none(text):
+        return None
+    if hint is str or optional(hint) is str:
         return text
     try:
         return yaml.load(text, Loader=DecimalLoader)
@@ -128,6 +155,13 @@ def _value(f: dataclasses.Field, value, hint, key: str):
 
 
 def _coerce(value, hint, key: str):
+    if (inner := optional(hint)) is not None:
+        if _is_none(value):
+            return None
+        try:
+            return _coerce(value, inner, key)
+        except BadInput:
+            raise _wrong(key, f"{inner.__name__} or none", value) from None
     origin = typing.get_origin(hint)
     if origin is list:
         (elem,) = typing.get_args(hint)
@@ -186,7 +220,7 @@ def check(obj, prefix: str = "") -> None:
                 raise _wrong(key, f"a list of {len(f.default_factory())} values", value)
             for i, v in enumerate(value):
                 _bounds(v, f.metadata, f"{key}.{i}")
-        elif not (f.metadata.get("auto") and value == "auto"):
+        elif not (f.metadata.get("auto") and value == "auto") and value is not None:  # None: X | None's none
             _bounds(value, f.metadata, key)
         choices = f.metadata.get("choices")
         if choices and value not in choices:

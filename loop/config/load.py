@@ -111,7 +111,7 @@ def keys_help(datasets: dict, models: dict) -> str:
     config file, configs/default.yaml, chooses), and each other builder's own keys: the keys without
     opening the code."""
     def shown(v) -> str:  # as YAML and the command line take them: true, [0.9,0.95]
-        return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, bool)) else str(v)
+        return json.dumps(v, separators=(",", ":")) if isinstance(v, (list, bool)) or v is None else str(v)
 
     def line(label: str, values: dict) -> list[str]:
         text = " ".join(f"{k}={shown(v)}" for k, v in flat(values).items()) or "(none of its own)"
