@@ -15,7 +15,7 @@ from loop.errors import BadInput
 
 CONTRACT = ("expected the loss summed over the batch's real targets as a tensor of one number "
             "(shape (), e.g. reduction=\"sum\"), or a dict with it under \"loss\" and more such sums "
-            "(README.md: Bring your own model)")
+            "(docs/bring-your-own.md)")
 
 
 def loss_and_sums(out) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -511,6 +511,10 @@ def build_tuple(cfg: TupleOptions, data):
     return None
 
 
+def build_without_data(cfg: ModelSection):
+    return None
+
+
 def test_a_key_typed_x_or_none_takes_none_and_x_and_its_config_yaml_reruns(tmp_path):
     def load(raw, *overrides):
         return build(raw, "test", ["data.name=text", "model.name=maybe", *overrides], DATASETS,
@@ -533,3 +537,8 @@ def test_a_key_typed_x_or_none_takes_none_and_x_and_its_config_yaml_reruns(tmp_p
 def test_a_key_of_a_type_no_config_takes_is_refused_naming_it():
     with pytest.raises(BadInput, match=r"model\.shape .*tuple.*expected bool, int, float, str.*list"):
         build({}, "test", ["data.name=text", "model.name=t"], DATASETS, {**MODELS, "t": build_tuple})
+
+
+def test_a_builder_that_cannot_be_called_as_the_loop_calls_it_is_refused_naming_it():
+    with pytest.raises(BadInput, match=r"model\.name=one: .*build_without_data\(options, data\)"):
+        build({}, "test", ["data.name=text", "model.name=one"], DATASETS, {**MODELS, "one": build_without_data})

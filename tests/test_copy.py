@@ -135,14 +135,25 @@ def test_a_new_project_trains_passes_its_own_tests_and_make_verify_with_no_examp
     assert again.returncode == 2 and "DEST" in again.stderr and str(project) in again.stderr
 
 
-def test_a_dest_that_cannot_be_made_or_lies_in_what_is_copied_is_bad_input(tmp_path):
-    # Not a traceback; and not a copy of tools/ into tools/sub, which would copy itself until the
-    # disk is full.
+def test_a_dest_that_cannot_be_made_or_lies_in_the_scaffold_is_bad_input(tmp_path):
+    # Not a traceback; not a copy of tools/ into tools/sub, which would copy itself until the disk
+    # is full; not a project in tests/ (the scaffold's pytest then collects its tests twice) or
+    # beside them (its runs would record the scaffold's git commit as theirs).
     (tmp_path / "a_file").write_text("kept")
-    for dest, says in ((tmp_path / "a_file" / "proj", "cannot be made"), (ROOT / "tools" / "sub", "inside tools")):
+    for dest, says in ((tmp_path / "a_file" / "proj", "cannot be made"), (ROOT / "tools" / "sub", f"inside {ROOT}"),
+                       (ROOT / "tests" / "sub", f"inside {ROOT}"), (ROOT / "myproj", f"inside {ROOT}")):
         made = new_project(dest)
         assert made.returncode == 2 and f"DEST={dest}: {says}" in made.stderr, made.stderr
         assert not dest.exists()
+
+
+def test_a_dest_under_home_written_with_a_tilde_is_made_there(tmp_path):
+    # make passes DEST=~/x on unexpanded; a directory named ~ in the scaffold was made.
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    made = subprocess.run(["make", "new-project", "DEST=~/tilde proj", "EXAMPLES=0"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60, env={**env, "HOME": str(tmp_path)})
+    assert made.returncode == 0 and not (ROOT / "~").exists(), made.stderr
+    assert sorted(p.name for p in (tmp_path / "tilde proj" / "model").glob("*.py")) == ["__init__.py", "mine.py"]
 
 
 def test_a_dest_with_a_space_is_made_and_the_examples_come_only_from_the_scaffold(tmp_path):
@@ -153,6 +164,7 @@ def test_a_dest_with_a_space_is_made_and_the_examples_come_only_from_the_scaffol
     assert made.returncode == 0 and f"cd '{project}' && make train" in made.stdout, made.stderr
     unset = make(ROOT, "new-project")  # the variable named, not the tool's positional "dest"
     assert unset.returncode == 2 and "DEST is not set" in unset.stderr, unset.stderr
+    (project / "data" / "mine.py").rename(project / "data" / "reg.py")  # its own, as it tells one to
     again = subprocess.run([sys.executable, "-m", "tools.new_project", str(tmp_path / "q"), "--examples"],
                            cwd=project, capture_output=True, text=True, timeout=60)
     assert again.returncode == 2 and "--examples" in again.stderr and not (tmp_path / "q").exists()

@@ -320,7 +320,7 @@ def test_a_forward_that_breaks_the_contract_is_named(out, said):
     with pytest.raises(BadInput) as e:
         loss_and_sums(out)
     assert f"the model's forward(batch) {said}" in str(e.value)
-    assert 'reduction="sum"' in str(e.value) and "Bring your own model" in str(e.value)
+    assert 'reduction="sum"' in str(e.value) and "docs/bring-your-own.md" in str(e.value)
 
 
 def test_the_contract_allows_count_sums_and_a_loss_without_graph_under_no_grad():

@@ -13,8 +13,8 @@ DEST's directory name names the project (pyproject.toml, the README, the Docker 
 As made, it trains (`make train`), passes its tests (`make test-fast`, `make test`) and `make
 verify`. With EXAMPLES=1 the scaffold's data sets and models (text, markov, random, tokens,
 shakespeare, mnist; gpt, cnn) and their configs come too, registered beside mine. Exit codes: 0
-made, 2 bad input (DEST exists and is not an empty directory, cannot be made, or is inside what is
-copied).
+made, 2 bad input (DEST exists and is not an empty directory, cannot be made, or is inside this
+project).
 """
 from __future__ import annotations
 
@@ -40,17 +40,19 @@ LEFT_OUT = ("__pycache__", "*.pyc", "results")  # bench/results: this project's 
 NAMED = {"pyproject.toml": [('^name = "', '"$')], "Dockerfile": [("-t ", r" \.$"), ('^#   docker run .*" ', r"\s")],
          "scripts/slurm.sbatch": [("^#SBATCH --job-name=", "$")]}
 EXAMPLES = {"data": "DATASETS", "model": "MODELS"}  # package -> its registry
+SCAFFOLD_ONLY = ROOT / "tests" / "test_copy.py"  # the scaffold's test of this tool: no project has it
 
 
 def make(dest: Path, examples: bool) -> None:
-    if examples and (ROOT / "data" / "mine.py").exists():  # a project made here holds its own
+    dest = dest.expanduser()  # make's DEST=~/x reaches here unexpanded
+    if examples and not SCAFFOLD_ONLY.exists():  # a project's data/ and model/ hold its own modules
         raise BadInput("--examples: this is a project of your own, whose data/ and model/ hold no example; "
                        "make the new project from the scaffold (make new-project DEST=... EXAMPLES=1).")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise BadInput(f"DEST={dest}: already exists and is not an empty directory; expected a new path.")
-    for name in COPIED:  # a copy into what it copies would go on until the disk is full
-        if dest.resolve().is_relative_to((ROOT / name).resolve()):
-            raise BadInput(f"DEST={dest}: inside {name}, which a new project copies; expected a path outside it.")
+    if dest.resolve().is_relative_to(ROOT):  # its tests, or its copies, or its git commit taken for the project's
+        raise BadInput(f"DEST={dest}: inside {ROOT}, the project it copies; expected a path outside it "
+                       f"(e.g. ../{dest.name}).")
     try:
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, a place no directory can be made

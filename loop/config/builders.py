@@ -32,6 +32,12 @@ BASES = {"data": DataSection, "model": ModelSection}
 
 def options_of(section: str, name: str, builder: Callable) -> type:
     """The options class of `builder`, registered as `section`.name=`name`."""
+    called = "(options)" if section == "data" else "(options, data)"
+    try:
+        inspect.signature(builder).bind(*called.strip("()").split(", "))
+    except TypeError as e:  # else a traceback when the run builds it
+        raise BadInput(f"config key {section}.name={name}: its builder {builder.__name__} cannot be called as "
+                       f"{builder.__name__}{called} ({e}); expected a function of those parameters.") from None
     first = next(iter(inspect.signature(builder).parameters), None)
     try:
         hint = typing.get_type_hints(builder).get(first) if first else None
