@@ -9,6 +9,8 @@ from float32 weights, reduces gradients in float32 and resumes exactly, and no p
 thread outlives a finished run."""
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import re
 import shutil
@@ -218,6 +220,72 @@ def test_the_sample_command_reads_the_sharded_checkpoint_and_the_export(fsdp_run
     for source in (fsdp_run / "checkpoints" / "latest", fsdp_run):
         assert sample.main([str(source), "--prompt", text[:8], "--tokens", "16", "--seed", "1337"]) == 0
         assert capsys.readouterr().out == text + "\n", source
+
+
+class _OpensFile:
+    """Unpickling this calls open(marker, "w"): the file appears iff the pickle ran code."""
+
+    def __init__(self, marker: Path):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def reverified(ckpt: Path) -> Path:
+    """`ckpt` with a manifest over its files as they are now (a tamperer's, which verifies)."""
+    from loop.checkpoint import store
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (ckpt / name).read_bytes()
+        manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=1))
+    assert store.verify(ckpt) is None
+    return ckpt
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_that_would_run_code_is_refused_and_runs_none(tmp_path, cache, fsdp_run):
+    # DCP unpickles .metadata with pickle and the optimizer's param_groups with
+    # torch.load(weights_only=False): both are read as plain data first, as state.pt is.
+    import pickle
+
+    from loop.checkpoint.sharded import metadata
+    src = fsdp_run / "checkpoints" / "step_00000020"
+    assert metadata(src).state_dict_metadata  # a real one passes
+    marker = tmp_path / "marker"
+    pickle.loads(pickle.dumps(_OpensFile(tmp_path / "live")))  # the payload is live
+    assert (tmp_path / "live").exists()
+
+    meta_evil = reverified(shutil.copytree(src, tmp_path / "meta_evil" / src.name))
+    (meta_evil / ".metadata").write_bytes(pickle.dumps(_OpensFile(marker)))
+    reverified(meta_evil)
+    # The shard's bytes of one param_groups item replaced (appended; the metadata points there).
+    item_evil = shutil.copytree(src, tmp_path / "item_evil" / src.name)
+    meta = metadata(item_evil)
+    index = next(i for i in meta.storage_data if i.fqn.startswith("optimizer.param_groups."))
+    where = meta.storage_data[index]
+    shard = item_evil / where.relative_path
+    payload = io.BytesIO()
+    torch.save(_OpensFile(marker), payload)
+    where.offset, where.length = shard.stat().st_size, len(payload.getvalue())
+    with open(shard, "ab") as f:
+        f.write(payload.getvalue())
+    (item_evil / ".metadata").write_bytes(pickle.dumps(meta))
+    reverified(item_evil)
+    garbage = reverified(shutil.copytree(src, tmp_path / "garbage" / src.name))
+    (garbage / ".metadata").write_bytes(b"not a pickle at all\n")
+    reverified(garbage)
+
+    for ckpt, says in ((meta_evil, "refused to load"), (item_evil, "refused to load"),
+                       (garbage, "not the metadata of a sharded checkpoint")):
+        with pytest.raises(BadInput, match=says):
+            metadata(ckpt)
+        out = tmp_path / f"warm_{ckpt.parent.name}"  # one plain process reads the shards (DCP)
+        proc = run_train(out, cache, *DIST, "train.max_steps=0", f"run.init_from={ckpt}", check=False)
+        assert proc.returncode == 2 and says in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+        assert sample.main([str(ckpt), "--tokens", "4"]) == 2
+    assert not marker.exists(), "unpickling ran the payload"
 
 
 @pytest.mark.slow

@@ -112,12 +112,17 @@ def load(path: Path, name: str) -> dict:
     try:
         return torch.load(f, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:  # weights_only met something other than tensors/primitives
-        why = [ln.strip().split(" Please")[0] for ln in str(e).splitlines() if "Unsupported" in ln][:1]
-        why = why or [type(e).__name__]
-        raise BadInput(f"checkpoint file {f}: refused to load it: it is not a checkpoint of plain "
-                       f"tensors and primitives ({why[0]}). Only load checkpoints you trust.")
+        raise refused(f, e) from None
     except (RuntimeError, EOFError, OSError) as e:  # e.g. a zip that was truncated when written
         raise BadInput(f"checkpoint file {f}: not a readable torch checkpoint ({str(e)[:200]}).")
+
+
+def refused(f: Path, e: pickle.UnpicklingError) -> BadInput:
+    """The error for file `f`, which unpickling refused: it names a class or function to call."""
+    why = [ln.strip().split(" Please")[0] for ln in str(e).splitlines() if "Unsupported" in ln][:1]
+    why = why or [type(e).__name__]
+    return BadInput(f"checkpoint file {f}: refused to load it: it is not a checkpoint of plain "
+                    f"tensors and primitives ({why[0]}). Only load checkpoints you trust.")
 
 
 def to_bytes(obj) -> bytes:

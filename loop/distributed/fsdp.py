@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from loop.checkpoint.sharded import metadata
 from loop.errors import BadInput
 
 # FSDP, DCP and DTensor are imported by the functions that use them, not here: importing them costs
@@ -190,8 +191,7 @@ def staged_writer(model: nn.Module, optimizer: torch.optim.Optimizer, ema: nn.Mo
 
 def saved_shapes(path: Path) -> dict[str, torch.Tensor]:
     """The model's tensors in a DCP checkpoint as shape-only (meta) tensors, to check a fit."""
-    from torch.distributed.checkpoint import FileSystemReader
-    meta = FileSystemReader(path).read_metadata().state_dict_metadata
+    meta = metadata(path).state_dict_metadata
     return {k.removeprefix("model."): torch.empty(v.size, device="meta")
             for k, v in meta.items() if k.startswith("model.") and hasattr(v, "size")}
 
@@ -207,7 +207,7 @@ def load(model: nn.Module, optimizer: torch.optim.Optimizer | None, path: Path) 
     # get_state_dict gives a fresh optimizer state for every parameter, but a parameter that never
     # had a gradient (never used yet, e.g. an unrouted expert) has none in the checkpoint: load
     # what was saved, and leave the rest without state, as in the run that saved it.
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = metadata(path).state_dict_metadata  # checked: plain data only
     osd["state"] = {name: v for name, v in osd["state"].items()
                     if any(f"optimizer.state.{name}.{k}" in saved for k in v)}
     dcp.load({"model": msd, "optimizer": osd}, checkpoint_id=path)
@@ -221,6 +221,7 @@ def load_weights(module: nn.Module, path: Path, key: str) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
     sd = get_model_state_dict(module)
+    metadata(path)  # checked: plain data only, before DCP unpickles it
     with warnings.catch_warnings():  # a plain process (init_from, tools.sample) reads them all, as meant
         warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
         dcp.load({key: sd}, checkpoint_id=path)
