@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, command, device_label, sync_device
+from bench.common import RESULTS, append_result, check_results, command, device_label, sync_device
 from data import DATASETS
 from loop import build, determinism
 from loop.checkpoint import state, store
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.n_layer=8")
     args = p.parse_args(argv)
     t = build_trainer(args.config, args.overrides)
+    check_results(args.results)
     meta = {"config_sha256": config_hash(t.cfg), "world_size": 1}
     Path("runs").mkdir(exist_ok=True)
     out = Path(tempfile.mkdtemp(prefix="bench-ckpt-stall-", dir="runs"))  # the disk real runs use

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from loop.config.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -23,6 +24,14 @@ def command(main) -> None:
         print(f"error: {e}", file=sys.stderr)
         code = EXIT_BAD_INPUT
     sys.exit(code)
+
+
+def check_results(path: Path) -> None:
+    """--results: a file that can be appended to, checked before the runs (their figures are lost
+    if it cannot be written after them)."""
+    writable_dir("option --results", str(path.parent))
+    if path.is_dir():
+        raise BadInput(f"option --results={path}: a directory; expected a .jsonl file to append to.")
 
 
 def device_label(device: torch.device) -> str:

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import RESULTS, append_result, command, device_label, sync_device
+from bench.common import RESULTS, append_result, check_results, command, device_label, sync_device
 from data import DATASETS
 from loop.build import build_data, build_model
 from loop.config.fields import at_least
@@ -141,16 +141,16 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
 
 def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
     """One arm in a fresh process; adds its max RSS (GB)."""
-    every = math.gcd(args.warmup, args.steps)
+    every, config = math.gcd(args.warmup, args.steps), str(Path(args.config).resolve())  # run in ROOT
     if arm == "bare":
-        cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", args.config,
+        cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", config,
                "--warmup", str(args.warmup), "--steps", str(args.steps), *args.overrides]
     else:
         out = workdir / arm
         shutil.rmtree(out, ignore_errors=True)
         # One interval past the window: a run's last step evaluates (one batch: it is not measured)
         # and checkpoints, which the timed window must not hold (the bare loop does neither).
-        cmd = [sys.executable, "train.py", "--config", args.config, *args.overrides, *extra,
+        cmd = [sys.executable, "train.py", "--config", config, *args.overrides, *extra,
                f"run.out_dir={out}", "run.resume=never", f"train.max_steps={args.warmup + args.steps + every}",
                f"train.log_every={every}", "train.eval_every=0", "train.eval_batches=1", "train.ckpt_every=0",
                "train.sample_tokens=0", "report.plots=false",
@@ -186,12 +186,15 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bare(args.config, args.overrides, args.warmup, args.steps)))
         return 0
     cfg = load_config(args.config, args.overrides, DATASETS, MODELS)  # bad input fails here, before any run
+    device = device_label(pick_device(cfg.train.device))
     for v in args.variant:
-        load_config(args.config, [*args.overrides, *v.split()], DATASETS, MODELS)
+        pick_device(load_config(args.config, [*args.overrides, *v.split()], DATASETS, MODELS).train.device)
+    check_results(args.results)
     arms = {"scaffold": [], "bare": [], **{v: v.split() for v in args.variant}}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))
+    # Absolute: the runs start in the repository's root, wherever this was started.
+    workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs")).resolve()
     try:
         for rep in range(args.reps):
             order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
@@ -204,7 +207,6 @@ def main(argv: list[str] | None = None) -> int:
     bare_tps = med["bare"]["tokens_per_s"]
     paired = {arm: statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs["bare"]))
               for arm, rs in runs.items()}
-    device = device_label(pick_device(cfg.train.device))
     print(f"\n{device} | torch {torch.__version__} | {os.cpu_count()} CPUs | {args.config} "
           f"{' '.join(args.overrides)} | medians of {args.reps} runs, {args.steps} steps after "
           f"{args.warmup} warm-up")

@@ -116,6 +116,8 @@ def test_counts_below_their_minimum_are_usage_errors(tmp_path, capsys, main, arg
     (loop_vs_bare.main, ["--variant", "train.clip_grad=1 trian.x=1"], "unknown config key 'trian.x'"),
     (loop_vs_bare.main, ["--config", "nope.yaml"], "config file nope.yaml: cannot read it"),
     (ckpt_stall.main, ["model.n_layr=2"], "Did you mean 'model.n_layer'"),
+    (loop_vs_bare.main, ["train.device=cuda:99"], "config key train.device"),  # a device not here
+    (loop_vs_bare.main, ["--variant", "train.device=cuda:99"], "config key train.device"),
 ])
 def test_bad_config_input_is_one_line_and_exit_2(tmp_path, capsys, main, args, named):
     # One line and exit 2, before anything runs (a bad --variant too, not after the other arms),
@@ -125,6 +127,18 @@ def test_bad_config_input_is_one_line_and_exit_2(tmp_path, capsys, main, args, n
     err = capsys.readouterr().err
     assert e.value.code == 2 and err.startswith("error: ") and named in err, err
     assert not (tmp_path / "r.jsonl").exists()
+
+
+@pytest.mark.parametrize("main", [loop_vs_bare.main, ckpt_stall.main])
+def test_a_results_file_that_cannot_be_written_is_exit_2_before_the_runs(tmp_path, capsys, cache, main):
+    # Found after the runs, it was a traceback that lost their figures.
+    (tmp_path / "afile").write_text("")
+    for results, named in ((tmp_path / "afile" / "r.jsonl", "--results"), (tmp_path, "a directory")):
+        with pytest.raises(SystemExit) as e:
+            command(lambda: main(["--reps", "1", "--results", str(results), *TINY, cache]))
+        said = capsys.readouterr()
+        assert e.value.code == 2 and said.err.startswith("error: ") and named in said.err, said.err
+        assert "rep 1" not in said.out  # before any run
 
 
 @pytest.mark.parametrize("more", [

@@ -542,3 +542,12 @@ def test_a_key_of_a_type_no_config_takes_is_refused_naming_it():
 def test_a_builder_that_cannot_be_called_as_the_loop_calls_it_is_refused_naming_it():
     with pytest.raises(BadInput, match=r"model\.name=one: .*build_without_data\(options, data\)"):
         build({}, "test", ["data.name=text", "model.name=one"], DATASETS, {**MODELS, "one": build_without_data})
+
+
+def test_a_keyword_key_is_spelled_as_users_write_it_not_as_its_field():
+    # lab.break is held in a field named break_; lab.break_ ran with the switch on.
+    for raw, overrides in (({}, ["lab.break_=no_rng_restore"]), ({"lab": {"break_": "no_rng_restore"}}, [])):
+        with pytest.raises(BadInput, match=r"unknown config key 'lab\.break_'"):
+            build(raw, "test", ["data.name=text", "model.name=gpt", *overrides], DATASETS, MODELS)
+    assert build({}, "test", ["data.name=text", "model.name=gpt", "lab.break=no_rng_restore"], DATASETS,
+                 MODELS).lab.break_ == "no_rng_restore"

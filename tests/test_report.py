@@ -295,6 +295,10 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     assert capsys.readouterr().err == f"error: {run / 'metrics.jsonl'}: a file; expected a run " \
         f"directory (such as {run}, if it holds metrics.jsonl).\n"
     assert (run / "report.md").read_bytes() == before and (tmp_path / "file").read_text() == "mine"
+    # A run stopped before its first step (an empty metrics.jsonl, no summary.json): not a blank row.
+    (tmp_path / "early").mkdir()
+    (tmp_path / "early" / "metrics.jsonl").write_text("")
+    assert code([str(tmp_path / "early")]) == 2 and "never logged a step" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -89,6 +90,29 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
     assert code == 2 and err == (f"error: option --out={tmp_path / 'file' / 'v'}: {tmp_path / 'file'} is "
                                  f"a file; expected a directory, or a path where one can be made.\n"), err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_a_config_its_first_run_refuses_is_bad_input_not_a_fail(tmp_path, cache, capsys):
+    # Exit 2 as the in-process checks give it (--checks accumulation), not a FAIL row and exit 1.
+    from tools.verify import main
+
+    code = main(["--out", str(tmp_path / "verify"), "--checks", "resume", cache, *TINY,
+                 f"run.init_from={tmp_path / 'none.pt'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "error: " in err and "run.init_from" in err, err
+    assert not list((tmp_path / "verify").glob("*")), "nothing is left behind"
+
+
+def test_ctrl_c_stops_verify_and_its_run_with_exit_130(tmp_path, cache):
+    proc = subprocess.Popen([*VERIFY, "--out", str(tmp_path / "verify"), "--checks", "determinism", cache,
+                             *TINY, "train.max_steps=400"], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    assert "verify: run A" in proc.stderr.readline()
+    time.sleep(2)  # the run under way
+    proc.send_signal(signal.SIGINT)  # to verify alone, as `kill -INT` sends it
+    err = proc.stderr.read()
+    assert proc.wait(timeout=60) == 130 and "interrupted" in err and "Traceback" not in err, err
+    left = subprocess.run(["pgrep", "-f", str(tmp_path / "verify")], capture_output=True, text=True).stdout
+    assert not left, f"a run outlived verify: {left}"
 
 
 def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, capsys):

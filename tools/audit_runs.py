@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from loop.checkpoint import store
+from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.observe.jsonl import read_records
 from tools import jobs
 from tools.audit_grads import Result
@@ -71,12 +72,16 @@ def _args(plan: Plan, name: str, *extra: str) -> list[str]:
 
 
 def run(plan: Plan, name: str, *extra: str, nproc: int = 0) -> str | None:
-    """Run a job to its end; None if it succeeded, else why not."""
+    """Run a job to its end; None if it succeeded, else why not. Run A (the config as given) that
+    exits 2 is bad input: BadInput with its error line."""
     print(f"verify: run {name} ...", file=sys.stderr, flush=True)
     proc = subprocess.Popen(jobs.train_cmd(_args(plan, name, *extra), nproc), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         out, err = proc.communicate(timeout=plan.timeout)
+    except KeyboardInterrupt:  # Ctrl-C: the run goes too (a `kill -INT` reaches this process only)
+        jobs.kill_tree(proc)
+        raise
     except subprocess.TimeoutExpired:  # a hang is a failed check, and leaves no worker behind
         jobs.kill_tree(proc)
         out, err = proc.communicate()
@@ -87,6 +92,8 @@ def run(plan: Plan, name: str, *extra: str, nproc: int = 0) -> str | None:
         lines = (err or out).strip().splitlines()
         said = [line for line in lines if line.startswith("error: ")]  # torchrun's summary follows it
         tail = said[0][len("error: "):] if said else " | ".join(lines[-3:])
+        if name == "A" and proc.returncode == EXIT_BAD_INPUT:  # the first run of the config: its input is bad
+            raise BadInput(tail)
         return f"run {name} exited {proc.returncode} ({name}.log): {tail}"
     return None
 

@@ -17,7 +17,7 @@ honest. It runs short audits on the config as given and prints a table of check,
 
 Exit codes: 0 every check passed; 1 a check failed (the table names it, and the usual cause where
 its runs finished and differ, or the log of the run that did not finish);
-2 bad input (the config). The runs go to runs/verify/<time>/, deleted when every check passes
+2 bad input (the config); 130 Ctrl-C. The runs go to runs/verify/<time>/, deleted when every check passes
 unless --keep (and runs/verify too, if this made it and it is left empty). tools/audit_runs.py and tools/audit_grads.py say how each check works.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ from loop.config.paths import writable_dir
 from loop.config.runtime import check_with_world, refuse_auto
 from loop.device import pick_device
 from loop.distributed.group import Dist
-from loop.errors import EXIT_BAD_INPUT, BadInput
+from loop.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput
 from loop.lab import banner
 from loop.precision import resolve
 from model import MODELS
@@ -158,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             shutil.rmtree(root, ignore_errors=True)
             remove_if_empty(made)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:  # the run under way is stopped with it; what ran so far stays to read
+        print(f"\ninterrupted{f': runs so far kept in {root}' if 'root' in locals() else ''}", file=sys.stderr)
+        return EXIT_INTERRUPTED
     print(table(results), flush=True)
     (root / "verify.json").write_text(json.dumps(
         {"argv": sys.argv, "results": [vars(r) for r in results]}, indent=1))

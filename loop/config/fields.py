@@ -67,7 +67,7 @@ def from_dict(cls, raw, prefix: str, source: str, sections: dict[str, type] | No
         setattr(obj, name, section())
     for key_name, value in raw.items():
         key, name = f"{prefix}{key_name}", field_of(str(key_name))
-        if name not in hints:
+        if name not in hints or key_of(name) != str(key_name):  # lab.break_: the field's name, not a key
             raise UnknownKey(key)
         if dataclasses.is_dataclass(hints[name]):
             section = (sections or {}).get(name, hints[name])
@@ -80,7 +80,7 @@ def from_dict(cls, raw, prefix: str, source: str, sections: dict[str, type] | No
 def override(obj, parts: list[str], text: str, key: str) -> None:
     name, rest = field_of(parts[0]), parts[1:]
     hints = typing.get_type_hints(type(obj)) if dataclasses.is_dataclass(obj) else {}
-    if name not in hints:
+    if name not in hints or key_of(name) != parts[0]:
         raise UnknownKey(key)
     hint = hints[name]
     if dataclasses.is_dataclass(hint) and rest:
