@@ -103,11 +103,13 @@ def check_files(root: Path, meta: dict, again: str) -> None:
                            f"({2 * want} bytes): cut short or replaced since{again}.")
         ids = np.memmap(f, dtype=np.uint16, mode="r")
         head = ids[: 1 << 20]
-        if len(head) >= 64 and head[::2].any() and not head[1::2].any():
+        if want is None and len(head) >= 64 and head[::2].any() and not head[1::2].any():
             # 32- or 64-bit ids of a vocabulary under 65536 read as uint16: every id then a 0, all
-            # in range, so nothing else here would see it.
+            # in range, so nothing else here would see it. Where meta.json gives the token count
+            # the size check above tells them apart (uint16 text can alternate with id 0 too).
             raise BadInput(f"data: {f}: every second uint16 is 0, as in 32- or 64-bit token ids; "
-                           f"expected uint16 ids (write the files as uint16){again}.")
+                           f"expected uint16 ids (write the files as uint16; if they are, give "
+                           f"{name[:-4]}_tokens in meta.json){again}.")
         top = int(ids.max())
         if top >= meta["vocab_size"]:
             raise BadInput(f"data: {f} holds token id {top}, but {root / 'meta.json'} says "

@@ -670,6 +670,18 @@ def test_a_token_directory_of_wider_ids_is_bad_input(tmp_path, dtype):
     assert build_data(cfg.data).vocab_size == 50257
 
 
+def test_uint16_ids_that_alternate_with_id_0_train_where_the_token_count_is_known(tmp_path, cache):
+    # One character a line: "\n" is id 0 at every second place, as 32-bit ids read as uint16 look.
+    # A prepared cache (whose meta.json counts its tokens) was refused, and prepared again the same.
+    text = tmp_path / "digits.txt"
+    text.write_text("".join(f"{d}\n" for d in "123456789" * 600))
+    cfg = load_config(DEFAULT_CONFIG, [f"data.path={text}", f"data.cache_dir={tmp_path / 'c'}", "data.seq_len=16"])
+    assert build_data(cfg.data).vocab_size == 10
+    markov = load_config(DEFAULT_CONFIG, ["data.name=markov", "data.markov.vocab_size=2", "data.markov.branching=1",
+                                          "data.markov.tokens=1001", f"data.cache_dir={tmp_path / 'c'}", "data.seq_len=16"])
+    assert build_data(markov.data).vocab_size == 2  # 0, 1, 0, 1, ...: val starts at an odd place
+
+
 def test_a_token_directory_s_vocab_size_may_be_a_string_of_digits(tmp_path):
     # As another tool may write it; anything else is named.
     root = tmp_path / "tok"
