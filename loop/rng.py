@@ -50,9 +50,11 @@ class RngStreams:
         np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"],
                              n["has_gauss"], n["gauss"]))
         torch.set_rng_state(state["torch"])
-        if "cuda" in state:
+        # A device this machine lacks (a checkpoint from a Mac, or a GPU node): its stream has no
+        # use here, and the resume's note says the run is not exact on another machine.
+        if "cuda" in state and torch.cuda.is_available():
             torch.cuda.set_rng_state(state["cuda"])
-        if "mps" in state:
+        if "mps" in state and torch.backends.mps.is_available():
             torch.mps.set_rng_state(state["mps"])
 
 

@@ -73,6 +73,23 @@ def test_every_random_stream_is_captured_and_restored():
     assert got[:3] == want[:3] and torch.equal(got[3], want[3])
 
 
+def test_streams_of_a_device_this_machine_lacks_are_passed_over():
+    # A checkpoint written on a Mac (its MPS stream saved) resumed on a Linux box: a RuntimeError
+    # traceback from torch.mps; the CPU streams load as ever.
+    import torch
+
+    from loop import rng
+
+    if torch.backends.mps.is_available() or torch.cuda.is_available():
+        pytest.skip("this machine has a device whose stream the test fakes")
+
+    state = rng.RngStreams().state_dict()
+    want = torch.rand(3)
+    rng.RngStreams().load_state_dict({**state, "mps": torch.zeros(16, dtype=torch.uint8),
+                                      "cuda": torch.zeros(16, dtype=torch.uint8)})
+    assert torch.equal(torch.rand(3), want)
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, cache):
     out = tmp_path_factory.mktemp("ref") / "run"
