@@ -291,6 +291,35 @@ def test_a_checkpoint_of_another_layout_is_exit_2_and_its_weights_still_start_a_
     assert summary(warm)["params_sha256"] == summary(base10)["params_sha256"]
 
 
+def restate(ckpt: Path, edit) -> None:
+    """`edit` applied to a checkpoint's state.pt, its manifest made to verify again."""
+    state = torch.load(ckpt / "state.pt", weights_only=True)
+    edit(state)
+    torch.save(state, ckpt / "state.pt")
+    data = (ckpt / "state.pt").read_bytes()
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+def test_optimizer_state_that_does_not_fit_the_parameters_is_exit_2_and_changes_nothing(tmp_path, cache, base10):
+    # torch maps the moments to the parameters by position: a model whose parameters come in another
+    # order or shape (here, as edited) ran the fused AdamW over a moment of 9 numbers for a matrix,
+    # ended with NaN weights, exit 0 and model.pt overwritten.
+    for n, edit in enumerate([lambda s: s["optimizer"]["state"][0].update(exp_avg=torch.zeros(3, 3)),
+                              lambda s: s["optimizer"]["param_groups"][0]["params"].pop()]):
+        out = tmp_path / f"run{n}"
+        shutil.copytree(base10, out, symlinks=True)
+        restate(out / "checkpoints" / "step_00000010", edit)
+        before = snapshot(out)
+        proc = train_here(out, cache, "train.max_steps=20", "train.ckpt_every=5", check=False)
+        assert proc.returncode == 2 and "state.pt: its optimizer state does not fit" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr
+        assert_unchanged(before, out)
+    assert "wte.weight: exp_avg (3, 3) vs parameter" in train_here(
+        tmp_path / "run0", cache, "train.max_steps=20", check=False).stderr
+
+
 # ---------------------------------------------------------------------------- 5. resume modes
 @pytest.mark.slow
 def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cache, base10):

@@ -49,8 +49,28 @@ def load_model_state(path: Path, model: nn.Module, cfg: Config, optimizer=None,
     else:
         load_whole(model, state["model"])
         if optimizer is not None:
-            optimizer.load_state_dict(state["optimizer"])
+            load_optimizer(optimizer, state["optimizer"], model, path)
     return state
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict, model: nn.Module, path: Path) -> None:
+    """The optimizer's state, refused where it does not fit the parameters it is for: torch maps it
+    by position, and a fused kernel reads a moment of another shape past its end (NaN weights)."""
+    params = [q for g in optimizer.param_groups for q in g["params"]]
+    names = {q: n for n, q in model.named_parameters()}
+    try:
+        saved_ids = [i for g in saved["param_groups"] for i in g["params"]]
+        bad = [f"{names.get(params[n], n)}: {k} {tuple(v.shape)} vs parameter {tuple(params[n].shape)}"
+               for i, n in zip(saved_ids, range(len(params))) for k, v in saved["state"].get(i, {}).items()
+               if torch.is_tensor(v) and v.dim() > 0 and v.shape != params[n].shape]
+        if len(saved_ids) != len(params) or bad:
+            raise ValueError(f"{len(saved_ids)} parameters saved, {len(params)} here" if not bad else
+                             f"{len(bad)} moment(s) of another shape: {'; '.join(bad[:3])}")
+        optimizer.load_state_dict(saved)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise BadInput(f"checkpoint file {path / 'state.pt'}: its optimizer state does not fit this model's "
+                       f"parameters ({e}): the model creates its parameters in another order or shape "
+                       f"than the run that saved it. {RESUME}") from None
 
 
 def load_export(path: Path, model: nn.Module, cfg: Config) -> None:
