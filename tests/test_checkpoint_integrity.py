@@ -155,6 +155,16 @@ def test_a_manifest_of_another_shape_is_a_reason_to_skip_not_a_traceback(tmp_pat
     assert store.verify(tmp_path) == f"{store.MANIFEST} lists no state.pt"
 
 
+def test_a_checkpoint_copied_under_another_step_s_name_does_not_verify(base10, tmp_path):
+    # Named step 99, the newest, it was resumed at its own step 10 at every rerun, which retrained
+    # and never finished.
+    from loop.checkpoint import store
+
+    copy = shutil.copytree(base10 / "checkpoints" / "step_00000010", tmp_path / "step_00000099")
+    assert store.verify(copy) == f"its name says step 99, its {store.MANIFEST} step 10"
+    assert store.verify(copy.rename(tmp_path / "mine")) is None  # a name of one's own: no step to compare
+
+
 @pytest.mark.slow
 def test_all_checkpoints_invalid_exits_2_and_changes_nothing(tmp_path, cache, base10):
     out = tmp_path / "run"

@@ -67,6 +67,9 @@ def verify(path: Path) -> str | None:
                 return f"{name} does not match its sha256"
         if "state.pt" not in manifest["files"]:  # every checkpoint has one (rank 0's shared state)
             return f"{MANIFEST} lists no state.pt"
+        # One copied under a newer step's name would be the newest at every rerun, and retrained.
+        if (m := STEP_DIR.match(path.name)) and manifest.get("step") != int(m[1]):
+            return f"its name says step {int(m[1])}, its {MANIFEST} step {manifest.get('step')!r}"
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:  # AttributeError: "files" no dict
         return f"{MANIFEST} is missing, unreadable or malformed ({type(e).__name__}: {e})"
     return None
