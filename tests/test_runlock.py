@@ -194,3 +194,21 @@ def test_an_out_dir_the_file_system_will_not_make_is_bad_input(tmp_path, monkeyp
     with pytest.raises(OSError) as e:
         runlock.claim(tmp_path / "run")
     assert e.value.errno == errno.ENOSPC and not isinstance(e.value, BadInput)
+
+
+def test_a_lock_that_is_a_symbolic_link_is_refused_and_nothing_outside_is_written(tmp_path):
+    # The run wrote its name into the file the link named (or made it, for a dangling link), and on
+    # the bad-input path deleted the link.
+    from loop.checkpoint import runlock
+    from loop.errors import BadInput
+
+    (tmp_path / "victim").write_text("precious")
+    for target in (tmp_path / "victim", tmp_path / "made_by_run"):
+        out = tmp_path / f"run_{target.name}"
+        out.mkdir()
+        (out / ".lock").symlink_to(target)
+        with pytest.raises(BadInput, match=r"\.lock is a symbolic link"):
+            runlock.hold(out, sign=True)
+        runlock.release()
+        assert (out / ".lock").is_symlink()
+    assert (tmp_path / "victim").read_text() == "precious" and not (tmp_path / "made_by_run").exists()

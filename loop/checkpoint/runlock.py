@@ -125,7 +125,10 @@ def refuse_nested(key: str, path: Path, also: Path | None = None) -> None:
 
 
 def _lock(path: Path) -> int | None:
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    if path.is_symlink():  # the run writes its name there: never into a file outside out_dir
+        raise BadInput(f"run.out_dir {path.parent}: its .lock is a symbolic link (to {os.readlink(path)}); "
+                       f"expected a file the run makes. Delete the link, or give another run.out_dir.")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd
