@@ -359,6 +359,17 @@ def test_a_mirror_that_cannot_be_listed_is_bad_input(tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_a_step_directory_linked_into_a_local_mirror_is_neither_pruned_through_nor_fetched(tmp_path):
+    # Pruning it deleted the manifest of the checkpoint it linked to, outside the mirror.
+    victim = save(tmp_path / "elsewhere", 50)
+    target, root = tmp_path / "bucket", tmp_path / "out" / "checkpoints"
+    target.mkdir()
+    (target / "step_00000099").symlink_to(victim)
+    run_with_mirror(Mirror(str(target)), root, [10, 20, 30], keep_last=2)
+    assert store.verify(victim) is None and (target / "step_00000099").is_symlink()
+    assert fetch_latest(str(target), tmp_path / "fresh").name == "step_00000030"
+
+
 def test_copy_cut_short_is_never_fetched_and_the_next_copy_deletes_it(tmp_path, capsys):
     target, root = mem_target(), tmp_path / "ckpt"
     run_with_mirror(Mirror(target), root, [1])

@@ -42,12 +42,14 @@ def _open(target: str):
 
 
 def _mirrored(fs, root: str) -> list[tuple[int, str]]:
-    """(step, path) of the step dirs in the mirror, oldest first; [] if the mirror does not exist."""
+    """(step, path) of the step dirs in the mirror, oldest first; [] if the mirror does not exist.
+    A symbolic link (a local mirror's) is not one: pruning it would delete what it links to."""
     try:
-        paths = fs.ls(root, detail=False)
+        entries = fs.ls(root, detail=True)
     except FileNotFoundError:
         return []
-    return sorted((int(m.group(1)), p) for p in paths if (m := STEP_DIR.match(_name(p))))
+    return sorted((int(m.group(1)), e["name"]) for e in entries
+                  if (m := STEP_DIR.match(_name(e["name"]))) and not e.get("islink"))
 
 
 INCOMPLETE = f"incomplete (no {MANIFEST}; a copy was cut short)"  # skipped: never a copy to miss
