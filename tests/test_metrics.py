@@ -128,3 +128,16 @@ def test_the_newest_record_with_a_key_is_found_past_records_and_texts_without_it
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 6, "energy_j": 3')  # cut short
     assert last_with(path, "energy_j") == {"step": 2, "energy_j": 7.0}
     assert last_with(path, "loss") is None and last_with(tmp_path / "none.jsonl", "energy_j") is None
+
+
+def test_a_resumed_log_whose_last_record_was_edited_has_no_last_loss_not_a_traceback(tmp_path):
+    # Its record without "loss" was a KeyError at the resume; with a string, a summary.json of it.
+    for last in ({"step": 2}, {"step": 2, "loss": "oops"}, {"step": 2, "loss": True}):
+        (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 0.5}) + "\n" + json.dumps(last) + "\n")
+        log = metrics.MetricsLog(tmp_path, 2, 0, 0, max_steps=5, tensorboard=False)
+        assert log.last_loss is None
+        log.close()
+    (tmp_path / "metrics.jsonl").write_text(json.dumps({"step": 2, "loss": 3}) + "\n")
+    log = metrics.MetricsLog(tmp_path, 2, 0, 0, max_steps=5, tensorboard=False)
+    assert log.last_loss == 3.0
+    log.close()

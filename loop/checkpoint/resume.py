@@ -128,7 +128,7 @@ def checkpoints_near(path: Path) -> str:
     the ones in it that would do (the newest, and the best if marked), for the error message."""
     for root in (path / "checkpoints", path, path.parent / "checkpoints", path.parent):  # .../checkpoints/best
         if dirs := [d for d in store.step_dirs(root) if d != path]:  # not the one refused
-            best = root / (root / "best").read_text() if (root / "best").is_file() else path
+            best = root / (root / "best").read_text(errors="replace").strip() if (root / "best").is_file() else path
             best = f"; the best: {best}" if best != path else ""
             return f" {root} holds checkpoints: the newest is {dirs[-1]}{best}."
     return ""

@@ -45,7 +45,8 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         last = jsonl.truncate(self.path, step)
-        self.last_loss = last["loss"] if last else None
+        loss = last.get("loss") if last else None  # a record edited by hand may lack it
+        self.last_loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
         self.file = open(self.path, "a")
         self.tb = SummaryWriter(self.out_dir / "tb", purge_step=step + 1) if self.tensorboard else None
         if self.tb:
