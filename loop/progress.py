@@ -62,5 +62,23 @@ class Progress:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
+        """ValueError for a value no run writes (a negative step, no micro-batch), which would train
+        on from a wrong data position without a word, or fail later, after the run's files."""
         for f in fields(self):
-            setattr(self, f.name, state[f.name] if f.name in state or f.name not in MAY_LACK else f.default)
+            value = state[f.name] if f.name in state or f.name not in MAY_LACK else f.default
+            if not _valid(f.name, value):
+                raise ValueError(f"progress {f.name} = {value!r}")
+            setattr(self, f.name, value)
+
+
+def _count(value) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _valid(name: str, value) -> bool:
+    if name == "skip_windows":
+        return isinstance(value, list) and all(_count(w) or (isinstance(w, list) and len(w) == 2 and
+                                                            all(map(_count, w))) for w in value)
+    if name == "train_s":
+        return type(value) in (int, float) and value >= 0
+    return _count(value) and (name != "micro_split" or value >= 1)

@@ -301,15 +301,39 @@ def test_a_checkpoint_of_another_layout_is_exit_2_and_its_weights_still_start_a_
     assert summary(warm)["params_sha256"] == summary(base10)["params_sha256"]
 
 
-def restate(ckpt: Path, edit) -> None:
-    """`edit` applied to a checkpoint's state.pt, its manifest made to verify again."""
-    state = torch.load(ckpt / "state.pt", weights_only=True)
+def restate(ckpt: Path, edit, name: str = "state.pt") -> None:
+    """`edit` applied to a checkpoint's file `name`, its manifest made to verify again."""
+    state = torch.load(ckpt / name, weights_only=True)
     edit(state)
-    torch.save(state, ckpt / "state.pt")
-    data = (ckpt / "state.pt").read_bytes()
+    torch.save(state, ckpt / name)
+    data = (ckpt / name).read_bytes()
     manifest = json.loads((ckpt / "manifest.json").read_text())
-    manifest["files"]["state.pt"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest["files"][name] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (ckpt / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, edit, said", [
+    ("state.pt", lambda s: s["progress"].update(step=-3), "progress step = -3"),  # trained steps -2..20
+    ("state.pt", lambda s: s["progress"].update(micro_split=0), "progress micro_split = 0"),  # after the files
+    ("state.pt", lambda s: s["progress"].update(skip_windows=[[0]]), "skip_windows"),
+    ("state.pt", lambda s: s["progress"].pop("samples"), "KeyError"),
+    ("state.pt", lambda s: s.update(scheduler={}), "cannot load its scheduler"),  # the LR started over
+    ("state.pt", lambda s: s["monitor"].update(foo=1), "cannot load its monitor"),
+    ("state.pt", lambda s: s.update(config=[1, 2]), "cannot load its config and metadata"),
+    ("rng_rank0.pt", lambda r: r.update(torch=torch.zeros(10, dtype=torch.uint8)), "random streams"),
+    ("rng_rank0.pt", lambda r: r.update(python=(3, (1, 2, 3), None)), "random streams"),
+])
+def test_plain_data_no_run_writes_is_exit_2_naming_the_file_and_changes_nothing(tmp_path, cache, base10,
+                                                                                name, edit, said):
+    out = tmp_path / "run"
+    shutil.copytree(base10, out, symlinks=True)
+    restate(out / "checkpoints" / "step_00000010", edit, name)
+    before = snapshot(out)
+    proc = train_here(out, cache, *BASE, "train.max_steps=20", check=False)
+    assert proc.returncode == 2 and f"checkpoint file {out / 'checkpoints' / 'step_00000010' / name}" in proc.stderr
+    assert said in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert_unchanged(before, out)
 
 
 def test_optimizer_state_that_does_not_fit_the_parameters_is_exit_2_and_changes_nothing(tmp_path, cache, base10):

@@ -9,14 +9,17 @@ every rank writes its shards with torch.distributed.checkpoint (loop/distributed
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
 from loop.checkpoint import notes, store
 from loop.checkpoint.resume import followed, origin, verified
 from loop.checkpoint.weights import load_export, load_model_state
 from loop.distributed import fsdp
+from loop.errors import BadInput
 from loop.rng import rank_seed, seed_everything
 
 SHARDED = ("model", "optimizer")  # under FSDP: in the shards every rank writes, not in state.pt
@@ -45,23 +48,27 @@ def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
     if ema and state["ema"] and state["ema"]["weights"] is None:  # FSDP: the EMA's shards too
         fsdp.load_weights(ema.module, path, "ema")
     for name in ("scheduler", "scaler", "ema", "monitor", "progress"):
-        if parts[name] is None or not state[name]:  # EMA off now or then; a scaler off (not fp16)
-            continue
+        if parts[name] is None or (name in ("ema", "scaler") and not state.get(name)):  # off now or then
+            continue  # (EMA; a scaler is off but for fp16)
         if name == "scaler" and lab == "no_scaler_state":  # lab: the loss scale starts over
             continue
-        parts[name].load_state_dict(state[name])
+        with plain_data(path / "state.pt", name):
+            parts[name].load_state_dict(state.get(name))
     if ema and not state["ema"]:  # ema.enabled turned on at this resume: from the resumed weights
         ema.reset(model)
     mine = f"rng_rank{rank}.pt"
     if lab == "no_rng_restore":  # lab: the streams go on from wherever this process is
         pass
     elif (path / mine).exists():
-        parts["rng"].load_state_dict(store.load(path, mine))
+        with plain_data(path / mine, "random streams"):
+            parts["rng"].load_state_dict(store.load(path, mine))
     else:  # more processes than the run that saved it: this rank's streams start fresh
         seed_everything(rank_seed(cfg.run.seed, rank, parts["progress"].step))
         print(f"note: rank {rank}: {path} has no {mine} (saved with world size "
               f"{state['world_size']}); its random streams start from a new seed")
-    for note in notes.what_changed(state, cfg, dist.world, metadata):
+    with plain_data(path / "state.pt", "config and metadata"):
+        changed = notes.what_changed(state, cfg, dist.world, metadata)
+    for note in changed:
         dist.say(f"note: {note}")
     step = parts["progress"].step
     dist.say(f"resumed from {path} at step {step}")
@@ -69,6 +76,19 @@ def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
     for note in notes.after_resume(step, parts["monitor"].state, cfg, here, path):
         dist.say(f"note: {note}")
     return origin(cfg.run.resume, path)
+
+
+@contextmanager
+def plain_data(f: Path, part: str):
+    """A part of checkpoint file `f` that does not load (a value of another type or shape than the
+    loop writes: edited, or another program's) is bad input naming it, not a traceback."""
+    try:
+        yield
+    except torch.OutOfMemoryError:
+        raise
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
+        raise BadInput(f"checkpoint file {f}: cannot load its {part} ({type(e).__name__}: {str(e)[:160]}); "
+                       f"expected what this loop writes. Resume from another checkpoint (run.resume=PATH).") from None
 
 
 def warm_start(path: Path, model: nn.Module, ema, cfg) -> Path:
