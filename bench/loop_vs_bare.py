@@ -126,14 +126,14 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
     by_step = {r["step"]: r for r in records}
     ends = [by_step[s] for s in range(warmup + every, warmup + steps + 1, every)]
     seconds = sum(r["ms_per_step"] * every for r in ends) / 1000
-    tokens = by_step[warmup + steps]["tokens"] - (by_step[warmup]["tokens"] if warmup else 0)
+    tokens, samples = (by_step[warmup + steps][k] - (by_step[warmup][k] if warmup else 0) for k in ("tokens", "samples"))
     data_ms = sum(by_step[s]["data_ms"] for s in range(warmup + 1, warmup + steps + 1))
     # The micro-batch the window ended at: data.batch_size=auto's pick, or smaller after an
     # out-of-memory split, which would make the arm another setting than the one asked for.
     out = {"tokens_per_s": tokens / seconds, "data_wait_pct": 100 * data_ms / (1000 * seconds),
            "micro_batch": by_step[warmup + steps]["micro_batch"]}
-    if "mfu" in ends[-1]:  # MFU is linear in tokens/s: rescale one interval's to the whole window
-        out["mfu"] = ends[-1]["mfu"] * out["tokens_per_s"] / ends[-1]["tokens_per_s"]
+    if "mfu" in ends[-1]:  # MFU is linear in samples/s: rescale one interval's to the whole window
+        out["mfu"] = ends[-1]["mfu"] * samples / seconds / ends[-1]["samples_per_s"]
     if "cuda_max_alloc_gb" in ends[-1]:
         out["peak_gb"] = ends[-1]["cuda_max_alloc_gb"]
     return out

@@ -138,7 +138,8 @@ class Trainer:
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
             # Metrics from rank 0 (the values are global), from the resumed step on.
             self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, unit=self.data.unit,
-                                  telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world))
+                                  telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world,
+                                                      self.data.seq_len))
 
     def close(self, ended: bool) -> None:
         """Close what the run opened, on its way out of an error too; `ended`: finish() follows."""

@@ -53,9 +53,11 @@ def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
 def test_scaffold_figures_use_only_the_timed_window():
     # Intervals of 2 steps: 10 ms/step while warming up, then 20 ms/step; 100 tokens a step.
     # On a GPU the interval's last record also has MFU (of that interval) and the peak memory so far.
-    recs = [{"step": s, "tokens": 100 * s, "data_ms": 1.0, "micro_batch": 8 if s < 6 else 4,  # split at 6
+    # 2 samples a step; the last interval's targets fewer (-100): MFU follows samples, not targets.
+    recs = [{"step": s, "tokens": 100 * s, "samples": 2 * s, "data_ms": 1.0, "micro_batch": 8 if s < 6 else 4,
              **({"ms_per_step": 10.0 if s <= 2 else 20.0, "cuda_max_alloc_gb": s / 10,
-                 "tokens_per_s": 100 / (0.010 if s <= 2 else 0.016 if s == 6 else 0.020),
+                 "tokens_per_s": (50 if s == 6 else 100) / (0.010 if s <= 2 else 0.016 if s == 6 else 0.020),
+                 "samples_per_s": 2 / (0.010 if s <= 2 else 0.016 if s == 6 else 0.020),
                  "mfu": 0.3} if s % 2 == 0 else {})} for s in range(1, 7)]
     fig = loop_vs_bare.scaffold_figures(recs, warmup=2, steps=4, every=2)
     assert fig["tokens_per_s"] == pytest.approx(400 / 0.080)  # 4 steps x 20 ms

@@ -1,6 +1,8 @@
 """MFU arithmetic on the example GPT (its flops_per_token) equals a hand computation, and the peak table maps the device names torch reports to the right datasheet peaks."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from loop.observe.mfu import mfu, peak_flops
@@ -76,7 +78,34 @@ def test_a_runs_mfu_divides_global_tokens_per_s_by_every_process_device(monkeypa
     monkeypatch.setattr(telemetry, "peak_flops", lambda name, precision: 1e12)  # a device in the table
     m = GPT(vocab_size=65, seq_len=64, n_layer=2, n_head=4, n_embd=32, dropout=0, bias=False)
     for world in (1, 8):
-        t = telemetry.Telemetry(m, torch.device("cpu"), "bf16", world)
-        assert t.mfu(1e6) == 1e6 * 210048 / (world * 1e12)  # 210048 FLOPs a token: the hand count above
+        t = telemetry.Telemetry(m, torch.device("cpu"), "bf16", world, positions=64)
+        assert t.mfu(1e6 / 64) == 1e6 * 210048 / (world * 1e12)  # 210048 FLOPs a token: the hand count above
         t.close()
     assert telemetry.Telemetry(torch.nn.Linear(2, 2), torch.device("cpu"), "bf16", 1).mfu(1e6) is None
+
+
+def test_mfu_counts_every_input_position_not_only_the_targets(tmp_path):
+    # A sample's positions are all computed, whether or not their targets count (-100): MFU from
+    # targets/s read half the true figure for data masked half-way.
+    import torch
+
+    from loop.observe.metrics import MetricsLog
+
+    class Rate:
+        def mfu(self, samples_per_s):
+            return samples_per_s
+
+        def read(self, now=False):
+            return {}
+
+        def close(self):
+            pass
+
+    log = MetricsLog(tmp_path, 0, 0, 0, max_steps=2, tensorboard=False, telemetry=Rate())
+    for step in (1, 2):
+        log.record({"step": step, "lr": 0.1, "tokens": 50 * step, "samples": 4 * step, "skipped": False,
+                    "data_ms": 0.0, "micro_batch": 4}, torch.tensor(1.0), torch.tensor(1.0))
+    log.flush()
+    log.close()
+    rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
+    assert rec["mfu"] == rec["samples_per_s"] and rec["tokens_per_s"] != rec["samples_per_s"]

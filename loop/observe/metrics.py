@@ -133,7 +133,7 @@ class MetricsLog:
                "data_wait_pct": 100 * sum(r["data_ms"] for r in recs) / (1000 * dt)}
         if self.telemetry is None:
             return out
-        if (m := self.telemetry.mfu(out["tokens_per_s"])) is not None:
+        if (m := self.telemetry.mfu(out["samples_per_s"])) is not None:
             out["mfu"] = m
         return {**out, **self.readings(now=False)}
 

@@ -48,8 +48,9 @@ def peak_flops(device_name: str, precision: str) -> float | None:
     return None
 
 
-def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> float | None:
-    """Fraction of peak (0..1): tokens_per_s * flops_per_token / peak; None when peak is unknown."""
+def mfu(per_s: float, flops_each: float, peak: float | None) -> float | None:
+    """Fraction of peak (0..1): per_s * flops_each / peak (tokens/s and FLOPs per token, or samples/s
+    and FLOPs per sample); None when peak is unknown."""
     if peak is None:
         return None
-    return tokens_per_s * flops_per_token / peak
+    return per_s * flops_each / peak

@@ -2,9 +2,10 @@
 utilisation, memory, power, temperature, energy) and MFU. None of it touches the GPU stream:
 memory counters and NVML are host calls, and MFU is arithmetic on the measured tokens/s.
 
-MFU = tokens/s x model FLOPs per token / peak FLOP/s of all the run's devices; it is reported only
-for models that count their FLOPs (`flops_per_token()`, loop/observe/mfu.py) on devices in the
-peak table.
+MFU = samples/s x input positions a sample x model FLOPs per token / peak FLOP/s of all the run's
+devices: the model computes every position, whether or not its target counts (-100), so targets/s
+would understate it. It is reported only for models that count their FLOPs (`flops_per_token()`,
+loop/observe/mfu.py) on devices in the peak table.
 """
 from __future__ import annotations
 
@@ -28,11 +29,13 @@ def node_gpus(device: torch.device) -> dict[int, str] | None:
 
 
 class Telemetry:
-    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str, world: int):
+    def __init__(self, model: torch.nn.Module, device: torch.device, precision: str, world: int,
+                 positions: int = 1):
+        """`positions`: the input positions of a sample (the data's seq_len)."""
         self.device = device
         gpus = node_gpus(device)  # the sampler says once that it is off without NVIDIA
         self.gpu = GpuSampler(devices=gpus) if gpus else None
-        self.flops = model.flops_per_token() if hasattr(model, "flops_per_token") else None
+        self.flops = model.flops_per_token() * positions if hasattr(model, "flops_per_token") else None  # a sample's
         if precision == "fp32" and device.type == "cuda" and torch.backends.cuda.matmul.fp32_precision == "tf32":
             precision = "tf32"
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
@@ -50,9 +53,9 @@ class Telemetry:
                         "cuda_max_alloc_gb": torch.cuda.max_memory_allocated(self.device) / gb})
         return out
 
-    def mfu(self, tokens_per_s: float) -> float | None:
+    def mfu(self, samples_per_s: float) -> float | None:
         """None for a model that does not count its FLOPs, or a device without a known peak."""
-        return None if self.flops is None else mfu(tokens_per_s, self.flops, self.peak)
+        return None if self.flops is None else mfu(samples_per_s, self.flops, self.peak)
 
     def close(self) -> None:
         if self.gpu:
