@@ -254,8 +254,9 @@ class Trainer:
             self.model = ddp(self.raw, self.device, self.cfg.train.find_unused_parameters)
 
     def save(self) -> None:
-        """Checkpoint this step (every rank takes part); metrics up to it are on disk first."""
-        self.log.flush()
+        """Checkpoint this step (every rank takes part); metrics up to it are on disk first (the
+        console's step line stays at train.log_every)."""
+        self.log.flush(console=False)
         self.checkpoints.save(self.progress.step, self.parts, self.sharded, self.run_facts,
                               self.monitor.state.best_step)
 

@@ -94,7 +94,9 @@ class MetricsLog:
             if fields["step"] == step:
                 fields[name] = value
 
-    def flush(self) -> None:
+    def flush(self, console: bool = True) -> None:
+        """The pending records to disk and TensorBoard, their interval's rates on the last; the
+        console's step line unless `console` is false (a checkpoint's flush between log steps)."""
         if not self.pending:
             return
         # Taken off first: if a write below fails (a full disk), the flush on the way out must not
@@ -117,7 +119,8 @@ class MetricsLog:
                     if k != "step" and not k.startswith("val_") and isinstance(v, (int, float)) \
                             and not isinstance(v, bool):
                         self.tb.add_scalar(f"train/{k}", v, rec["step"])
-        self._console(recs[-1])
+        if console:
+            self._console(recs[-1])
         for rec in recs:  # the validation metrics of every evaluation in the interval
             if evals := [f"{k} {v:.4f}" for k, v in rec.items() if k.startswith("val_")]:
                 print(f"eval {rec['step']:>6}/{self.max_steps} | {' | '.join(evals)}", flush=True)
