@@ -48,11 +48,11 @@ test: $(ENV)
 test-fast: $(ENV)
 	$(PYTEST) -m "not slow" $(ARGS)
 
-# make new-project DEST=../myproj [EXAMPLES=1]: a project of your own, ready to train (EXAMPLES=0: none)
+# make new-project DEST=../myproj [EXAMPLES=1]: a project of your own, ready to train (EXAMPLES=0, no or false: none)
 # (tools/new_project.py); it copies files, so any python3 does.
 new-project:
 	@test -n "$(DEST)" || { echo "make new-project: DEST is not set; expected a new directory, e.g. make new-project DEST=../myproj" >&2; exit 2; }
-	python3 -m tools.new_project "$(DEST)" $(if $(filter-out 0,$(EXAMPLES)),--examples)
+	python3 -m tools.new_project "$(DEST)" $(if $(filter-out 0 no false,$(EXAMPLES)),--examples)
 
 $(VENV)/.stamp: requirements.lock pyproject.toml
 	python3 -m venv $(VENV)

@@ -30,8 +30,9 @@ def check_results(path: Path) -> None:
     """--results: a file that can be appended to, checked before the runs (their figures are lost
     if it cannot be written after them)."""
     writable_dir("option --results", str(path.parent))
-    if path.is_dir():
-        raise BadInput(f"option --results={path}: a directory; expected a .jsonl file to append to.")
+    if path.is_dir() or (path.exists() and not os.access(path, os.W_OK)):
+        raise BadInput(f"option --results={path}: {'a directory' if path.is_dir() else 'not writable'}; "
+                       f"expected a .jsonl file to append to.")
 
 
 def device_label(device: torch.device) -> str:

@@ -141,23 +141,25 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
 
 def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
     """One arm in a fresh process; adds its max RSS (GB)."""
-    every, config = math.gcd(args.warmup, args.steps), str(Path(args.config).resolve())  # run in ROOT
+    every = math.gcd(args.warmup, args.steps)
     if arm == "bare":
-        cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", config,
+        cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", args.config,
                "--warmup", str(args.warmup), "--steps", str(args.steps), *args.overrides]
     else:
         out = workdir / arm
         shutil.rmtree(out, ignore_errors=True)
         # One interval past the window: a run's last step evaluates (one batch: it is not measured)
         # and checkpoints, which the timed window must not hold (the bare loop does neither).
-        cmd = [sys.executable, "train.py", "--config", config, *args.overrides, *extra,
+        cmd = [sys.executable, str(ROOT / "train.py"), "--config", args.config, *args.overrides, *extra,
                f"run.out_dir={out}", "run.resume=never", f"train.max_steps={args.warmup + args.steps + every}",
                f"train.log_every={every}", "train.eval_every=0", "train.eval_batches=1", "train.ckpt_every=0",
                "train.sample_tokens=0", "report.plots=false",
                "run.mirror="]  # the config's mirror holds a real run's checkpoints: never pruned here
     log = workdir / f"{arm}.log"
     with open(log, "w") as f:  # files, not pipes, so wait4 can reap it and report its memory
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, text=True)
+        # In the user's directory, as the config and its paths were checked there; ROOT importable.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
@@ -186,15 +188,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(bare(args.config, args.overrides, args.warmup, args.steps)))
         return 0
     cfg = load_config(args.config, args.overrides, DATASETS, MODELS)  # bad input fails here, before any run
-    device = device_label(pick_device(cfg.train.device))
+    device = pick_device(cfg.train.device)  # no CUDA context yet: the runs' processes have the GPU
     for v in args.variant:
         pick_device(load_config(args.config, [*args.overrides, *v.split()], DATASETS, MODELS).train.device)
     check_results(args.results)
     arms = {"scaffold": [], "bare": [], **{v: v.split() for v in args.variant}}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)
-    # Absolute: the runs start in the repository's root, wherever this was started.
-    workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs")).resolve()
+    workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))
     try:
         for rep in range(args.reps):
             order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
@@ -207,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     bare_tps = med["bare"]["tokens_per_s"]
     paired = {arm: statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs["bare"]))
               for arm, rs in runs.items()}
+    device = device_label(device)
     print(f"\n{device} | torch {torch.__version__} | {os.cpu_count()} CPUs | {args.config} "
           f"{' '.join(args.overrides)} | medians of {args.reps} runs, {args.steps} steps after "
           f"{args.warmup} warm-up")

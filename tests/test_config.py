@@ -494,8 +494,12 @@ def test_a_global_batch_sets_the_accumulation_or_names_what_would_divide_it(tmp_
 
 @dataclasses.dataclass
 class MaybeOptions(ModelSection):
+    KIND: typing.ClassVar[str] = "maybe"  # a class attribute, no key
     layers: int | None = opt(None, min=1)  # none: the model picks
     tag: typing.Optional[str] = None  # noqa: UP045 (the older spelling is taken too)
+    act: str | None = opt(None, choices=["relu", "gelu"])
+    weights: str | None = opt(None, path="file")
+    width: int | None = opt("auto", auto=True)
 
 
 @dataclasses.dataclass
@@ -532,11 +536,22 @@ def test_a_key_typed_x_or_none_takes_none_and_x_and_its_config_yaml_reruns(tmp_p
         load({}, "model.layers=abc")
     with pytest.raises(BadInput, match=r"model\.layers: expected a value >= 1, got 0"):
         load({}, "model.layers=0")  # the bounds hold for a value, none passes them
+    assert (load({}).model.act, load({}).model.weights, load({}).model.width) == (None, None, "auto")
+    with pytest.raises(BadInput, match=r"model\.act: expected one of relu, gelu"):
+        load({}, "model.act=tanh")
+    assert load({}, "model.weights=~/w.pt").model.weights.endswith("/w.pt")  # ~ expanded as ever
+    with pytest.raises(BadInput, match=r"model\.width: expected int or auto"):
+        load({}, "model.width=abc")
 
 
 def test_a_key_of_a_type_no_config_takes_is_refused_naming_it():
+    models = {**MODELS, "t": build_tuple}
     with pytest.raises(BadInput, match=r"model\.shape .*tuple.*expected bool, int, float, str.*list"):
-        build({}, "test", ["data.name=text", "model.name=t"], DATASETS, {**MODELS, "t": build_tuple})
+        build({}, "test", ["data.name=text", "model.name=t"], DATASETS, models)
+    # Only where chosen: a run of another model, its typo's hint, and --help are as without it.
+    assert build({}, "test", ["data.name=text", "model.name=gpt"], DATASETS, models).model.name == "gpt"
+    with pytest.raises(BadInput, match=r"Did you mean 'model\.n_layer'"):
+        build({}, "test", ["data.name=text", "model.name=gpt", "model.n_layr=3"], DATASETS, models)
 
 
 def test_a_builder_that_cannot_be_called_as_the_loop_calls_it_is_refused_naming_it():

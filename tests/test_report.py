@@ -298,7 +298,7 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     # A run stopped before its first step (an empty metrics.jsonl, no summary.json): not a blank row.
     (tmp_path / "early").mkdir()
     (tmp_path / "early" / "metrics.jsonl").write_text("")
-    assert code([str(tmp_path / "early")]) == 2 and "never logged a step" in capsys.readouterr().err
+    assert code([str(tmp_path / "early")]) == 2 and "before its first step" in capsys.readouterr().err
 
 
 @pytest.mark.slow

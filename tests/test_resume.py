@@ -80,13 +80,12 @@ def test_streams_of_a_device_this_machine_lacks_are_passed_over():
 
     from loop import rng
 
-    if torch.backends.mps.is_available() or torch.cuda.is_available():
-        pytest.skip("this machine has a device whose stream the test fakes")
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has the device whose stream the test fakes")
 
     state = rng.RngStreams().state_dict()
     want = torch.rand(3)
-    rng.RngStreams().load_state_dict({**state, "mps": torch.zeros(16, dtype=torch.uint8),
-                                      "cuda": torch.zeros(16, dtype=torch.uint8)})
+    rng.RngStreams().load_state_dict({**state, "mps": torch.zeros(16, dtype=torch.uint8)})
     assert torch.equal(torch.rand(3), want)
 
 

@@ -115,6 +115,22 @@ def test_ctrl_c_stops_verify_and_its_run_with_exit_130(tmp_path, cache):
     assert not left, f"a run outlived verify: {left}"
 
 
+def test_ctrl_c_while_a_job_is_watched_for_its_step_ends_it_and_its_watchdog_at_once(tmp_path):
+    # The resume check's run R (jobs.run_until): the job trained on, and the watchdog thread kept
+    # verify alive, until --timeout.
+    job = f"import time  # {tmp_path}\nwhile True: print('step 1/9', flush=True); time.sleep(0.2)"
+    watcher = f"from tools import jobs; import sys; jobs.run_until([sys.executable, '-c', {job!r}], 10**9, timeout=120)"
+    proc = subprocess.Popen([sys.executable, "-c", watcher], cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    time.sleep(3)  # both started
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert time.monotonic() - t0 < 10 and "KeyboardInterrupt" in proc.stderr.read()
+    time.sleep(0.5)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout
+    assert not left, f"the job outlived its watcher: {left}"
+
+
 def test_a_run_past_the_timeout_is_killed_and_fails_its_check(tmp_path, cache, capsys):
     # A hung run is killed and fails its check, not a subprocess.TimeoutExpired traceback that ends
     # verify (and, under torchrun, leaves the workers running). Here run A cannot even start within

@@ -46,22 +46,27 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
                             start_new_session=group, env=env, preexec_fn=reset)
     timer = watchdog(proc, timeout)
     seen = []
-    for line in proc.stdout:
-        seen.append(line)
-        step = reported_step(line)
-        if step is not None and step >= at_step and (ready is None or ready()):
-            # torchrun's workers are not in its process group: signal each process of the job.
-            pids = [*descendants(proc.pid), proc.pid] if tree else [proc.pid]
-            for _ in range(repeat):
-                for pid in pids:
-                    try:
-                        os.killpg(pid, sig) if group and pid == proc.pid else os.kill(pid, sig)
-                    except ProcessLookupError:  # a worker that ended since it was listed
-                        pass
-            break
-    seen.append(proc.stdout.read())
-    proc.wait(timeout=60)
-    timer.cancel()
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            step = reported_step(line)
+            if step is not None and step >= at_step and (ready is None or ready()):
+                # torchrun's workers are not in its process group: signal each process of the job.
+                pids = [*descendants(proc.pid), proc.pid] if tree else [proc.pid]
+                for _ in range(repeat):
+                    for pid in pids:
+                        try:
+                            os.killpg(pid, sig) if group and pid == proc.pid else os.kill(pid, sig)
+                        except ProcessLookupError:  # a worker that ended since it was listed
+                            pass
+                break
+        seen.append(proc.stdout.read())
+        proc.wait(timeout=60)
+    except KeyboardInterrupt:  # Ctrl-C: the job goes too (a `kill -INT` reaches the caller only)
+        kill_tree(proc)
+        raise
+    finally:
+        timer.cancel()  # else its thread keeps the interpreter up to `timeout` seconds
     return proc.returncode, "".join(seen)
 
 

@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(f"made {a.dest}: cd {shlex.quote(str(a.dest))} && make train")
+    dest = a.dest.expanduser()
+    print(f"made {dest}: cd {shlex.quote(str(dest))} && make train")
     return 0
 
 

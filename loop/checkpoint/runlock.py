@@ -128,7 +128,12 @@ def _lock(path: Path) -> int | None:
     if path.is_symlink():  # the run writes its name there: never into a file outside out_dir
         raise BadInput(f"run.out_dir {path.parent}: its .lock is a symbolic link (to {os.readlink(path)}); "
                        f"expected a file the run makes. Delete the link, or give another run.out_dir.")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:  # a link made since the check above
+            raise
+        return _lock(path)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return fd

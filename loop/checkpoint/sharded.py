@@ -18,7 +18,8 @@ from loop.errors import BadInput
 
 DCP_CLASSES = "torch.distributed.checkpoint.metadata"  # Metadata and the dataclasses it holds
 ALSO = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath")}
+        ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+        ("pathlib._local", "PosixPath"), ("pathlib._local", "WindowsPath")}  # Python 3.13 names them so
 
 
 class _Refused(pickle.UnpicklingError):

@@ -84,8 +84,8 @@ def plain_data(f: Path, part: str):
     loop writes: edited, or another program's) is bad input naming it, not a traceback."""
     try:
         yield
-    except torch.OutOfMemoryError:
-        raise
+    except (torch.OutOfMemoryError, getattr(torch, "AcceleratorError", torch.OutOfMemoryError)):
+        raise  # the device's failure (exit 1 or 3: a rerun may do), not the checkpoint's
     except (KeyError, TypeError, ValueError, IndexError, AttributeError, RuntimeError) as e:
         raise BadInput(f"checkpoint file {f}: cannot load its {part} ({type(e).__name__}: {str(e)[:160]}); "
                        f"expected what this loop writes. Resume from another checkpoint (run.resume=PATH).") from None

@@ -30,14 +30,26 @@ from loop.errors import BadInput
 BASES = {"data": DataSection, "model": ModelSection}
 
 
-def options_of(section: str, name: str, builder: Callable) -> type:
-    """The options class of `builder`, registered as `section`.name=`name`."""
+def chosen_options(section: str, name: str, builder: Callable) -> type:
+    """`options_of` the builder a run chose, checked as the run will call it: its parameters, and
+    a type on each field that a config key takes (else a traceback, or a key no value passes,
+    later). Builders the run did not choose are not its problem (`--help` lists them)."""
     called = "(options)" if section == "data" else "(options, data)"
     try:
         inspect.signature(builder).bind(*called.strip("()").split(", "))
-    except TypeError as e:  # else a traceback when the run builds it
+    except TypeError as e:
         raise BadInput(f"config key {section}.name={name}: its builder {builder.__name__} cannot be called as "
                        f"{builder.__name__}{called} ({e}); expected a function of those parameters.") from None
+    cls = options_of(section, name, builder)
+    for key, hint in typed_keys(cls):
+        if unsupported(hint):
+            raise BadInput(f"config key {section}.{key} ({section}.name={name}): typed {hint!r} in "
+                           f"{cls.__name__}, which no config key takes; expected {TYPES}.")
+    return cls
+
+
+def options_of(section: str, name: str, builder: Callable) -> type:
+    """The options class of `builder`, registered as `section`.name=`name`."""
     first = next(iter(inspect.signature(builder).parameters), None)
     try:
         hint = typing.get_type_hints(builder).get(first) if first else None
@@ -52,18 +64,14 @@ def options_of(section: str, name: str, builder: Callable) -> type:
         raise BadInput(f"config key {section}.name={name}: its builder {builder.__name__} takes "
                        f"{hint!r} as its first parameter; expected a dataclass that extends "
                        f"loop.config.schema.{base.__name__} (the options it reads), or no annotation.")
-    for key, field_hint in typed_keys(hint):
-        if unsupported(field_hint):  # else a traceback, or a key no value passes, at some later run
-            raise BadInput(f"config key {section}.{key} ({section}.name={name}): typed {field_hint!r} in "
-                           f"{hint.__name__}, which no config key takes; expected {TYPES}.")
     return hint
 
 
 def typed_keys(cls: type, prefix: str = "") -> list[tuple[str, object]]:
     """(dotted key, type) of each field of a section class, nested sections spelled out."""
-    out = []
-    for name, hint in typing.get_type_hints(cls).items():
-        key = f"{prefix}{key_of(name)}"
+    out, hints = [], typing.get_type_hints(cls)
+    for name in (f.name for f in dataclasses.fields(cls)):  # not a ClassVar: no key
+        key, hint = f"{prefix}{key_of(name)}", hints[name]
         out += typed_keys(hint, key + ".") if dataclasses.is_dataclass(hint) else [(key, hint)]
     return out
 

@@ -151,7 +151,7 @@ def _value(f: dataclasses.Field, value, hint, key: str):
     try:
         return _coerce(value, hint, key)
     except BadInput:
-        raise _wrong(key, f"{hint.__name__} or auto", value) from None
+        raise _wrong(key, f"{(optional(hint) or hint).__name__} or auto", value) from None
 
 
 def _coerce(value, hint, key: str):
@@ -223,7 +223,7 @@ def check(obj, prefix: str = "") -> None:
         elif not (f.metadata.get("auto") and value == "auto") and value is not None:  # None: X | None's none
             _bounds(value, f.metadata, key)
         choices = f.metadata.get("choices")
-        if choices and value not in choices:
+        if choices and value not in choices and value is not None:  # None: X | None's none
             allowed = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
             raise BadInput(f"config key {key}: expected one of {allowed}; "
                            f"got {shown(value)}.")

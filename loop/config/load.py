@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from loop.checkpoint.atomic import atomic_write
-from loop.config.builders import BASES, options_of, unknown
+from loop.config.builders import BASES, chosen_options, options_of, unknown
 from loop.config.decimal_yaml import DecimalLoader
 from loop.config.fields import UnknownKey, check, from_dict, override, shown, to_dict
 from loop.config.paths import check_paths
@@ -63,7 +63,7 @@ def build(raw: dict, source: str, overrides: list[str], datasets: dict, models: 
     """A Config from a mapping (a file's, or a checkpoint's) and dotted overrides."""
     registries = {"data": datasets, "model": models}
     names = chosen(raw, overrides, registries, source)
-    sections = {s: options_of(s, name, registries[s][name]) for s, name in names.items()}
+    sections = {s: chosen_options(s, name, registries[s][name]) for s, name in names.items()}
     try:
         cfg = from_dict(Config, raw, "", source, sections)
         for item in overrides:

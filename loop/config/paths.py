@@ -35,11 +35,12 @@ def check_paths(cfg) -> None:
     # A shell expands ~ only at the start of a word: from `make ARGS="run.out_dir=~/x"` or a YAML
     # file it reaches the run as text, and would make a directory named ~ here.
     for key, obj, name in path_keys(cfg):
-        if (value := getattr(obj, name)).startswith("~"):
+        if (value := getattr(obj, name)) and value.startswith("~"):  # None: a `str | None` key's none
             setattr(obj, name, os.path.expanduser(value))
     writable_dir("config key run.out_dir", cfg.run.out_dir)
     for key, obj, name in path_keys(cfg, "dir"):
-        writable_dir(f"config key {key}", getattr(obj, name), write=False)  # read-only if prepared
+        if getattr(obj, name) is not None:
+            writable_dir(f"config key {key}", getattr(obj, name), write=False)  # read-only if prepared
     refuse_nested("run.out_dir", Path(cfg.run.out_dir))
     if cfg.run.mirror:
         from fsspec.core import split_protocol

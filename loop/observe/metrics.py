@@ -189,7 +189,7 @@ class NullLog:
     """What ranks other than 0 log: nothing (rank 0 logs the global values)."""
     last_loss = None
 
-    def record(self, *args) -> None:
+    def record(self, *args, **kwargs) -> None:
         pass
 
     scalar = text = flush = close = rewind = record

@@ -181,8 +181,10 @@ def write_report(run_dirs: list[Path], out_dir: Path,
     'interrupted': its figures come from metrics.jsonl alone (`load_run`)."""
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
-        log = d / "metrics.jsonl"  # empty, without summary.json: stopped before its first step
-        if not log.is_file() or (log.stat().st_size == 0 and not (d / "summary.json").exists()):
+        log = d / "metrics.jsonl"
+        if log.is_file() and log.stat().st_size == 0 and not (d / "summary.json").exists():
+            raise FileNotFoundError(f"{d}: an empty metrics.jsonl: the run stopped before its first step")
+        if not log.is_file():
             raise FileNotFoundError(f"{d}: no metrics.jsonl, so not a run directory (or the run never logged a step)")
     runs = [load_run(d) for d in run_dirs]
     out_dir = Path(out_dir)
