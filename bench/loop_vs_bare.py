@@ -126,7 +126,8 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
     by_step = {r["step"]: r for r in records}
     ends = [by_step[s] for s in range(warmup + every, warmup + steps + 1, every)]
     seconds = sum(r["ms_per_step"] * every for r in ends) / 1000
-    tokens, samples = (by_step[warmup + steps][k] - (by_step[warmup][k] if warmup else 0) for k in ("tokens", "samples"))
+    tokens, samples = (by_step[warmup + steps][k] - (by_step[warmup][k] if warmup else 0)
+                       for k in ("tokens", "samples"))
     data_ms = sum(by_step[s]["data_ms"] for s in range(warmup + 1, warmup + steps + 1))
     # The micro-batch the window ended at: data.batch_size=auto's pick, or smaller after an
     # out-of-memory split, which would make the arm another setting than the one asked for.

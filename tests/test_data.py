@@ -678,7 +678,8 @@ def test_uint16_ids_that_alternate_with_id_0_train_where_the_token_count_is_know
     cfg = load_config(DEFAULT_CONFIG, [f"data.path={text}", f"data.cache_dir={tmp_path / 'c'}", "data.seq_len=16"])
     assert build_data(cfg.data).vocab_size == 10
     markov = load_config(DEFAULT_CONFIG, ["data.name=markov", "data.markov.vocab_size=2", "data.markov.branching=1",
-                                          "data.markov.tokens=1001", f"data.cache_dir={tmp_path / 'c'}", "data.seq_len=16"])
+                                          "data.markov.tokens=1001", f"data.cache_dir={tmp_path / 'c'}",
+                                          "data.seq_len=16"])
     assert build_data(markov.data).vocab_size == 2  # 0, 1, 0, 1, ...: val starts at an odd place
 
 
