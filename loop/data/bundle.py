@@ -47,8 +47,8 @@ def check_samples(data: Data, name: str) -> None:
             what = "an IterableDataset" if stream else "without len() and [i]"
             raise BadInput(f"{where} is a {type(ds).__name__}, {what}; expected a "
                            f"map-style dataset: a run resumes at a sample position and draws each "
-                           f"epoch's order over every index (write a stream into token files for "
-                           f"data.name=tokens, or index its shards).")
+                           f"epoch's order over every index (write a stream into token files, as the "
+                           f"example data.name=tokens reads them, or index its shards).")
         if len(ds) == 0:
             raise BadInput(f"{where} is empty; expected samples in it.")
         for i in sorted({0, len(ds) - 1}):
