@@ -460,3 +460,28 @@ def test_a_loss_that_is_not_finite_in_an_audit_is_its_fail_row_naming_the_usual_
     monkeypatch.setitem(MODELS, "gpt_per_sequence", gpt_then(PerSequenceMean))
     [r] = gradient_audits(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt_per_sequence"], {"accumulation"})
     assert not r.ok and r.numbers.endswith("the loss was nan") and "per sequence" in r.hint, r
+
+
+def test_logs_compare_nan_as_nan_and_resume_and_determinism_compare_validation_too():
+    # A step with no target logs NaN in every run: an honest setup failed resume, determinism and
+    # eval ("loss nan vs nan"). State only evaluation reads (a normalisation's running statistics
+    # not in the state_dict) passed resume: the validation metrics were not compared.
+    from tools.audit_runs import _first_difference
+
+    nan = float("nan")
+    a = [{"step": 1, "loss": nan, "grad_norm": nan, "lr": 0.1}, {"step": 2, "loss": 2.0, "grad_norm": 1.0,
+                                                                 "lr": 0.1, "val_loss": 1.5}]
+    assert _first_difference(a, [dict(r) for r in a], val=True) is None
+    b = [dict(a[0]), {**a[1], "val_loss": 1.25}]
+    assert _first_difference(a, b) is None  # the eval check: its runs evaluate at other steps
+    assert _first_difference(a, b, val=True) == "step 2: val_loss 1.5 vs 1.25"
+    assert _first_difference(a, [{**a[0], "loss": 1.0}, a[1]]) == "step 1: loss nan vs 1.0"
+
+
+def test_gradients_compare_a_parameter_one_side_left_without_one_as_zeros():
+    # A model that uses a parameter for some samples only: a traceback (sizes 72 vs 36) in verify.
+    from tools.audit_grads import _rel
+
+    g = torch.ones(3, dtype=torch.float64)
+    assert _rel({"a": g}, {"a": g, "b": torch.zeros(2, dtype=torch.float64)}) == 0.0
+    assert _rel({"a": g}, {"a": g, "b": torch.ones(2, dtype=torch.float64)}) == pytest.approx(2 ** 0.5 / 5 ** 0.5)

@@ -140,8 +140,12 @@ def _flat(grads: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([g.flatten().cpu() for _, g in sorted(grads.items())])
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+def _rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Relative difference of two sets of gradients by name. A parameter without a gradient on one
+    side (a model that uses it for some samples only: one micro-batch may hold none) has zeros."""
+    zeros = {n: torch.zeros_like(g) for n, g in {**a, **b}.items()}
+    fa, fb = _flat({**zeros, **a}), _flat({**zeros, **b})
+    return float((fa - fb).norm() / fb.norm().clamp_min(1e-30))
 
 
 def reference(model: torch.nn.Module, batch: dict, device):
@@ -188,7 +192,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
         else:
             # The applied gradients alone miss a wrong factor where the clip rescales both sides
             # to one norm: the logged norm and loss (the true loss of the step) must agree too.
-            diff = max(_rel(_flat(g_accum), _flat(g_whole)),
+            diff = max(_rel(g_accum, g_whole),
                        abs(norm_accum - norm_whole) / max(norm_whole, 1e-30),
                        abs(loss_accum - loss_whole) / max(abs(loss_whole), 1e-30))
             ok, equal = diff <= tol, len(set(counts)) == 1
@@ -208,7 +212,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
             out.append(no_step("clipping", loss_whole))
         else:
             scale = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0  # clip_grad_norm_'s rule
-            diff = _rel(_flat(g_whole), _flat({name: g * scale for name, g in ref.items()}))
+            diff = _rel(g_whole, {name: g * scale for name, g in ref.items()})
             ok = diff <= tol and abs(norm_whole - norm) <= max(tol * norm, 1e-6)
             set_for = f", set below the norm: the config's {asked:g} would not clip" if clip != asked else ""
             out.append(Result("clipping", ok,

@@ -2,7 +2,7 @@
 
     A  N steps straight                              the reference
     B  the same command again                        determinism: B == A
-    R  the same, SIGKILLed at a random step once a   resume: every step's loss, grad norm and lr,
+    R  the same, SIGKILLed at a random step once a   resume: every step's loss, grad norm, lr, val_*,
        checkpoint is complete, and rerun             params_sha256, the final checkpoint's state
                                                      data: the same sample ids at every step, none
                                                      twice within an epoch
@@ -17,6 +17,7 @@ mirror (the config's holds another run's checkpoints).
 from __future__ import annotations
 
 import json
+import math
 import re
 import signal
 import subprocess
@@ -106,14 +107,22 @@ def _summary(plan: Plan, name: str) -> dict:
     return json.loads((plan.root / name / "summary.json").read_text())
 
 
-def _first_difference(a: list[dict], b: list[dict], keys=("loss", "grad_norm", "lr")) -> str | None:
+def _first_difference(a: list[dict], b: list[dict], keys=("loss", "grad_norm", "lr"), val: bool = False
+                      ) -> str | None:
+    """The first step whose `keys` (and with `val`, its validation metrics: state that only
+    evaluation reads, such as a normalisation's running statistics) differ between two logs."""
     if [r["step"] for r in a] != [r["step"] for r in b]:
         return f"steps logged differ ({len(a)} vs {len(b)} records)"
     for x, y in zip(a, b):
-        for k in keys:
-            if x[k] != y[k]:
-                return f"step {x['step']}: {k} {x[k]!r} vs {y[k]!r}"
+        for k in [*keys, *sorted({k for k in (*x, *y) if val and k.startswith("val_")})]:
+            if not _same(x.get(k), y.get(k)):
+                return f"step {x['step']}: {k} {x.get(k)!r} vs {y.get(k)!r}"
     return None
+
+
+def _same(a, b) -> bool:
+    """Equal, NaN as NaN: a step with no target logs a NaN loss in every run."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def state_diff(a, b, path: str = "") -> list[str]:
@@ -156,7 +165,7 @@ def resume(plan: Plan) -> Result:
         return Result("resume", False, "the rerun did not resume from a checkpoint", HINTS["resume"])
     killed = max(filter(None, map(jobs.reported_step, printed.splitlines())))
     where = f"killed at step {killed}, resumed at step {m.group(1)}"
-    diff = _first_difference(_records(plan, "A"), _records(plan, "R"))
+    diff = _first_difference(_records(plan, "A"), _records(plan, "R"), val=True)
     if diff:
         return Result("resume", False, f"{where}; first difference: {diff}", HINTS["resume"])
     state = _final_state_diff(plan, "A", "R")
@@ -164,14 +173,14 @@ def resume(plan: Plan) -> Result:
     if state or not same_params:
         return Result("resume", False, f"{where}; losses identical, but the final state differs in: "
                       f"{', '.join(state[:4]) or 'params_sha256'}", HINTS["resume"])
-    return Result("resume", True, f"{where}: all {plan.steps} steps' loss, grad norm and lr identical, "
-                  f"params_sha256 identical, final checkpoint state identical")
+    return Result("resume", True, f"{where}: all {plan.steps} steps' loss, grad norm, lr and validation "
+                  f"identical, params_sha256 identical, final checkpoint state identical")
 
 
 def determinism(plan: Plan) -> Result:
     if why := run(plan, "B"):
         return Result("determinism", False, why)
-    diff = _first_difference(_records(plan, "A"), _records(plan, "B"))
+    diff = _first_difference(_records(plan, "A"), _records(plan, "B"), val=True)
     same = _summary(plan, "A")["params_sha256"] == _summary(plan, "B")["params_sha256"]
     if diff or not same:
         return Result("determinism", False, f"two identical runs differ: {diff or 'params_sha256'}",
