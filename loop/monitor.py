@@ -41,11 +41,15 @@ class Monitor:
             s.reference, s.bad_evals = value, 0
         else:
             s.bad_evals += 1
-            if self.patience and s.bad_evals >= self.patience:
-                best = "none finite" if s.best is None else f"best {s.best:.6g} at step {s.best_step}"
-                s.stop_reason = (f"{self.metric} did not improve by {self.min_delta} for "
-                                 f"{self.patience} evaluations ({best})")
+            self.stop_if_patience_ran_out()
         return better
+
+    def stop_if_patience_ran_out(self) -> None:
+        s = self.state
+        if self.patience and s.bad_evals >= self.patience:
+            best = "none finite" if s.best is None else f"best {s.best:.6g} at step {s.best_step}"
+            s.stop_reason = (f"{self.metric} did not improve by {self.min_delta} for "
+                             f"{s.bad_evals} evaluations ({best})")
 
     def state_dict(self) -> dict:
         return {"metric": self.metric, "mode": self.mode, **asdict(self.state)}
@@ -59,6 +63,7 @@ class Monitor:
             return
         self.state = MonitorState(**saved)
         # Stopped or not follows from the count under this run's patience: resumed with a larger
-        # train.early_stop_patience, or 0, a run that stopped early trains on.
-        if not (self.patience and self.state.bad_evals >= self.patience):
-            self.state.stop_reason = ""
+        # train.early_stop_patience, or 0, a run that stopped early trains on; with a smaller one
+        # that the count has reached, it stops here.
+        self.state.stop_reason = ""
+        self.stop_if_patience_ran_out()

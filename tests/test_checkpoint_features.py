@@ -345,6 +345,14 @@ def test_an_improvement_must_beat_the_best_by_more_than_min_delta_in_either_mode
     m = Monitor("val_loss", "min", patience=2, min_delta=0.0)
     assert m.update(10, 2.0) is True and m.update(20, 2.0) is False and m.update(30, 2.0) is False
     assert m.state.stop_reason == "val_loss did not improve by 0.0 for 2 evaluations (best 2 at step 10)"
+    # Resumed under a smaller patience its count has reached: it stops there (it trained on, and
+    # stopped one evaluation later, saying "for 2" where 4 had passed); under a larger one it goes on.
+    m = Monitor("val_loss", "min", patience=5, min_delta=0.0)
+    assert [m.update(s, 2.0) for s in (10, 20, 30, 40)] == [True, False, False, False] and not m.state.stop_reason
+    for patience, stops in ((2, "for 3 evaluations (best 2 at step 10)"), (3, "for 3 evaluations"), (4, ""), (0, "")):
+        again = Monitor("val_loss", "min", patience=patience, min_delta=0.0)
+        again.load_state_dict(m.state_dict())
+        assert (stops in again.state.stop_reason) if stops else not again.state.stop_reason, (patience, again.state)
 
 
 def test_a_resume_that_tracks_another_metric_or_direction_starts_the_best_over(tmp_path, cache):
