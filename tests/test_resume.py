@@ -541,6 +541,11 @@ def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_o
     assert f"goes from {before:.3g} to" in reshaped(state, load_config(DEFAULT_CONFIG, ["train.max_steps=60"]))
     cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant"])
     assert reshaped({"config": to_dict(cfg), "scheduler": {"last_epoch": 30}}, cfg) is None
+    # A schedule without a horizon, resumed with another optim.lr too: the jump is not the horizon's.
+    step = to_dict(load_config(DEFAULT_CONFIG, ["train.max_steps=6", "schedule.name=step", "schedule.step_size=2"]))
+    cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=12", "schedule.name=step", "schedule.step_size=2",
+                                       "optim.lr=0.01", "schedule.warmup_steps=5"])
+    assert reshaped({"config": step, "scheduler": {"last_epoch": 6}}, cfg) is None
     # Going on as the note says: the constant rate is the rate the schedule reached.
     on = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant", "schedule.warmup_steps=0",
                                       f"optim.lr={before:.3g}"])

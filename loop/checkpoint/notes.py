@@ -74,7 +74,9 @@ def reshaped(state: dict, cfg) -> str | None:
     before = lr_factor(s, saved, was["train"]["max_steps"]) * was.get("optim", {}).get("lr", cfg.optim.lr)
     after = lr_factor(s, cfg.schedule, cfg.train.max_steps) * cfg.optim.lr
     was_steps = was["train"]["max_steps"]
-    if before == after:
+    # A schedule without a horizon (step, constant) stays: a jump there is optim.lr's or the
+    # schedule keys' (said with the keys that differ), not the horizon's.
+    if before == after or lr_factor(s, saved, was_steps) == lr_factor(s, saved, cfg.train.max_steps):
         return None
     return (f"train.max_steps {was_steps} -> {cfg.train.max_steps} reshapes schedule.name={cfg.schedule.name} "
             f"over the new horizon: the learning rate at this step goes from {before:.3g} to {after:.3g}. "
