@@ -127,3 +127,16 @@ def test_the_summary_validates_the_final_weights(tmp_path, cache, monkeypatch):
     assert summary(every10)["val_loss"] == at[25] == metrics(every5)[-1]["val_loss"] != at[20]
     assert summary(every10)["params_sha256"] == summary(every5)["params_sha256"]
     assert validated == [10, 20, 25, 5, 10, 15, 20, 25]
+
+
+def test_the_console_says_a_step_line_every_log_interval_and_at_the_last_only(tmp_path, cache):
+    # A checkpoint writes the metrics before it: its flush printed a step line too (at every
+    # checkpoint and new best), and the console lines came at 3, 4, 5, 6, 8, ...
+    import re
+
+    proc = train_here(tmp_path / "run", cache, "train.max_steps=13", "train.log_every=4", "train.ckpt_every=5",
+                      "train.eval_every=3")
+    assert [int(s) for s in re.findall(r"^step +(\d+)/", proc.stdout, re.M)] == [4, 8, 12, 13], proc.stdout
+    assert [int(s) for s in re.findall(r"^eval +(\d+)/", proc.stdout, re.M)] == [3, 6, 9, 12, 13], proc.stdout
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, 14))

@@ -233,7 +233,8 @@ def ddp(plan: Plan, batch: int, tolerance: float, norms: list[str], quiet: list[
         return Result("ddp", False, why)
     a, b = _records(plan, "P1"), _records(plan, "P")
     same_ids = [r["ids"] for r in a] == [r["ids"] for r in b]
-    worst = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))
+    worst = max((abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-30) for x, y in zip(a, b)
+                 if not _same(x["loss"], y["loss"])), default=0.0)  # a step with no target: NaN in both
     ok = same_ids and len(a) == len(b) == plan.steps and worst <= tolerance
     return Result("ddp", ok, f"{n} processes x micro-batch {batch} vs 1 x {n * batch} ({' '.join(quiet) or 'as configured'}): "
                   f"per-step losses within rel. {worst:.1e} (tolerance {tolerance:g}, sums over ranks "

@@ -62,8 +62,8 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
                 break
         seen.append(proc.stdout.read())
         proc.wait(timeout=60)
-    except KeyboardInterrupt:  # Ctrl-C: the job goes too (a `kill -INT` reaches the caller only)
-        kill_tree(proc)
+    except BaseException:  # Ctrl-C, or a job that will not end: it goes too (a `kill -INT` reaches
+        kill_tree(proc)  # the caller only)
         raise
     finally:
         timer.cancel()  # else its thread keeps the interpreter up to `timeout` seconds

@@ -28,7 +28,7 @@ def directories(cfg) -> dict[str, str]:
     """The directories a run writes, by key (run.out_dir, the data set's cache): where a full disk
     needs room."""
     return {"run.out_dir": cfg.run.out_dir,
-            **{key: getattr(obj, name) for key, obj, name in path_keys(cfg, "dir")}}
+            **{key: getattr(obj, name) for key, obj, name in path_keys(cfg, "dir") if getattr(obj, name)}}
 
 
 def check_paths(cfg) -> None:
