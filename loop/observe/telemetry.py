@@ -4,8 +4,9 @@ memory counters and NVML are host calls, and MFU is arithmetic on the measured s
 
 MFU = samples/s x the data's seq_len x the model's FLOPs per token (per unit of seq_len: a
 classifier's seq_len is 1) / peak FLOP/s of all the run's devices: the model computes every
-position, whether or not its target counts (-100), so targets/s would understate it. It is reported only for models that count their FLOPs (`flops_per_token()`,
-loop/observe/mfu.py) on devices in the peak table.
+position, whether or not its target counts (-100), so targets/s would understate it. It is
+reported only for models that count their FLOPs (`flops_per_token()`, loop/observe/mfu.py) on
+devices in the peak table.
 """
 from __future__ import annotations
 
