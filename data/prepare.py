@@ -4,7 +4,8 @@
     python -m data.prepare --path my.txt   # any local text file
 
 Prints the prepared directory. Bad input (a file that cannot be read as UTF-8 text, a split with
-nothing on one side) exits 2 with a message naming it, as train.py does.
+nothing on one side, a cache prepared before and damaged since) exits 2 with a message naming it,
+as train.py does.
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import sys
 
 from data.corpus import prepare_text, text_and_source
+from data.tokens import token_data
 from loop.config.fields import non_negative
 from loop.config.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
@@ -25,7 +27,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         writable_dir("option --out", a.out)
-        print(prepare_text(*text_and_source(a.path), a.out, a.val_fraction))
+        out = prepare_text(*text_and_source(a.path), a.out, a.val_fraction)
+        token_data(out, seq_len=1)  # one prepared before and damaged since is refused, as train.py does
+        print(out)
     except BadInput as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -399,6 +399,20 @@ def test_prepare_command_refuses_a_nan_fraction_and_an_out_under_a_file(tmp_path
     assert f.read_text(encoding="utf-8") == TEXT and not (tmp_path / "cache").exists()
 
 
+def test_prepare_command_refuses_a_cache_damaged_since_it_was_prepared(tmp_path, capsys):
+    # It printed the directory and exit 0 for a train.bin cut short; train.py then refused it.
+    from data.prepare import main
+
+    f = tmp_path / "corpus.txt"
+    f.write_text(TEXT, encoding="utf-8")
+    assert main(["--path", str(f), "--out", str(tmp_path / "cache")]) == 0
+    root = Path(capsys.readouterr().out.splitlines()[-1])
+    with open(root / "train.bin", "r+b") as fh:
+        fh.truncate(100)
+    assert main(["--path", str(f), "--out", str(tmp_path / "cache")]) == 2
+    assert f"delete {root} and it is prepared again" in capsys.readouterr().err
+
+
 def test_build_text_decode(tmp_path):
     f = tmp_path / "corpus.txt"
     f.write_text(TEXT, encoding="utf-8")
