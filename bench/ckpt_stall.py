@@ -30,7 +30,7 @@ from data import DATASETS
 from loop import build, determinism
 from loop.checkpoint import state, store
 from loop.checkpoint.async_save import AsyncSaver
-from loop.config.fields import at_least
+from loop.config.arguments import at_least
 from loop.config.load import DEFAULT_CONFIG, config_hash, load_config, to_dict
 from loop.device import pick_device
 from loop.distributed.group import Dist

@@ -41,7 +41,7 @@ import torch
 from bench.common import RESULTS, append_result, check_results, command, device_label, sync_device
 from data import DATASETS
 from loop.build import build_data, build_model
-from loop.config.fields import at_least
+from loop.config.arguments import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
 from loop.config.runtime import follow_global_batch
 from loop.contract import loss_and_sums

@@ -14,7 +14,7 @@ import sys
 
 from data.corpus import prepare_text, text_and_source
 from data.tokens import token_data
-from loop.config.fields import non_negative
+from loop.config.arguments import non_negative
 from loop.config.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from loop.config.fields import non_negative
+from loop.config.arguments import non_negative
 from loop.config.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
 from loop.observe.report import run_setting, write_report

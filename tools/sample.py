@@ -28,7 +28,7 @@ import torch
 from data import DATASETS
 from loop.build import build_data, build_model
 from loop.checkpoint import resume, store, weights
-from loop.config.fields import at_least, positive
+from loop.config.arguments import at_least, positive
 from loop.config.load import build
 from loop.device import pick_device
 from loop.errors import EXIT_BAD_INPUT, EXIT_CONSOLE_GONE, EXIT_INTERRUPTED, BadInput

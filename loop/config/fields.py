@@ -8,7 +8,6 @@ held in a field with a trailing underscore (`break_`); users only ever see the k
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import keyword
 import math
@@ -176,7 +175,7 @@ def _coerce(value, hint, key: str):
             and value.lstrip("+-").replace("_", "").isdigit():
         raise BadInput(f"config key {key}: expected an integer of at most 4,300 digits (Python reads no "
                        f"longer one); got one of {len(value.lstrip('+-')):,} digits.")
-    if hint is float and not isinstance(value, bool) and (number := _float(value)) is not None:
+    if hint is float and not isinstance(value, bool) and (number := to_float(value)) is not None:
         if not math.isfinite(number):  # nan slips past every bound (nan < 0 is False)
             raise BadInput(f"config key {key}: expected a finite number, got {shown(value)}.")
         return number
@@ -185,7 +184,7 @@ def _coerce(value, hint, key: str):
     raise _wrong(key, hint.__name__, value)
 
 
-def _float(value) -> float | None:
+def to_float(value) -> float | None:
     if isinstance(value, (int, float)):
         try:
             return float(value)
@@ -227,37 +226,6 @@ def check(obj, prefix: str = "") -> None:
             allowed = ", ".join(c or '""' for c in choices)  # "" is a choice too (lab.break)
             raise BadInput(f"config key {key}: expected one of {allowed}; "
                            f"got {shown(value)}.")
-
-
-def _finite(text: str, ok, says: str) -> float:
-    value = _float(text)
-    if value is None or not (math.isfinite(value) and ok(value)):
-        raise argparse.ArgumentTypeError(f"expected a finite number {says}, got {text!r}")
-    return value
-
-
-def non_negative(text: str) -> float:
-    """argparse type for a command-line option bounded as its config key is (finite, >= 0): a
-    price, a carbon intensity, a validation fraction."""
-    return _finite(text, lambda v: v >= 0, ">= 0")
-
-
-def positive(text: str) -> float:
-    """argparse type: a finite number > 0 (a temperature)."""
-    return _finite(text, lambda v: v > 0, "> 0")
-
-
-def at_least(low: int, at_most: int | None = None):
-    """An argparse type: an int >= `low` (and <= `at_most`). Anything else is a usage error that
-    names the option (exit 2), not a ZeroDivisionError after the runs."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < low or (at_most is not None and value > at_most):
-            within = f">= {low}" if at_most is None else f"from {low} to {at_most}"
-            raise argparse.ArgumentTypeError(f"expected an integer {within}, got {value}")
-        return value
-    parse.__name__ = "integer"  # argparse names the type in its message for int("x")
-    return parse
 
 
 INT64 = 2**63 - 1  # the largest count a tensor or itertools.islice takes (a batch's samples)
