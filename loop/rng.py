@@ -60,11 +60,18 @@ class RngStreams:
 
 @contextlib.contextmanager
 def own_rng(device: torch.device, seed: int):
-    """Torch's global random streams (the CPU's and `device`'s) seeded with `seed` inside, and as
-    they were after: what a forward draws there is the same at every evaluation, and training's
-    next draws (dropout) are those of a run that never evaluated."""
-    with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
-        torch.default_generator.manual_seed(seed)
-        if device.type != "cpu":
-            torch.get_device_module(device.type).manual_seed(seed)  # this process's device only
-        yield
+    """Every random stream (Python's, NumPy's, torch's CPU and `device`'s) seeded with `seed` inside,
+    and as it was after: what a forward draws there is the same at every evaluation, and training's
+    next draws (dropout, a model's own `random`) are those of a run that never evaluated."""
+    py, npy = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device], device_type=device.type):
+            random.seed(seed)
+            np.random.seed(seed % 2**32)  # NumPy's legacy seed is 32-bit
+            torch.default_generator.manual_seed(seed)
+            if device.type != "cpu":
+                torch.get_device_module(device.type).manual_seed(seed)  # this process's device only
+            yield
+    finally:
+        random.setstate(py)
+        np.random.set_state(npy)

@@ -3,8 +3,9 @@ stopping or a preemption signal), evaluating and checkpointing on the way, and w
 `step()` is one optimizer step: micro-batches -> forward, backward of each -> unscale -> clip -> the
 true loss over every rank -> one finite check -> step or skip -> schedule, EMA, zero_grad -> log.
 
-Exact resume rests on three seams: the data position (`Progress.samples`), every RNG stream in the
-checkpoint (loop/rng.py), and the LR as a pure function of the steps taken (loop/schedule.py).
+Exact resume rests on three seams: the data position (`Progress.samples`, which also seeds each sample's
+augmentation), every RNG stream in the checkpoint (loop/rng.py), and the LR as a pure function of the
+steps taken (loop/schedule.py).
 A checkpoint is `self.parts`. Lines marked `lab:` break one concern on purpose (loop/lab.py).
 """
 from __future__ import annotations
@@ -32,7 +33,7 @@ from loop.distributed import fsdp
 from loop.distributed.group import Dist
 from loop.distributed.wrap import check_all_used, ddp, grad_sync, is_ddp
 from loop.evaluate import Evaluator
-from loop.guards.nonfinite import NonFinite, describe, rollback
+from loop.guards.nonfinite import NonFinite, rollback
 from loop.guards.oom import OutOfMemory
 from loop.guards.preemption import Preemption
 from loop.lab import banner
@@ -194,7 +195,7 @@ class Trainer:
                 self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
             grad_norm = clip_grad_norm_(params, tc.clip_grad) if tc.clip_grad > 0 else \
                 get_total_norm([q.grad for q in params if q.grad is not None])
-            if self.lab == "clip_before_unscale":
+            if self.lab == "clip_before_unscale":  # lab: the unscale after the clip
                 self.scaler.unscale_(self.optimizer)
             grad_norm = fsdp.whole(grad_norm).to(losses[0].device)  # FSDP: a DTensor; CPU if offloaded
             losses = torch.stack(losses)
@@ -208,9 +209,9 @@ class Trainer:
                 if self.ema:
                     self.ema.update(self.raw)
                 self.nonfinite.passed()
-            elif self.scaler.is_enabled() and loss_ok:
-                p.overflows += 1  # fp16 gradients overflowed: the scaler skips the step, backs off
-            elif self.nonfinite.verdict(describe(p.step + 1, losses, grad_norm, self.raw)) == "rollback":
+            elif self.scaler.is_enabled() and loss_ok and self.scaler.get_scale() > 1:
+                p.overflows += 1  # fp16 gradients overflowed under a scale > 1: the scaler skips, backs off
+            elif self.nonfinite.verdict(losses, grad_norm, self.raw) == "rollback":
                 return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)

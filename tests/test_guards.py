@@ -139,6 +139,59 @@ def test_a_non_finite_loss_under_fp16_meets_the_nan_policy_not_the_scaler(tmp_pa
         build_trainer(cfg, Dist(), torch.device("cpu")).run()
 
 
+def test_fp16_gradients_that_overflow_at_a_scale_of_1_meet_the_nan_policy(tmp_path, cache):
+    # A NaN gradient with a finite loss reads as an fp16 overflow; the scaler halves its scale
+    # at each one. At a scale of 1 or less the overflow is the model's: counted as an overflow
+    # forever, it would idle the run to train.max_steps with train.nan_policy=abort never met.
+    from conftest import TINY, build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.precision=fp16",
+                                "train.max_steps=6", "train.nan_policy=abort"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    t.scaler = t.precision.scaler = t.parts["scaler"] = torch.amp.GradScaler("cpu", init_scale=4.0)
+    t.raw.lm_head.weight.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(GaveUp, match=r"step 3: non-finite grad norm \(nan\)"):
+        t.run()
+    assert (t.progress.overflows, t.progress.step) == (2, 2)  # at scales 4 and 2
+
+
+class TokenNorm(torch.nn.BatchNorm1d):
+    """BatchNorm over the channels of (B, T, C) activations."""
+
+    def forward(self, x):
+        return super().forward(x.transpose(1, 2)).transpose(1, 2)
+
+
+@pytest.mark.parametrize("policy", ["skip", "rollback"])
+def test_a_skip_cannot_undo_a_buffer_its_forward_made_non_finite(tmp_path, cache, policy):
+    # A forward in train mode updates BatchNorm's running statistics before the step is judged.
+    # Skipped, the step would keep them not finite: every evaluation NaN, silently. The run gives
+    # up naming the buffer; a rollback restores it from the checkpoint and trains on.
+    from conftest import TINY, build_trainer
+
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=6",
+                                "train.ckpt_every=1", f"train.nan_policy={policy}"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    norm = TokenNorm(32, affine=False)
+    fired = []
+
+    def blow(_module, inputs):
+        if t.model.training and t.progress.step + 1 == 3 and not fired:
+            fired.append(True)
+            return inputs[0] * float("inf")
+
+    norm.register_forward_pre_hook(blow)
+    t.raw.drop = torch.nn.Sequential(norm, t.raw.drop)
+    if policy == "skip":
+        with pytest.raises(GaveUp, match=r"step 3: .*drop\.0\.running_mean"):
+            t.run()
+        assert [d.name for d in store.step_dirs(out / "checkpoints")] == ["step_00000001", "step_00000002"]
+    else:
+        assert t.run()["rollbacks"] == 1
+        assert torch.isfinite(norm.running_mean).all() and torch.isfinite(norm.running_var).all()
+
+
 def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
     # The scaler has checked the bad step's gradients for infs; a rollback that does not finish
     # that step with it (update) leaves the check pending, and the next step raises "unscale_() has

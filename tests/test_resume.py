@@ -73,6 +73,25 @@ def test_every_random_stream_is_captured_and_restored():
     assert got[:3] == want[:3] and torch.equal(got[3], want[3])
 
 
+def test_validation_s_own_streams_leave_every_training_stream_as_it_was():
+    # Validation runs inside own_rng: a model that draws in eval mode (torch, or its own `random`
+    # or NumPy) draws the same there at every evaluation, and training draws on as if it never ran.
+    import numpy as np
+    import torch
+
+    from loop import rng
+
+    draw = lambda: (random.random(), np.random.rand(), torch.rand(2).tolist())  # noqa: E731
+    rng.seed_everything(5)
+    want = draw()
+    rng.seed_everything(5)
+    with rng.own_rng(torch.device("cpu"), 9):
+        inside = draw()
+    with rng.own_rng(torch.device("cpu"), 9):
+        assert draw() == inside
+    assert draw() == want
+
+
 def test_streams_of_a_device_this_machine_lacks_are_passed_over():
     # A checkpoint written on a Mac (its MPS stream saved) resumed on a Linux box: a RuntimeError
     # traceback from torch.mps; one from a GPU node on a CPU-only machine. The CPU streams load as ever.

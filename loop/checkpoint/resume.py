@@ -1,7 +1,8 @@
 """Which checkpoint a run starts from, decided before anything in out_dir is written.
 
-    run.resume=auto   newest valid checkpoint in out_dir/checkpoints (or, if that dir holds none,
-                      the newest valid one in run.mirror); none at all -> a fresh start
+    run.resume=auto   newest valid checkpoint in out_dir/checkpoints (or, if that dir holds none or
+                      none there verifies, the newest valid one in run.mirror); none at all -> a
+                      fresh start
     run.resume=never  fresh start; refused if out_dir already holds checkpoints it would overwrite
     run.resume=PATH   that checkpoint dir, which must verify (checkpoints/latest or /best: the
                       one it names); or, once this run has saved since starting there, its

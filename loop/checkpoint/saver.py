@@ -1,11 +1,11 @@
 """Writing a run's checkpoints: when one counts, and what follows it.
 
 `Saver.save(step, parts, ...)` writes checkpoint `step`, every rank taking part: never one whose
-weights are not all finite (a resume would start from them); under FSDP with every rank's buffers
-made equal first; either at once or, with train.async_save, copied to CPU memory and written by a
-background thread (loop/checkpoint/async_save.py). Once it is complete, `checkpoints/best` names the
-best checkpoint and the mirror (run.mirror) gets a copy. The files and their atomic write:
-loop/checkpoint/state.py and loop/checkpoint/store.py.
+weights or floating-point buffers are not all finite (a resume would start from them); under FSDP
+with every rank's buffers made equal first; either at once or, with train.async_save, copied to CPU
+memory and written by a background thread (loop/checkpoint/async_save.py). Once it is complete,
+`checkpoints/best` names the best checkpoint and the mirror (run.mirror) gets a copy. The files and
+their atomic write: loop/checkpoint/state.py and loop/checkpoint/store.py.
 """
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ class Saver:
         """Checkpoint `step` of `parts` (loop/checkpoint/state.py), `run_facts` beside them in state.pt;
         `best_step`: the best checkpoint's step, kept by retention and named by `best` (0: none)."""
         model, ema = parts["model"], parts["ema"]
-        finite = torch.stack([torch.isfinite(fsdp.local(p)).all() for p in model.parameters()]).all()
+        tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
+        finite = torch.stack([torch.isfinite(fsdp.local(t)).all() for t in tensors]).all()
         if self.dist.sum_host([float(not finite)])[0]:  # FSDP: each rank sees only its shards
-            print(f"warning: step {step}: weights are not all finite; no checkpoint written",
+            print(f"warning: step {step}: weights or buffers are not all finite; no checkpoint written",
                   file=sys.stderr)
             return
         if sharded:  # every rank's copy of each buffer the same, whichever one DCP keeps

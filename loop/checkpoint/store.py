@@ -1,7 +1,7 @@
 """Checkpoints: the full training state, written atomically, verified before use.
 
 Layout under `<out_dir>/checkpoints/`:
-    step_00000100/state.pt        model, optimizer, scheduler, scaler, progress, config (rank 0)
+    step_00000100/state.pt        model, optimizer, scheduler, scaler, EMA, monitor, progress, config (rank 0)
     step_00000100/rng_rank0.pt    every RNG stream of rank 0 (one file per rank)
     step_00000100/manifest.json   step, sizes and sha256 of the files above; written last
     (train.strategy=fsdp: also __<rank>_0.distcp and .metadata, the sharded model, optimizer and EMA)

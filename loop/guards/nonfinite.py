@@ -1,7 +1,9 @@
 """The non-finite policy (train.nan_policy): what a step whose loss or gradients are not finite does
 (under fp16, gradients that overflow with a finite loss are the GradScaler's: it skips the step).
 
-    skip      the step changes nothing (weights, optimizer, LR, EMA); the data moves on
+    skip      the step changes nothing (weights, optimizer, LR, EMA); the data moves on. Buffers its
+              forward updated (BatchNorm's running statistics) keep the update: a skip cannot undo
+              one left not finite, so the run gives up naming it (rollback restores them)
     rollback  back to the newest valid checkpoint, passing over the bad step's samples from then on
     abort     the run ends (exit 3) naming the step and what was not finite
 
@@ -32,13 +34,20 @@ class NonFinite:
         if self.progress.step + 1 >= self.progress.last_bad:
             self.progress.bad_streak = 0
 
-    def verdict(self, what: str) -> str:
-        """`skip` (counted as skipped) or `rollback` for this non-finite step (`what`: describe()),
-        or GaveUp if the policy says abort, or this is one bad step too many."""
+    def verdict(self, micro_losses: torch.Tensor, grad_norm: torch.Tensor, model: torch.nn.Module) -> str:
+        """`skip` (counted as skipped) or `rollback` for this non-finite step, or GaveUp if the
+        policy says abort, this is one bad step too many, or a skip would keep a buffer its forward
+        made non-finite."""
         p = self.progress
         step, position = p.step + 1, p.samples
+        what = describe(step, micro_losses, grad_norm, model)
         p.bad_streak, p.last_bad = p.bad_streak + 1, step
         streak = p.bad_streak
+        stained = [n for n, b in model.named_buffers() if b.is_floating_point() and not torch.isfinite(local(b)).all()]
+        if self.policy == "skip" and self.dist.sum_host([float(bool(stained))])[0]:  # every rank agrees
+            raise GaveUp(f"{what}; its forward left the buffers {', '.join(stained[:5]) or '(on another rank)'} "
+                         f"not finite, which a skip cannot undo. Gave up: rerun with train.nan_policy=rollback "
+                         f"(it restores them from the newest checkpoint), or lower optim.lr.")
         if self.policy == "abort" or streak > self.max_bad:
             why = "train.nan_policy=abort" if self.policy == "abort" else \
                 f"{streak} bad steps in a row (train.max_bad_steps={self.max_bad})"

@@ -5,8 +5,8 @@ Every step's record has step, loss, lr, grad_norm, tokens, samples, skipped, dat
 waited for data) and, on CUDA, gpu_ms (the step's time on the GPU's timeline, from CUDA events
 recorded at each step's end and read at the flush, so no extra sync). The last record of each log
 interval adds the interval's tokens_per_s, samples_per_s, ms_per_step, data_wait_pct, MFU where the
-device's peak is known, and the host telemetry (CUDA memory, NVML readings). All values are global
-(rank 0 logs for all ranks).
+device's peak is known, and the host telemetry (CUDA memory, NVML readings). Rank 0 logs for all
+ranks: loss, grad_norm and the counts are global; timings, memory and NVML readings are rank 0's.
 
 Per-step loss and grad norm stay on the device until `flush()`, which reads them all in one host
 transfer, so logging adds no sync per step. `metrics.jsonl` keeps losses at full float precision
