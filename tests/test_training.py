@@ -111,6 +111,18 @@ def test_sample_tokens_0_draws_no_sample(tmp_path, cache):
     assert summary(out)["sample"] is None and not any("sample" in r for r in metrics(out))
 
 
+def test_rerunning_a_finished_run_logs_its_sample_once(tmp_path, cache):
+    # The rerun resumes at the last step and validates for summary.json; the sample of that step
+    # is in TensorBoard already (TensorBoard keeps the resumed step's events), so not again.
+    out = tmp_path / "run"
+    for _ in range(2):
+        train_here(out, cache, "train.max_steps=3")
+    ea = EventAccumulator(str(out / "tb"))
+    ea.Reload()
+    assert [e.step for e in ea.Tensors("sample/text_summary")] == [3]
+    assert metrics(out)[-1]["sample"] == summary(out)["sample"]
+
+
 def test_the_summary_validates_the_final_weights(tmp_path, cache, monkeypatch):
     # Evaluations at steps 10 and 20 of a 25-step run, and at its last: summary.json's val_loss is
     # that of the weights the run ends with, logged like the others, equal to a run that evaluates

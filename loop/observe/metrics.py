@@ -45,6 +45,7 @@ class MetricsLog:
         from torch.utils.tensorboard import SummaryWriter
 
         last = jsonl.truncate(self.path, step)
+        self.kept = last or {}  # the resumed step's record: what it logged (a sample) is not logged twice
         loss = last.get("loss") if last else None  # a record edited by hand may lack it
         self.last_loss = float(loss) if isinstance(loss, (int, float)) and not isinstance(loss, bool) else None
         self.file = open(self.path, "a")
@@ -187,7 +188,7 @@ def _quiet_tensorboard_thread() -> None:
 
 class NullLog:
     """What ranks other than 0 log: nothing (rank 0 logs the global values)."""
-    last_loss = None
+    last_loss, kept = None, {}
 
     def record(self, *args, **kwargs) -> None:
         pass

@@ -64,7 +64,7 @@ def finish(out: Path, preempted: bool, parts: dict, evaluator, log, dist, cfg, d
         summary["ema_params_sha256"] = store.params_sha256(averaged)
     # The run's energy (over its starts) and this start's peak memory, NVML read now (not at its last tick).
     summary.update({k: v for k, v in log.readings().items() if k in ("energy_j", "cuda_max_alloc_gb")})
-    if fresh and sample:  # else the loop's last evaluation logged it
+    if fresh and sample and "sample" not in log.kept:  # else an evaluation of this step logged it
         log.text(p.step, "sample", sample)
     log.close()
     write(out, summary, weights, averaged, to_dict(cfg), data, cfg.report)
