@@ -361,7 +361,7 @@ def test_resume_never_with_checkpoints_exits_2_and_changes_nothing(tmp_path, cac
     proc = train_here(out, cache, *BASE, "run.resume=never", check=False)
 
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "run.resume=never" in proc.stderr, proc.stderr
+    assert "run.resume=never" in proc.stderr and "run.resume=auto" in proc.stderr, proc.stderr  # to continue
     assert_unchanged(before, out)
 
 

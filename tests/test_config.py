@@ -59,6 +59,10 @@ def test_unknown_yaml_key_names_it_and_suggests(tmp_path):
     assert "'trian'" in msg and "Did you mean 'train'?" in msg
     assert "Known sections: run, data, model, optim, schedule, train" in msg
 
+    f.write_text(NAMES + "train.max_steps: 3\n")  # a command line's dotted key: said how to nest it
+    msg = bad(path=f)
+    assert "'train.max_steps'" in msg and "nest it: train: then max_steps:" in msg and "Did you mean" not in msg
+
 
 def test_nested_path_below_a_leaf_is_unknown():
     msg = bad(["data.seq_len.x=3"])
@@ -167,6 +171,26 @@ def test_integers_are_decimal_in_files_and_overrides(tmp_path):
     f.write_text(NAMES + "optim:\n  lr: .5\n  eps: 1.0e-8\n  betas: [0.9, 0.]\n")
     cfg = load_config(f, [])
     assert (cfg.optim.lr, cfg.optim.eps, cfg.optim.betas) == (0.5, 1e-8, [0.9, 0.0])
+    # An explicit tag is held to the same rule: !!int 010 is not 8, !!float 1:30 not 90.0.
+    assert bad(["train.max_steps=!!int 010"]) == "config key train.max_steps: expected int, got '010' (str)."
+    assert bad(["optim.lr=!!float 1:30"]) == "config key optim.lr: expected float, got '1:30' (str)."
+    assert load_config(DEFAULT, ["optim.lr=!!float 1"]).optim.lr == 1.0
+
+
+def test_a_dot_and_underscores_is_text_that_its_config_yaml_reruns(tmp_path):
+    # `._` matched the float pattern, which PyYAML's float constructor cannot read (a ValueError
+    # traceback), while PyYAML's dumper wrote it unquoted: a run with run.out_dir=._ could not
+    # rerun its own config.yaml.
+    assert bad(["optim.lr=._"]) == "config key optim.lr: expected float, got '._' (str)."
+    cfg = load_config(DEFAULT, ["run.out_dir=._"])
+    save(cfg, tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml", []) == cfg
+    assert load_config(DEFAULT, ["optim.lr=.5_0"]).optim.lr == 0.5
+    f = tmp_path / "c.yaml"  # other values YAML cannot read: no date 2024-13-45, lists 1,000 deep
+    for text in ("run:\n  seed: 2024-13-45\n", "train: " + "[" * 1000 + "]" * 1000 + "\n"):
+        f.write_text(NAMES + text)
+        assert bad(path=f).startswith(f"config file {f}: a value YAML cannot read")
+    assert bad(["run.seed=2024-13-45"]) == "config key run.seed: expected int, got '2024-13-45' (str)."
 
 
 def test_none_words_for_a_key_whose_none_is_empty_are_refused():
@@ -221,6 +245,11 @@ def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
                 f"which does not exist; expected a directory, or a path where one can be made.")
     cfg = load_config(DEFAULT, [f"run.out_dir={tmp_path}/new/run", f"data.cache_dir={tmp_path}"])
     assert cfg.run.out_dir == f"{tmp_path}/new/run" and f.read_text() == "kept"
+    # A name in another encoding (Latin-1 bytes, a surrogate to Python): TensorBoard's writer
+    # failed on it after the run's first files were written.
+    latin = f"{tmp_path}/caf\udce9"
+    for key in ("run.out_dir", "data.cache_dir"):
+        assert bad([f"{key}={latin}"]).startswith(f"config key {key}={latin!r}: not UTF-8 text")
     long = tmp_path / ("a" * 300)  # one name over the file system's 255 bytes: not an OSError traceback
     for key in ("run.out_dir", "data.cache_dir"):
         assert bad([f"{key}={long}"]) == f"config key {key}={long}: File name too long; expected a directory path."
@@ -229,6 +258,8 @@ def test_output_and_cache_dirs_must_be_directories_that_can_be_made(tmp_path):
 def test_list_index_out_of_range():
     assert bad(["optim.betas.2=0.9"]) == "config key optim.betas.2: index 2 is not in a list of 2."
     assert bad(["optim.betas.x=0.9"]) == "config key optim.betas.x: index x is not in a list of 2."
+    for digit in ("\u00b2", "\u0661"):  # digits to str.isdigit(), not to int() or not ASCII: refused
+        assert bad([f"optim.betas.{digit}=0.5"]) == f"config key optim.betas.{digit}: index {digit} is not in a list of 2."
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):

@@ -51,6 +51,15 @@ def test_parse_quotes_export_comments():
         "HASH": "abc#def # not a comment", "EQUALS": "a=b=c", "EMPTY": "", "EMPTY_QUOTED": ""}
 
 
+def test_only_line_breaks_end_a_line():
+    # str.splitlines() also ends a line at a form feed, U+2028 and others: a value cut short, a
+    # second variable set from the rest of it, line numbers that are not the file's.
+    assert dotenv.parse("PASSWORD=pa\x0cEXTRA=ss\nTOKEN=abc\u2028def\rOLD_MAC=1\r\nLAST=2") == {
+        "PASSWORD": "pa\x0cEXTRA=ss", "TOKEN": "abc\u2028def", "OLD_MAC": "1", "LAST": "2"}
+    with pytest.raises(BadInput, match="^.env line 2:"):
+        dotenv.parse("A=1\u2028\nnot a line")
+
+
 @pytest.mark.parametrize("bad", ["no equals sign hunter2", "1STARTS_WITH_DIGIT=hunter2",
                                  "TWO WORDS=hunter2", "=hunter2", "OPEN='hunter2", "MIXED=\"hunter2'",
                                  "AFTER='hunter2' trailing", 'INNER="hunter2"x"', "export",

@@ -33,8 +33,8 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None,
     where the note on a continued run.resume=PATH goes."""
     if resume == "never":
         if store.step_dirs(ckpt_root):
-            raise BadInput(f"run.resume=never, but {ckpt_root} already holds checkpoints that a "
-                           f"fresh run would overwrite; use a new run.out_dir.")
+            raise BadInput(f"run.resume=never, but {ckpt_root} already holds checkpoints that a fresh "
+                           f"run would overwrite; use a new run.out_dir, or run.resume=auto to continue from them.")
         if mirror:
             from loop.checkpoint.mirror import listed
 

@@ -116,4 +116,6 @@ def unknown(key: str, names: dict[str, str], registries: dict[str, dict]) -> str
     guess = guess or [k for k in known if k.rpartition(".")[2] == leaf][:1]
     guess = guess or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f" Did you mean '{guess[0]}'?" if guess else ""
+    if key in known:  # `train.max_steps: 3` in a file: one name with a dot in it
+        hint = f" In a file, nest it: {section}: then {rest}: (dotted keys are for the command line)."
     return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."

@@ -45,7 +45,7 @@ def _malformed(source: str, number: int) -> BadInput:
 def parse(text: str, source: str = ENV_FILE) -> dict[str, str]:
     """The entries of a .env text. Raises BadInput naming `source` and the line number."""
     entries = {}
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(re.split(r"\r\n|\r|\n", text), 1):  # splitlines() splits at \f, U+2028 too
         line = line.strip()
         if not line or line.startswith("#"):
             continue

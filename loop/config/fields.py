@@ -86,7 +86,7 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
         return override(getattr(obj, name), rest, text, key)
     if typing.get_origin(hint) is list and len(rest) == 1:  # optim.betas.1=0.99
         items, (elem,) = getattr(obj, name), typing.get_args(hint)
-        if not rest[0].isdigit() or int(rest[0]) >= len(items):
+        if not (rest[0].isascii() and rest[0].isdigit()) or int(rest[0]) >= len(items):
             raise BadInput(f"config key {key}: index {rest[0]} is not in a list of {len(items)}.")
         items[int(rest[0])] = _coerce(_parse(text, elem), elem, key)
         return
@@ -131,7 +131,7 @@ def _parse(text: str, hint):
         return text
     try:
         return yaml.load(text, Loader=DecimalLoader)
-    except yaml.YAMLError:
+    except (yaml.YAMLError, ValueError):  # ValueError: a date that is none (2024-13-45)
         return text
 
 

@@ -52,6 +52,9 @@ def read(path: Path) -> dict:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise BadInput(f"config file {path}{where}: malformed YAML ({getattr(e, 'problem', e)}).")
+    except (ValueError, RecursionError) as e:  # a date that is none (2024-13-45); lists nested 1,000 deep
+        raise BadInput(f"config file {path}: a value YAML cannot read ({e}); expected a YAML file of "
+                       f"plain values.") from None
     if not isinstance(raw, dict):  # empty (None), `0`, `~`: not a run on the defaults, into any out_dir
         what = "is empty" if raw is None else f"holds {type(raw).__name__} {str(raw)[:40]!r}"
         raise BadInput(f"config file {path}: it {what}; expected a mapping of sections (run:, data:, "

@@ -57,6 +57,11 @@ def writable_dir(name: str, path: str, write: bool = True) -> None:
     may do (a prepared data cache: the places that write into it check again)."""
     if not path:
         raise BadInput(f"{name}: expected a directory path, got ''.")
+    try:
+        path.encode()
+    except UnicodeEncodeError:  # bytes of another encoding: the run's files and TensorBoard need text
+        raise BadInput(f"{name}={path!r}: not UTF-8 text; expected a directory path in UTF-8 (rename "
+                       f"the directory, or choose another).") from None
     there = Path(path).absolute()
     try:
         there.exists()
