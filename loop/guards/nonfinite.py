@@ -43,11 +43,13 @@ class NonFinite:
         what = describe(step, micro_losses, grad_norm, model)
         p.bad_streak, p.last_bad = p.bad_streak + 1, step
         streak = p.bad_streak
-        stained = [n for n, b in model.named_buffers() if b.is_floating_point() and not torch.isfinite(local(b)).all()]
-        if self.policy == "skip" and self.dist.sum_host([float(bool(stained))])[0]:  # every rank agrees
-            raise GaveUp(f"{what}; its forward left the buffers {', '.join(stained[:5]) or '(on another rank)'} "
-                         f"not finite, which a skip cannot undo. Gave up: rerun with train.nan_policy=rollback "
-                         f"(it restores them from the newest checkpoint), or lower optim.lr.")
+        if self.policy == "skip":  # what the forward did to a buffer (BatchNorm's statistics) stays
+            stained = [n for n, b in model.named_buffers()
+                       if b.is_floating_point() and not torch.isfinite(local(b)).all()]
+            if self.dist.sum_host([float(bool(stained))])[0]:  # every rank agrees
+                raise GaveUp(f"{what}; its forward left the buffers {', '.join(stained[:5]) or '(on another rank)'} "
+                             f"not finite, which a skip cannot undo. Gave up: rerun with train.nan_policy=rollback "
+                             f"(it restores them from the newest checkpoint), or lower optim.lr.")
         if self.policy == "abort" or streak > self.max_bad:
             why = "train.nan_policy=abort" if self.policy == "abort" else \
                 f"{streak} bad steps in a row (train.max_bad_steps={self.max_bad})"
