@@ -70,11 +70,13 @@ class _Failed(Exception):
 
 
 def _download(url: str, dest: Path, sha256: str, timeout: float) -> None:
-    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}")  # same directory: os.replace is atomic
+    # The same directory (os.replace is atomic), under a name no other process has (another PID
+    # namespace's process sharing the cache has the same PID): created here, never another's.
+    tmp = dest.with_name(f".{dest.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     try:
         digest = hashlib.sha256()
         got = 0
-        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "wb") as f:
+        with urllib.request.urlopen(url, timeout=timeout) as response, open(tmp, "xb") as f:
             while chunk := response.read(CHUNK):
                 digest.update(chunk)
                 f.write(chunk)

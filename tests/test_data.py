@@ -166,6 +166,37 @@ def test_val_batches_fixed_and_rng_free(markov):
     assert not same(a, val_batches(ds, 4, 3, seed=1))
 
 
+def test_preparing_never_touches_another_process_s_temp_dir(tmp_path):
+    # The same PID in another PID namespace (a container sharing the cache): a temp dir named by
+    # the PID alone was deleted by one process while the other wrote into it.
+    theirs = tmp_path / f".corpus.tmp-{os.getpid()}"
+    theirs.mkdir()
+    (theirs / "train.bin").write_bytes(b"half written")
+    out = corpus.write_tokens(tmp_path / "corpus", np.arange(100, dtype=np.uint16), 0.1, {})
+    assert (out / "meta.json").exists() and (theirs / "train.bin").read_bytes() == b"half written"
+
+
+def test_an_augmenting_validation_split_draws_from_streams_of_its_own(markov):
+    # Drawn unseeded, the validation set's augmentation took from the training streams: the
+    # number of samples fetched (train.eval_batches, the batch size, the process count) changed
+    # training's dropout from step 1, and each set's draws depended on where the streams stood.
+    from conftest import Mapped, augment
+
+    ds = Mapped(markov.val, augment)
+    streams = lambda: (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist())  # noqa: E731
+    before = streams()
+    one = val_batches(ds, 4, 1, seed=1337)
+    three = val_batches(ds, 4, 3, seed=1337)
+    after = streams()
+    assert torch.equal(after[0], before[0]) and after[1:] == before[1:]
+    assert not same(one, val_batches(markov.val, 4, 1, seed=1337))  # it augments
+    every = {i: x for b in val_batches(ds, 4, 6, seed=1337) for i, x in zip(b["idx"].tolist(), b["x"])}
+    assert len(every) == len(ds)  # a sample is drawn the same in any set: one, three or six batches
+    halves = [val_batches(ds, 4, 3, 1337, r, 2) for r in range(2)]  # or either of two processes
+    for batches in (one, three, *halves):
+        assert all(torch.equal(every[i], x) for b in batches for i, x in zip(b["idx"].tolist(), b["x"]))
+
+
 def test_val_batches_give_every_rank_as_many_batches(markov):
     # 24 samples, batch 8, 2 batches asked: with 3 processes each rank evaluates 8 samples (one
     # batch); with 5, 4 each (24 // 5), so 20 of them. Handing out global batches slice by slice

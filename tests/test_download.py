@@ -93,6 +93,18 @@ def test_verified_download_is_cached_and_reused_offline(server, tmp_path, capsys
     assert [p.name for p in (tmp_path / "cache").iterdir()] == ["blob.bin"]  # no temp file left
 
 
+def test_a_temp_file_of_another_process_is_never_touched(server, tmp_path):
+    # Processes in other PID namespaces (containers sharing a cache on network storage) have the
+    # same PIDs: a temp name made of the PID alone was truncated by one, then renamed or deleted.
+    server.files["/blob.bin"] = BLOB
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    theirs = cache / f".blob.bin.tmp-{os.getpid()}"
+    theirs.write_bytes(b"another process's download, under way")
+    path = fetch("blob.bin", [f"{server.url}/blob.bin"], BLOB_SHA, cache)
+    assert path.read_bytes() == BLOB and theirs.read_bytes() == b"another process's download, under way"
+
+
 def test_checksum_mismatch_leaves_nothing(server, tmp_path):
     server.files["/blob.bin"] = BLOB
     cache = tmp_path / "cache"

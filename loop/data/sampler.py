@@ -142,4 +142,11 @@ def val_batches(ds: Dataset, batch_size: int, n_batches: int, seed: int | None, 
                        f"process ({world}).")
     idx = torch.randperm(len(ds), generator=g)[: share * world].tolist()
     mine = idx[rank * share : (rank + 1) * share]
-    return [collate([ds[i] for i in mine[k : k + batch_size]]) for k in range(0, share, batch_size)]
+    chunks = [mine[k : k + batch_size] for k in range(0, share, batch_size)]
+    if seed is None:
+        return [collate([ds[i] for i in chunk]) for chunk in chunks]
+    # A split that augments draws from streams seeded by each sample's index (as the text sample's
+    # prompt does): the set is the same at any train.eval_batches and process count, and drawing it
+    # leaves the training streams (dropout) as they were.
+    seeded = SeededSamples(ds, seed)
+    return [collate(seeded.__getitems__([(i, i) for i in chunk])) for chunk in chunks]
