@@ -135,6 +135,8 @@ class Trainer:
             self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
         self.dist.on_main(lambda: runlock.claim(self.out))
         if self.dist.main:  # from here on, files are written
+            if path:  # the pointers a kill in its save left behind
+                self.checkpoints.repair(path, self.monitor.state.best_step)
             save_config(cfg, self.out / "config.yaml")
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
             # Metrics from rank 0 (the values are global), from the resumed step on.

@@ -433,6 +433,23 @@ def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
         assert best_step < 30  # the highest val loss is early: kept although it is old
 
 
+@pytest.mark.parametrize("keep_last", [1, 3])
+def test_pointers_a_kill_in_the_last_save_left_behind_are_repaired_by_the_rerun(tmp_path, cache, keep_last):
+    # A kill after the last checkpoint's rename but before `latest` and `best` were written: the
+    # rerun resumes from that checkpoint and, the run being done, saves nothing; the pointers named
+    # the checkpoint before (or, with keep_last=1, one retention had deleted) for good.
+    out = tmp_path / "run"
+    args = ("train.max_steps=4", "train.eval_every=2", "train.ckpt_every=2", f"train.keep_last={keep_last}")
+    train_here(out, cache, *args)
+    root = out / "checkpoints"
+    best = summary(out)["best"]["step"]
+    assert (root / "best").read_text() == f"step_{best:08d}" and best == 4  # the loss falls
+    for pointer in ("latest", "best"):
+        (root / pointer).write_text("step_00000002")
+    train_here(out, cache, *args)
+    assert (root / "latest").read_text() == (root / "best").read_text() == "step_00000004"
+
+
 def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):
     # Resumed back in time (run.resume=PATH in the same run.out_dir), a run's best can be a step the
     # earlier run deleted once its own best moved on, or there is none yet: then `best` must name

@@ -70,12 +70,25 @@ class Saver:
 
     def saved(self, path: Path, best: str | None) -> None:
         """After checkpoint `path` is complete (in the writer thread when saving asynchronously)."""
-        if best and (self.root / best).is_dir():
-            atomic_write(self.root / "best", best.encode())
-        else:  # none yet, or, resumed back in time, one the run before deleted: `best` names nothing
-            (self.root / "best").unlink(missing_ok=True)
+        self.point(best)
         if self.mirror:  # the best too where only the mirror has it (a resume fetched the newest alone)
             self.mirror.submit(path, {p.name for p in store.step_dirs(self.root)} | ({best} - {None}))
+
+    def point(self, best: str | None) -> None:
+        """`checkpoints/best` names checkpoint `best` where it is here; else nothing (none yet, or,
+        resumed back in time, one the run before deleted)."""
+        if best and (self.root / best).is_dir():
+            atomic_write(self.root / "best", best.encode())
+        else:
+            (self.root / "best").unlink(missing_ok=True)
+
+    def repair(self, path: Path, best_step: int) -> None:
+        """At a resume from the newest checkpoint here (rank 0, once out_dir is the run's): `latest`
+        and `best` as its save left them. A kill between the checkpoint's rename and those writes
+        left them naming an older one (for good, were that save the run's last)."""
+        if (dirs := store.step_dirs(self.root)) and dirs[-1].resolve() == path.resolve():
+            atomic_write(self.root / "latest", path.name.encode())
+            self.point(f"step_{best_step:08d}" if best_step else None)
 
     def wait(self) -> None:
         """The checkpoint being written, if any, is on disk after this (before reading them)."""
