@@ -297,8 +297,9 @@ def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     assert (run / "report.md").read_bytes() == before and (tmp_path / "file").read_text() == "mine"
     # A run stopped before its first step (an empty metrics.jsonl, no summary.json): not a blank row.
     (tmp_path / "early").mkdir()
-    (tmp_path / "early" / "metrics.jsonl").write_text("")
-    assert code([str(tmp_path / "early")]) == 2 and "before its first step" in capsys.readouterr().err
+    for text in ("", '{"step": 1, "lo'):  # or its first record cut short by the kill
+        (tmp_path / "early" / "metrics.jsonl").write_text(text)
+        assert code([str(tmp_path / "early")]) == 2 and "before its first step" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -86,7 +86,8 @@ def load_run(run_dir: Path) -> dict:
         else f"interrupted at step {last.get('step', 0)}"
     return {
         "name": run_dir.resolve().name, "recs": recs, "status": status,
-        "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None, "steps": steps, "tokens": tokens, "wall_s": wall,
+        "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None,
+        "steps": steps, "tokens": tokens, "wall_s": wall,
         "tokens_per_s": tokens / wall if wall else None,  # a finished run's: summary.json's tokens_per_s
         "peak_gb": max(mem) if mem else None, "mfu": sum(mfu) / len(mfu) if mfu else None,
         "kwh": sum(starts) / 3.6e6 if starts else None,
@@ -182,7 +183,7 @@ def write_report(run_dirs: list[Path], out_dir: Path,
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
         log = d / "metrics.jsonl"
-        if log.is_file() and log.stat().st_size == 0 and not (d / "summary.json").exists():
+        if log.is_file() and not read_records(log) and not (d / "summary.json").exists():  # a first line cut short too
             raise FileNotFoundError(f"{d}: an empty metrics.jsonl: the run stopped before its first step")
         if not log.is_file():
             raise FileNotFoundError(f"{d}: no metrics.jsonl, so not a run directory (or the run never logged a step)")
