@@ -73,13 +73,13 @@ def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict
     n_val = held_out(len(ids), val_fraction)
     writable_dir("config key data.cache_dir", str(out_dir.parent))  # a read-only one: prepared only
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    train, val = ids[:-n_val].astype(np.uint16).tobytes(), ids[-n_val:].astype(np.uint16).tobytes()
+    meta = {**meta, "train_tokens": len(ids) - n_val, "val_tokens": n_val,
+            "tokens_sha256": hashlib.sha256(train + val).hexdigest()}  # data/tokens.py checks it
     # A name no other process has: processes in other PID namespaces (containers sharing a cache
     # on network storage) have the same PIDs, and each would write into, or delete, the other's.
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}-{os.urandom(4).hex()}")
     tmp.mkdir()
-    train, val = ids[:-n_val].astype(np.uint16).tobytes(), ids[-n_val:].astype(np.uint16).tobytes()
-    meta = {**meta, "train_tokens": len(ids) - n_val, "val_tokens": n_val,
-            "tokens_sha256": hashlib.sha256(train + val).hexdigest()}  # data/tokens.py checks it
     try:
         write_synced(tmp / "train.bin", train)
         write_synced(tmp / "val.bin", val)

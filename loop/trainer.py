@@ -33,7 +33,7 @@ from loop.distributed import fsdp
 from loop.distributed.group import Dist
 from loop.distributed.wrap import check_all_used, ddp, grad_sync, is_ddp
 from loop.evaluate import Evaluator
-from loop.guards.nonfinite import NonFinite, rollback
+from loop.guards.nonfinite import NonFinite, rollback, watched_buffers
 from loop.guards.oom import OutOfMemory
 from loop.guards.preemption import Preemption
 from loop.lab import banner
@@ -61,8 +61,9 @@ class Trainer:
         self.parts = {"model": self.raw, "optimizer": optimizer, "scheduler": scheduler, "scaler": self.scaler,
                       "ema": ema, "monitor": self.monitor, "progress": self.progress, "rng": RngStreams()}
         self.feed = Feed(data, cfg, cfg.data.pin_memory and device.type == "cuda", self.progress, self.dist)
-        self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save)
-        self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist)
+        watched = watched_buffers(self.raw)  # those a forward can leave non-finite (BatchNorm's statistics)
+        self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save, watched)
+        self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist, watched)
         switch = hasattr(self.raw, "set_activation_checkpointing")  # the model's own way to use less memory
         hint = ", or model.activation_checkpointing=true" if switch else ""
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded, hint,

@@ -14,6 +14,7 @@ import torch
 from conftest import ROOT, TINY, metrics, run_and_kill, run_and_signal, run_train, summary, train_here
 from data.text import TextOptions, build_text
 from loop.checkpoint import store
+from loop.errors import GaveUp
 from loop.guards.preemption import EXIT_PREEMPTED
 
 STEPS = ["train.max_steps=40", "train.ckpt_every=10"]
@@ -693,6 +694,10 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
         f"run.out_dir={tmp_path / 'run'}", "train.device=cpu"])
     data = build_data(cfg.data)
     model = build_model(cfg.model, data)
+    model.register_buffer("running", torch.ones(2))  # a running statistic (BatchNorm's)
+    # Not finite by design, as built: an additive attention mask, in the checkpoint or not.
+    model.register_buffer("mask", torch.tensor([0.0, -float("inf")]))
+    model.register_buffer("scratch", torch.tensor([float("nan")]), persistent=False)
     opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
     trainer = Trainer(cfg, model, data, opt, build_scheduler(opt, cfg.schedule, 10),
                       Precision("fp32", torch.device("cpu")), torch.device("cpu"))
@@ -707,10 +712,16 @@ def test_non_finite_weights_are_never_checkpointed(tmp_path, capsys):
     trainer.save()
     assert not (root / "step_00000002").exists()
     assert "step 2: weights" in capsys.readouterr().err
-    with torch.no_grad():  # a running statistic (BatchNorm's) is saved and resumed from too
+    with torch.no_grad():  # the running statistic is saved and resumed from too
         model.blocks[0].mlp[0].weight[0, 0] = 0.0
-        model.register_buffer("running", torch.tensor([1.0, float("nan")]))
+        model.running[1] = float("nan")
     trainer.progress.step = 3
     trainer.save()
     assert not (root / "step_00000003").exists()
+    # A skip judges the running statistic alone, as the save does: stained, the run gives up.
+    nan = torch.tensor(float("nan"))
+    with pytest.raises(GaveUp, match=r"buffers running not finite"):
+        trainer.nonfinite.verdict(nan[None], nan, model)
+    model.running.fill_(1.0)
+    assert trainer.nonfinite.verdict(nan[None], nan, model) == "skip"  # the mask and scratch are not judged
     assert json.loads((root / "step_00000001" / "manifest.json").read_text())["world_size"] == 1

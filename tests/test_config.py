@@ -59,9 +59,11 @@ def test_unknown_yaml_key_names_it_and_suggests(tmp_path):
     assert "'trian'" in msg and "Did you mean 'train'?" in msg
     assert "Known sections: run, data, model, optim, schedule, train" in msg
 
-    f.write_text(NAMES + "train.max_steps: 3\n")  # a command line's dotted key: said how to nest it
-    msg = bad(path=f)
-    assert "'train.max_steps'" in msg and "nest it: train: then max_steps:" in msg and "Did you mean" not in msg
+    for section, key in [("train", "max_steps"), ("model", "n_layer"), ("data", "seq_len")]:
+        f.write_text(NAMES + f"{section}.{key}: 3\n")  # a command line's dotted key: said how to nest it
+        msg = bad(path=f)
+        assert f"'{section}.{key}'" in msg and f"nest it: {section}: then {key}:" in msg, msg
+        assert "Did you mean" not in msg
 
 
 def test_nested_path_below_a_leaf_is_unknown():
@@ -191,6 +193,7 @@ def test_a_dot_and_underscores_is_text_that_its_config_yaml_reruns(tmp_path):
         f.write_text(NAMES + text)
         assert bad(path=f).startswith(f"config file {f}: a value YAML cannot read")
     assert bad(["run.seed=2024-13-45"]) == "config key run.seed: expected int, got '2024-13-45' (str)."
+    assert bad(["run.seed=" + "[" * 1000 + "]" * 1000]).startswith("config key run.seed: expected int")
 
 
 def test_none_words_for_a_key_whose_none_is_empty_are_refused():
@@ -259,7 +262,8 @@ def test_list_index_out_of_range():
     assert bad(["optim.betas.2=0.9"]) == "config key optim.betas.2: index 2 is not in a list of 2."
     assert bad(["optim.betas.x=0.9"]) == "config key optim.betas.x: index x is not in a list of 2."
     for digit in ("\u00b2", "\u0661"):  # digits to str.isdigit(), not to int() or not ASCII: refused
-        assert bad([f"optim.betas.{digit}=0.5"]) == f"config key optim.betas.{digit}: index {digit} is not in a list of 2."
+        assert bad([f"optim.betas.{digit}=0.5"]) == \
+            f"config key optim.betas.{digit}: index {digit} is not in a list of 2."
 
 
 def test_malformed_yaml_names_file_and_line(tmp_path):

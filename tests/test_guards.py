@@ -4,6 +4,7 @@ out-of-memory halves the micro-batch and retries with the same global batch; one
 optimizer step; determinism mode gives identical runs."""
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import os
@@ -163,17 +164,26 @@ class TokenNorm(torch.nn.BatchNorm1d):
 
 
 @pytest.mark.parametrize("policy", ["skip", "rollback"])
-def test_a_skip_cannot_undo_a_buffer_its_forward_made_non_finite(tmp_path, cache, policy):
+def test_a_skip_cannot_undo_a_buffer_its_forward_made_non_finite(tmp_path, cache, policy, monkeypatch):
     # A forward in train mode updates BatchNorm's running statistics before the step is judged.
     # Skipped, the step would keep them not finite: every evaluation NaN, silently. The run gives
     # up naming the buffer; a rollback restores it from the checkpoint and trains on.
     from conftest import TINY, build_trainer
+    from model import MODELS
 
+    norm, build_gpt = TokenNorm(32, affine=False), MODELS["gpt"]
+
+    @functools.wraps(build_gpt)
+    def with_norm(options, data):  # the GPT with a BatchNorm after its embeddings, as built
+        model = build_gpt(options, data)
+        model.drop = torch.nn.Sequential(norm, model.drop)
+        return model
+
+    monkeypatch.setitem(MODELS, "gpt", with_norm)
     out = tmp_path / "run"
     cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=6",
                                 "train.ckpt_every=1", f"train.nan_policy={policy}"])
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
-    norm = TokenNorm(32, affine=False)
     fired = []
 
     def blow(_module, inputs):
@@ -182,7 +192,6 @@ def test_a_skip_cannot_undo_a_buffer_its_forward_made_non_finite(tmp_path, cache
             return inputs[0] * float("inf")
 
     norm.register_forward_pre_hook(blow)
-    t.raw.drop = torch.nn.Sequential(norm, t.raw.drop)
     if policy == "skip":
         with pytest.raises(GaveUp, match=r"step 3: .*drop\.0\.running_mean"):
             t.run()

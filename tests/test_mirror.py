@@ -184,6 +184,23 @@ def test_a_run_resumed_from_its_mirror_keeps_the_best_checkpoint_there(tmp_path,
     assert json.loads((out / "summary.json").read_text())["best"]["step"] == 10
 
 
+def test_a_rerun_copies_the_last_checkpoint_a_kill_kept_from_the_mirror(tmp_path, cache):
+    # A kill after the run's last checkpoint was renamed into place, before its copy: the rerun
+    # resumes from it and saves nothing, so only the rerun can give the mirror its copy.
+    out, target = tmp_path / "run", tmp_path / "mirror"
+    args = [f"run.out_dir={out}", f"run.mirror={target}", *TINY, cache, "train.max_steps=4",
+            "train.ckpt_every=2"]
+    assert train.main(args) == 0
+    shutil.rmtree(target / "step_00000004")
+    (target / "latest").write_text("step_00000002")
+    assert train.main(args) == 0
+    assert_same(str(target), out / "checkpoints" / "step_00000004")
+    assert (target / "latest").read_text() == "step_00000004"
+    copied = (target / "step_00000004" / "manifest.json").stat().st_mtime_ns
+    assert train.main(args) == 0  # a copy that is whole is not made again
+    assert (target / "step_00000004" / "manifest.json").stat().st_mtime_ns == copied
+
+
 def test_a_resume_path_command_rerun_on_a_new_disk_continues_from_the_mirror(tmp_path, cache):
     # A requeue onto a node whose out_dir is empty: the same command continues from this run's
     # newest, which the mirror holds (its manifest names run.resume's PATH as where it started),

@@ -92,6 +92,13 @@ class Mirror:
         else:  # an unbounded queue: put never blocks
             self._queue.put((Path(ckpt_dir), frozenset(keep)))
 
+    def holds(self, name: str) -> bool:
+        """Whether checkpoint `name` is mirrored whole (its manifest, copied last, is there)."""
+        try:
+            return self.fs.exists(posixpath.join(self.root, name, MANIFEST))
+        except OSError:  # unreachable now: a copy queued is retried (`_retrying`)
+            return False
+
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for queued copies (at the end of a run) and stop the thread."""
         if not self._closed:

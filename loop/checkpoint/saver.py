@@ -1,7 +1,7 @@
 """Writing a run's checkpoints: when one counts, and what follows it.
 
 `Saver.save(step, parts, ...)` writes checkpoint `step`, every rank taking part: never one whose
-weights or floating-point buffers are not all finite (a resume would start from them); under FSDP
+weights or running statistics are not all finite (a resume would start from them); under FSDP
 with every rank's buffers made equal first; either at once or, with train.async_save, copied to CPU
 memory and written by a background thread (loop/checkpoint/async_save.py). Once it is complete,
 `checkpoints/best` names the best checkpoint and the mirror (run.mirror) gets a copy. The files and
@@ -24,8 +24,9 @@ from loop.distributed.group import Dist
 
 
 class Saver:
-    def __init__(self, root: Path, keep_last: int, dist: Dist, async_save: bool):
-        self.root, self.keep_last, self.dist = root, keep_last, dist
+    def __init__(self, root: Path, keep_last: int, dist: Dist, async_save: bool, watched: set[str] = frozenset()):
+        """`watched`: the buffers checked with the weights (loop/guards/nonfinite.py::watched_buffers)."""
+        self.root, self.keep_last, self.dist, self.watched = root, keep_last, dist, watched
         self.writer = AsyncSaver(dist.for_thread()) if async_save else None
         self.mirror = None  # rank 0's loop.checkpoint.mirror.Mirror: it alone writes checkpoints
         self.origin: str | None = None  # where run.resume=PATH began (resume.origin), in each manifest
@@ -41,8 +42,10 @@ class Saver:
         """Checkpoint `step` of `parts` (loop/checkpoint/state.py), `run_facts` beside them in state.pt;
         `best_step`: the best checkpoint's step, kept by retention and named by `best` (0: none)."""
         model, ema = parts["model"], parts["ema"]
-        tensors = [*model.parameters(), *(b for b in model.buffers() if b.is_floating_point())]
-        finite = torch.stack([torch.isfinite(fsdp.local(t)).all() for t in tensors]).all()
+        tensors = [*model.parameters(), *(b for n, b in model.named_buffers() if n in self.watched)]
+        checks = [torch.isfinite(fsdp.local(t)).all() for t in tensors]
+        # On one device: FSDP's CPU offload keeps the weights in host memory, the buffers on the GPU.
+        finite = torch.stack([c.to(checks[0].device) for c in checks]).all()
         if self.dist.sum_host([float(not finite)])[0]:  # FSDP: each rank sees only its shards
             print(f"warning: step {step}: weights or buffers are not all finite; no checkpoint written",
                   file=sys.stderr)
@@ -83,12 +86,16 @@ class Saver:
             (self.root / "best").unlink(missing_ok=True)
 
     def repair(self, path: Path, best_step: int) -> None:
-        """At a resume from the newest checkpoint here (rank 0, once out_dir is the run's): `latest`
-        and `best` as its save left them. A kill between the checkpoint's rename and those writes
-        left them naming an older one (for good, were that save the run's last)."""
+        """At a resume from the newest checkpoint here (rank 0, once out_dir is the run's): `latest`,
+        `best` and the mirror's copy as its save left them. A kill between the checkpoint's rename
+        and those left them naming an older one, or no copy (for good, were that save the run's last)."""
         if (dirs := store.step_dirs(self.root)) and dirs[-1].resolve() == path.resolve():
             atomic_write(self.root / "latest", path.name.encode())
-            self.point(f"step_{best_step:08d}" if best_step else None)
+            best = f"step_{best_step:08d}" if best_step else None
+            if self.mirror and not self.mirror.holds(path.name):  # its copy, cut short by the kill too
+                self.saved(path, best)
+            else:
+                self.point(best)
 
     def wait(self) -> None:
         """The checkpoint being written, if any, is on disk after this (before reading them)."""

@@ -92,9 +92,12 @@ def unknown(key: str, names: dict[str, str], registries: dict[str, dict]) -> str
     the chosen builder reads and which builders read that key; elsewhere, or below a key it reads,
     a near spelling, or the same name in another section."""
     section, _, rest = key.partition(".")
+    nest = f" In a file, nest it: {section}: then {rest}: (dotted keys are for the command line)."
     if section in names:
         registry, name = registries[section], names[section]
         cls = options_of(section, name, registry[name])
+        if rest in keys(cls):  # `model.n_layer: 3` in a file: one name with a dot in it
+            return f"unknown config key '{key}'.{nest}"
         mine = ", ".join(f"{section}.{k}" for k in own(cls, section)) or "none of its own"
         reads = f"{section}.name={name} reads {mine}"
         first = rest.split(".")[0]
@@ -116,6 +119,6 @@ def unknown(key: str, names: dict[str, str], registries: dict[str, dict]) -> str
     guess = guess or [k for k in known if k.rpartition(".")[2] == leaf][:1]
     guess = guess or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     hint = f" Did you mean '{guess[0]}'?" if guess else ""
-    if key in known:  # `train.max_steps: 3` in a file: one name with a dot in it
-        hint = f" In a file, nest it: {section}: then {rest}: (dotted keys are for the command line)."
+    if key in known:  # as above, in a section of the loop's
+        hint = nest
     return f"unknown config key '{key}'.{hint} Known sections: {', '.join(typing.get_type_hints(Config))}."

@@ -131,7 +131,7 @@ def _parse(text: str, hint):
         return text
     try:
         return yaml.load(text, Loader=DecimalLoader)
-    except (yaml.YAMLError, ValueError):  # ValueError: a date that is none (2024-13-45)
+    except (yaml.YAMLError, ValueError, RecursionError):  # a date that is none (2024-13-45); [[[...]]]
         return text
 
 

@@ -23,11 +23,21 @@ from loop.errors import GaveUp
 from loop.progress import Progress
 
 
+def watched_buffers(model: torch.nn.Module) -> set[str]:
+    """The floating-point buffers a checkpoint holds that are finite as the model is built: those a
+    forward can leave non-finite (BatchNorm's running statistics). Not a mask of -inf by design, nor
+    a non-persistent buffer, which no checkpoint holds and no rollback restores."""
+    saved = model.state_dict().keys()
+    return {n for n, b in model.named_buffers()
+            if n in saved and b.is_floating_point() and torch.isfinite(local(b)).all()}
+
+
 class NonFinite:
-    def __init__(self, policy: str, max_bad: int, progress: Progress, dist: Dist):
+    def __init__(self, policy: str, max_bad: int, progress: Progress, dist: Dist, watched: set[str] = frozenset()):
         # The row of bad steps is counted in `progress` (bad_streak, last_bad): in the checkpoint,
-        # so a resumed run gives up where the uninterrupted one does.
+        # so a resumed run gives up where the uninterrupted one does. `watched`: watched_buffers().
         self.policy, self.max_bad, self.progress, self.dist = policy, max_bad, progress, dist
+        self.watched = watched
 
     def passed(self) -> None:
         """The step is taken; past the last bad step (not a replay after a rollback) the streak ends."""
@@ -44,8 +54,7 @@ class NonFinite:
         p.bad_streak, p.last_bad = p.bad_streak + 1, step
         streak = p.bad_streak
         if self.policy == "skip":  # what the forward did to a buffer (BatchNorm's statistics) stays
-            stained = [n for n, b in model.named_buffers()
-                       if b.is_floating_point() and not torch.isfinite(local(b)).all()]
+            stained = [n for n, b in model.named_buffers() if n in self.watched and not torch.isfinite(local(b)).all()]
             if self.dist.sum_host([float(bool(stained))])[0]:  # every rank agrees
                 raise GaveUp(f"{what}; its forward left the buffers {', '.join(stained[:5]) or '(on another rank)'} "
                              f"not finite, which a skip cannot undo. Gave up: rerun with train.nan_policy=rollback "
