@@ -1,6 +1,7 @@
 """train.py with more models and data sets, for the tests of what users' own do under DDP and FSDP.
 
 Models: `gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient);
+`gpt_first_micro`, the GPT plus a layer its forward uses in every other training call only;
 `gpt_bn_spare_bf16`, that model with batch norm over its embeddings (buffers the forward updates)
 and its weights in bfloat16 (a checkpoint loaded in bf16 to fine-tune); `gpt_wrong`, the GPT with a
 bug in its forward (embeddings one feature too wide); and two that FSDP cannot shard: `gpt_scalar`,
@@ -82,6 +83,27 @@ def gpt_spare(cfg: GPTOptions, data: Data) -> nn.Module:
     return m
 
 
+class EveryOther(nn.Module):
+    """`inner`, after `extra` in training's odd-numbered calls only: with train.grad_accum=2, in each
+    step's first micro-batch and never in its last (a path that depends on the data)."""
+
+    def __init__(self, inner: nn.Module, n: int):
+        super().__init__()
+        self.inner, self.extra, self.calls = inner, nn.Linear(n, n), 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            x = x + self.extra(x) if self.calls % 2 else x
+        return self.inner(x)
+
+
+def gpt_first_micro(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = build_gpt(cfg, data)
+    m.drop = EveryOther(m.drop, cfg.n_embd)
+    return m
+
+
 def gpt_bn_spare_bf16(cfg: GPTOptions, data: Data) -> nn.Module:
     m = gpt_spare(cfg, data)
     m.drop = nn.Sequential(TokenNorm(cfg.n_embd), m.drop)  # applied to the embeddings
@@ -108,7 +130,7 @@ def gpt_shared(cfg: GPTOptions, data: Data) -> nn.Module:
 
 if __name__ == "__main__":
     MODELS.update(gpt_spare=gpt_spare, gpt_bn_spare_bf16=gpt_bn_spare_bf16, gpt_wrong=gpt_wrong,
-                  gpt_scalar=gpt_scalar, gpt_shared=gpt_shared)
+                  gpt_scalar=gpt_scalar, gpt_shared=gpt_shared, gpt_first_micro=gpt_first_micro)
     DATASETS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked,
                     text_per_node=text_per_node)
     sys.exit(train.main())

@@ -362,10 +362,16 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
 
     refused = launch(tmp_path / "a")
     assert refused.returncode == 1 and "exitcode  : 2 " in refused.stderr, refused.stderr
-    assert ("error: step 1: parameters spare.weight, spare.bias got no gradient (the model's forward "
-            "did not use them), which DDP cannot reduce; set train.find_unused_parameters=true") \
-        in refused.stderr
+    assert "error: step 1: parameters spare.weight, spare.bias got no gradient" in refused.stderr
+    assert "train.find_unused_parameters=true" in refused.stderr
     assert not (tmp_path / "a" / "checkpoints").exists()
+    # Used in a step's first micro-batch alone: its gradient is there, but DDP reduced none of its
+    # bucket; the optimizer stepped on each rank's own (the replicas parted, exit 0 at max_steps=1)
+    # and the next forward was DDP's traceback.
+    first = launch(tmp_path / "c", "model.name=gpt_first_micro", "data.batch_size=2", "train.grad_accum=2")
+    assert first.returncode == 1 and "exitcode  : 2 " in first.stderr, first.stderr
+    assert "error: step 1: parameters drop.extra.weight, drop.extra.bias got no gradient in the step's last " \
+        "micro-batch" in first.stderr and not (tmp_path / "c" / "checkpoints").exists()
     done = launch(tmp_path / "b", "train.find_unused_parameters=true")
     assert done.returncode == 0, done.stderr
     assert summary(tmp_path / "b")["steps"] == 3

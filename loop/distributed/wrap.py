@@ -62,15 +62,16 @@ def ddp(module: torch.nn.Module, device: torch.device, find_unused: bool) -> tor
 
 def check_all_used(model: torch.nn.Module, find_unused: bool, step: int) -> None:
     """After a step's backward under DDP without train.find_unused_parameters: a trainable parameter
-    that got no gradient leaves its bucket unreduced (the other gradients in it stay this rank's own)
-    and DDP's next forward fails. Said clearly, before the optimizer steps on them."""
+    that got no gradient in the last micro-batch's backward (grad_sync notes those that did) leaves
+    its bucket unreduced (the other gradients in it stay this rank's own) and DDP's next forward
+    fails. Said clearly, before the optimizer steps on them."""
     if find_unused or not is_ddp(model):
         return
-    unused = [n for n, q in model.module.named_parameters() if q.requires_grad and q.grad is None]
+    unused = [n for n, q in model.module.named_parameters() if q.requires_grad and id(q) not in model.got_grad]
     if unused:
         more = f" and {len(unused) - 3} more" if len(unused) > 3 else ""
-        raise BadInput(f"step {step}: parameters {', '.join(unused[:3])}{more} got no gradient (the "
-                       f"model's forward did not use them), which DDP cannot reduce; set "
+        raise BadInput(f"step {step}: parameters {', '.join(unused[:3])}{more} got no gradient in the "
+                       f"step's last micro-batch (the model's forward did not use them), which DDP cannot reduce; set "
                        f"train.find_unused_parameters=true, or freeze them (requires_grad=False) or "
                        f"take them out of the model.")
 
@@ -88,8 +89,17 @@ def grad_sync(model: torch.nn.Module, sync: bool):
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
         model.set_requires_gradient_sync(sync)
         yield
-    elif sync or not hasattr(model, "no_sync"):
+    elif not is_ddp(model) or (sync and model.find_unused_parameters):
         yield
-    else:
+    elif not sync:
         with model.no_sync():
             yield
+    else:  # DDP reduces in this backward the gradients it gets: those that came (check_all_used)
+        got = model.got_grad = set()
+        hooks = [q.register_post_accumulate_grad_hook(lambda q: got.add(id(q)))
+                 for q in model.module.parameters() if q.requires_grad]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
