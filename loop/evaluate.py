@@ -173,33 +173,41 @@ class Evaluator:
         if self.dist.sum_host([float(cannot or not all(h["n_targets"] for h in parts))])[0]:
             return  # on some rank: nothing to compare (or a half without targets)
 
-        def loss(b: dict, seed: int = self.seed) -> float:
+        def sums(b: dict, seed: int = self.seed) -> dict[str, float]:  # the loss first, then the others
             with own_rng(self.device, seed), self.precision.autocast():
-                return loss_and_sums(raw(to_device(b, self.device)))[0].float().item()
+                loss, others = loss_and_sums(raw(to_device(b, self.device)))
+                return {k: v.float().item() for k, v in {"loss": loss, **others}.items()}
 
         got = None
         try:
             with evaluating(raw):
-                got = [loss(batch), loss(batch, self.seed + 1), *map(loss, parts)]
+                got = [sums(batch), sums(batch, self.seed + 1), *map(sums, parts)]
         except (torch.OutOfMemoryError, RuntimeError) as e:
             if not out_of_memory(e) or self.sharded:  # FSDP: the other ranks wait in this forward's gathers
                 raise
         if got is None:  # the sample twice over did not fit
             release_memory(self.device)  # outside the except, whose traceback pins the tensors
-        whole, again, *halves = got or [0.0] * 4
-        random = got is not None and not math.isclose(whole, again, rel_tol=1e-4, abs_tol=1e-9)  # not rounding
-        adds_up = got is None or random or math.isclose(whole, sum(halves), rel_tol=1e-2, abs_tol=1e-6)
-        full, randoms, wrongs = self.dist.sum_host([float(got is None), float(random), float(not adds_up)])
+        whole, again, *halves = got or [{"loss": 0.0}] * 4
+        random = got is not None and not math.isclose(whole["loss"], again["loss"], rel_tol=1e-4, abs_tol=1e-9)
+        # Every value it returns is a sum (the loop reports val_<name> as the sum over the targets'
+        # count): a perplexity or an accuracy of the batch would be reported divided by it.
+        wrong = [k for k in whole if not math.isclose(whole[k], halves[0][k] + halves[1][k], rel_tol=1e-2,
+                                                      abs_tol=1e-6)] if got and not random else []
+        full, randoms, wrongs = self.dist.sum_host([float(got is None), float(random), float(bool(wrong))])
         if full:
             return  # on some rank: nothing compared
         if wrongs:
-            raise BadInput(f"the model's loss is not a sum over the batch's targets: on a validation batch "
+            name = (wrong or ["loss"])[0]
+            whole, halves = whole[name], [h[name] for h in halves]
+            what = "loss" if name == "loss" else f"{name!r} (beside its loss)"
+            raise BadInput(f"the model's {what} is not a sum over the batch's targets: on a validation batch "
                            f"of {batch['n_targets']} targets it gave {whole:.6g}, on its two halves "
-                           f"{halves[0]:.6g} + {halves[1]:.6g} = {sum(halves):.6g}. Expected the loss summed over "
+                           f"{halves[0]:.6g} + {halves[1]:.6g} = {sum(halves):.6g}. Expected every value summed over "
                            f"the real targets (reduction=\"sum\", not the mean: the loop divides by the whole "
                            f"step's target count), and a prediction of the targets' shape (one of shape (B,) "
                            f"against targets of (B, 1) broadcasts to a B x B matrix of errors).")
         if randoms:
+            whole, again = whole["loss"], again["loss"]
             self.dist.say(f"note: the model draws random numbers in eval mode (one validation batch under "
                           f"two seeds gave losses {whole:.6g} and {again:.6g}), so whether its loss is a sum "
                           f"over the targets is not checked; validation draws them seeded by run.seed, the "

@@ -370,6 +370,33 @@ def test_a_loss_that_is_not_a_sum_over_the_targets_stops_the_run_before_anything
     assert not (tmp_path / "run").exists()
 
 
+def test_a_reported_value_that_is_not_a_sum_is_named_and_a_count_passes(tmp_path, cache):
+    # val_<name> is the sum over the targets' count: a perplexity returned beside the loss was
+    # reported divided by it (val_ppl 0.17 for a perplexity of 88), exit 0.
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+
+    def forward(model, batch, ppl: bool) -> dict:
+        logits, y = model.logits(batch["x"]).flatten(0, 1), batch["y"].flatten()
+        loss = F.cross_entropy(logits, y, ignore_index=IGNORE_INDEX, reduction="sum")
+        n = (y != IGNORE_INDEX).sum()
+        extra = torch.exp(loss.detach() / n) if ppl else ((logits.argmax(-1) == y) & (y != IGNORE_INDEX)).sum()
+        return {"loss": loss, "ppl" if ppl else "right": extra}
+
+    for ppl in (True, False):
+        out = tmp_path / f"run{ppl}"
+        cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=1"])
+        t = build_trainer(cfg, Dist(), torch.device("cpu"))
+        t.raw.forward = lambda batch, m=t.raw, ppl=ppl: forward(m, batch, ppl)
+        if ppl:
+            with pytest.raises(BadInput, match=r"the model's 'ppl' \(beside its loss\) is not a sum"):
+                t.run()
+            assert not out.exists()
+        else:
+            assert 0 <= t.run()["val_right"] <= 1
+
+
 def test_a_mean_at_a_micro_batch_of_one_is_found_by_halving_the_sample_s_targets():
     # No larger forward than the sample's own: under FSDP (where an out-of-memory in a forward
     # cannot be retried) as anywhere, a mean loss at data.batch_size=1 is exit 2.
