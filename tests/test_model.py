@@ -430,6 +430,35 @@ def test_a_mean_at_a_micro_batch_of_one_is_found_by_halving_the_sample_s_targets
     assert target_halves({**batch, "y": torch.tensor([[2]])}) is None  # one target: nothing to halve
 
 
+def test_a_signed_sum_and_a_value_drawn_at_random_are_not_taken_for_means():
+    # A signed sum's halves can be far larger than it (bf16 rounding of 7.34 and -7.56 is more than
+    # 1% of their sum -0.21); a count drawn at random differs in the halves, which draw again.
+    from types import SimpleNamespace
+
+    from loop.distributed.group import Dist
+    from loop.evaluate import Evaluator, _adds_up
+    from loop.precision import Precision
+
+    assert _adds_up(-0.214844, 7.34375, -7.5625)
+    assert not _adds_up(4.49, 4.49, 4.49) and not _adds_up(8.0, 2.0, 2.0)  # a mean; a broadcast's half
+
+    class Sampled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, batch):
+            counted = batch["y"] != IGNORE_INDEX
+            return {"loss": (self.w * batch["y"].float() * counted).sum(),
+                    "sampled": ((torch.rand(batch["y"].shape) < 0.5) & counted).sum()}
+
+    cpu = torch.device("cpu")
+    y = torch.arange(64).reshape(4, 16)
+    batch = {"idx": torch.arange(4), "x": torch.zeros(4, 16, dtype=torch.long), "y": y, "n_targets": 64}
+    evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=False, seed=0)
+    Evaluator._sums_add_up(evaluator, Sampled(), batch, 1)
+
+
 def test_a_model_that_draws_random_numbers_in_eval_mode_trains_and_evaluating_changes_nothing(tmp_path, cache,
                                                                                                capsys):
     # A diffusion model's noise, drawn from torch's global stream in eval mode too: its loss is a

@@ -96,8 +96,8 @@ class Mirror:
         """Whether checkpoint `name` is mirrored whole (its manifest, copied last, is there)."""
         try:
             return self.fs.exists(posixpath.join(self.root, name, MANIFEST))
-        except OSError:  # unreachable now: a copy queued is retried (`_retrying`)
-            return False
+        except Exception:  # noqa: BLE001 -- unreachable now (backends raise their own types): a copy
+            return False  # queued is retried (`_retrying`)
 
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for queued copies (at the end of a run) and stop the thread."""
