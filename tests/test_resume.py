@@ -532,6 +532,17 @@ def test_a_resume_on_another_machine_versions_or_process_count_says_exactness_is
     assert platform_change({}, 1, there, 1) == ""  # a checkpoint without metadata: nothing known
 
 
+def test_a_resume_that_trains_nothing_says_nothing_of_the_rate_it_would_train_at(tmp_path, cache):
+    # Resumed at step 4 with train.max_steps=4 (the horizon was 12): nothing is trained, so no
+    # step takes the reshaped rate a note would name.
+    from conftest import train_here
+
+    out, args = tmp_path / "run", (cache, "model.n_layer=1", "schedule.warmup_steps=2", "train.ckpt_every=4")
+    train_here(out, *args, "train.max_steps=12", "train.keep_last=5")
+    again = train_here(out, *args, "train.max_steps=4", f"run.resume={out / 'checkpoints' / 'step_00000004'}")
+    assert "resumed from" in again.stdout and "reshapes" not in again.stdout, again.stdout
+
+
 def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_on_instead():
     # Raising train.max_steps on a finished run stretches the cosine: the LR jumps (from 2.44e-4 at
     # step 30 to 1.74e-3 at step 31, say). The note gives both rates and how to go on at the one
@@ -569,6 +580,11 @@ def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_o
         cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=24", *keys, "optim.lr=0.01"])
         note = reshaped({"config": saved, "scheduler": {"last_epoch": 10}}, cfg)
         assert (note is not None) == says, (name, note)
+    # The jump of another schedule.name, or of a warmup that now covers the step, is not the horizon's.
+    saved = to_dict(load_config(DEFAULT_CONFIG, ["train.max_steps=12", "schedule.warmup_steps=2"]))
+    for keys in (["schedule.name=cosine_restarts", "schedule.restart_period=3"], ["schedule.warmup_steps=8"]):
+        cfg = load_config(DEFAULT_CONFIG, ["train.max_steps=20", *keys])
+        assert reshaped({"config": saved, "scheduler": {"last_epoch": 4}}, cfg) is None, keys
     # Going on as the note says: the constant rate is the rate the schedule reached.
     on = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant", "schedule.warmup_steps=0",
                                       f"optim.lr={before:.3g}"])

@@ -56,7 +56,8 @@ def what_changed(state: dict, cfg, world: int, metadata: dict) -> list[str]:
         notes.append(f"this resume is not where the checkpoint was written ({moved}): the run goes on "
                      f"from the same data position and the same weights, its sums rounded otherwise"
                      f"{masks}; bit for bit holds only on the same machine, versions and process count")
-    if "train.max_steps" in changed and (lr := reshaped(state, cfg)):
+    if "train.max_steps" in changed and state["progress"]["step"] < cfg.train.max_steps \
+            and (lr := reshaped(state, cfg)):  # a step is left to train at it
         notes.append(lr)
     if batch := global_batch_change(state["config"], state["world_size"], cfg, world):
         notes.append(batch)
@@ -74,9 +75,9 @@ def reshaped(state: dict, cfg) -> str | None:
     before = lr_factor(s, saved, was["train"]["max_steps"]) * was.get("optim", {}).get("lr", cfg.optim.lr)
     after = lr_factor(s, cfg.schedule, cfg.train.max_steps) * cfg.optim.lr
     was_steps = was["train"]["max_steps"]
-    # A schedule without a horizon (step, constant) stays: a jump there is optim.lr's or the
-    # schedule keys' (said with the keys that differ), not the horizon's.
-    if before == after or lr_factor(s, saved, was_steps) == lr_factor(s, saved, cfg.train.max_steps):
+    # This run's schedule without a horizon (step, constant; or at this step, in its warmup): a jump
+    # there is optim.lr's or the schedule keys' (said with the keys that differ), not the horizon's.
+    if before == after or lr_factor(s, cfg.schedule, was_steps) == lr_factor(s, cfg.schedule, cfg.train.max_steps):
         return None
     return (f"train.max_steps {was_steps} -> {cfg.train.max_steps} reshapes schedule.name={cfg.schedule.name} "
             f"over the new horizon: the learning rate at this step goes from {before:.3g} to {after:.3g}. "
