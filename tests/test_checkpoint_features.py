@@ -447,8 +447,18 @@ def test_pointers_a_kill_in_the_last_save_left_behind_are_repaired_by_the_rerun(
     assert (root / "best").read_text() == f"step_{best:08d}" and best == 4  # the loss falls
     for pointer in ("latest", "best"):
         (root / pointer).write_text("step_00000002")
+    if keep_last == 1:  # killed in retention too: step 2 half deleted
+        (root / "step_00000002").mkdir()
+        (root / "step_00000002" / "state.pt").write_bytes(b"what was left")
+    # Temp copies a kill mid-write left (of the run's files), beside one of tools.report's.
+    leftovers = [out / ".config.yaml.tmp-99999", out / ".model.pt.tmp-7", root / ".best.tmp-12"]
+    for tmp in [*leftovers, out / ".report.md.tmp-5"]:
+        tmp.write_bytes(b"half")
     train_here(out, cache, *args)
     assert (root / "latest").read_text() == (root / "best").read_text() == "step_00000004"
+    assert [d.name for d in store.step_dirs(root)] == (["step_00000004"] if keep_last == 1 else
+                                                       ["step_00000002", "step_00000004"])
+    assert not any(tmp.exists() for tmp in leftovers) and (out / ".report.md.tmp-5").exists()
 
 
 def test_the_best_pointer_never_names_a_missing_checkpoint(tmp_path):

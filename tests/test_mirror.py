@@ -199,6 +199,16 @@ def test_a_rerun_copies_the_last_checkpoint_a_kill_kept_from_the_mirror(tmp_path
     copied = (target / "step_00000004" / "manifest.json").stat().st_mtime_ns
     assert train.main(args) == 0  # a copy that is whole is not made again
     assert (target / "step_00000004" / "manifest.json").stat().st_mtime_ns == copied
+    # The mirror behind: the copy before the last one cut short (its manifest comes last), then
+    # pruned by the last one's copy; or the mirror's `latest` not yet written after the last copy.
+    (target / "step_00000002" / "manifest.json").unlink()
+    assert train.main(args) == 0
+    assert mirrored_names(str(target)) >= {"step_00000002", "step_00000004"}
+    assert_same(str(target), out / "checkpoints" / "step_00000002")
+    assert (target / "latest").read_text() == "step_00000004"
+    (target / "latest").write_text("step_00000002")
+    assert train.main(args) == 0
+    assert (target / "latest").read_text() == "step_00000004"
 
 
 def test_a_resume_path_command_rerun_on_a_new_disk_continues_from_the_mirror(tmp_path, cache):

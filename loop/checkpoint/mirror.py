@@ -99,6 +99,13 @@ class Mirror:
         except Exception:  # noqa: BLE001 -- unreachable now (backends raise their own types): a copy
             return False  # queued is retried (`_retrying`)
 
+    def latest(self) -> str | None:
+        """The checkpoint the mirror's `latest` names (the last one copied), or None."""
+        try:
+            return self.fs.cat_file(posixpath.join(self.root, "latest")).decode(errors="replace")
+        except Exception:  # noqa: BLE001 -- none yet, or unreachable now (as in `holds`)
+            return None
+
     def close(self, timeout_s: float | None = None) -> None:
         """Wait for queued copies (at the end of a run) and stop the thread."""
         if not self._closed:

@@ -53,7 +53,8 @@ def hold(out: Path, sign: bool = False) -> None:
 
 
 def claim(out: Path) -> None:
-    """Make run directory `out` and hold it, signed: from here on the run writes there."""
+    """Make run directory `out` and hold it, signed: from here on the run writes there; the temp
+    copies of its files that a kill mid-write left go."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # where the permission bits say yes and the file system no (/proc, /sys)
@@ -62,6 +63,9 @@ def claim(out: Path) -> None:
         raise BadInput(f"config key run.out_dir={out}: cannot make the directory ({e.strerror}); "
                        f"expected a directory this user can write to.") from None
     hold(out, sign=True)
+    for d, names in ((out, WRITTEN_ALONE), (out / "checkpoints", ("latest", "best"))):
+        for tmp in (t for name in names for t in d.glob(f".{name}.tmp-*")):
+            tmp.unlink(missing_ok=True)  # a kill mid-write left it (loop/checkpoint/atomic.py)
 
 
 def release() -> None:
@@ -82,6 +86,8 @@ def release() -> None:
 RUN_FILES = ("config.yaml", "metadata.json", "metrics.jsonl", "tb", "checkpoints", "summary.json",
              "model.pt", "report.md", "loss_vs_step.png", "loss_vs_tokens.png", "lr.png",
              "tokens_per_s.png", "gpu_memory.png", "profile")
+# Of those, the files only the run holding the lock writes (tools.report writes the report too).
+WRITTEN_ALONE = ("config.yaml", "metadata.json", "metrics.jsonl", "summary.json", "model.pt")
 
 
 def is_run(d: Path) -> bool:

@@ -86,16 +86,23 @@ class Saver:
             (self.root / "best").unlink(missing_ok=True)
 
     def repair(self, path: Path, best_step: int) -> None:
-        """At a resume from the newest checkpoint here (rank 0, once out_dir is the run's): `latest`,
-        `best` and the mirror's copy as its save left them. A kill between the checkpoint's rename
-        and those left them naming an older one, or no copy (for good, were that save the run's last)."""
-        if (dirs := store.step_dirs(self.root)) and dirs[-1].resolve() == path.resolve():
-            atomic_write(self.root / "latest", path.name.encode())
-            best = f"step_{best_step:08d}" if best_step else None
-            if self.mirror and not self.mirror.holds(path.name):  # its copy, cut short by the kill too
-                self.saved(path, best)
-            else:
-                self.point(best)
+        """At a resume from the newest checkpoint here (rank 0, once out_dir is the run's): what its
+        save does after the checkpoint's rename, done again (`latest`, retention, `best`, the
+        mirror's copies). A kill in between left the rest undone, for good were that save the
+        run's last: pointers naming older checkpoints, one too many (or one half deleted), copies
+        the mirror never got."""
+        if not ((dirs := store.step_dirs(self.root)) and dirs[-1].resolve() == path.resolve()):
+            return
+        best = f"step_{best_step:08d}" if best_step else None
+        atomic_write(self.root / "latest", path.name.encode())
+        store.prune(self.root, self.keep_last, {best} - {None}, path)
+        self.point(best)
+        if self.mirror:  # the newest copied last: the mirror's `latest` names the last copy
+            missing = [d for d in store.step_dirs(self.root)[:-1] if not self.mirror.holds(d.name)]
+            if missing or not self.mirror.holds(path.name) or self.mirror.latest() != path.name:
+                keep = {d.name for d in store.step_dirs(self.root)} | ({best} - {None})
+                for d in [*missing, path]:
+                    self.mirror.submit(d, keep)
 
     def wait(self) -> None:
         """The checkpoint being written, if any, is on disk after this (before reading them)."""

@@ -167,13 +167,18 @@ def save(root: Path, step: int, files: dict[str, object], keep_last: int, meta: 
     if dist.main:
         fsync_dir(root)
         atomic_write(root / "latest", final.name.encode())
-        for old in step_dirs(root)[:-keep_last]:  # only after the new one is complete
-            # Never the new one: a resume back in time (run.resume=PATH) saves steps older than
-            # those the run before left here.
-            if old.name not in keep and old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        prune(root, keep_last, keep, final)  # only after the new one is complete
     dist.barrier()
     return final
+
+
+def prune(root: Path, keep_last: int, keep: set[str], final: Path) -> None:
+    """Retention: only the newest `keep_last` checkpoints, those named in `keep` and `final` (the
+    one just written) remain. Never `final`: a resume back in time (run.resume=PATH) saves steps
+    older than those the run before left here."""
+    for old in step_dirs(root)[:-keep_last]:
+        if old.name not in keep and old != final:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(tmp: Path, final: Path, step: int, files: dict[str, object], meta: dict,
