@@ -136,14 +136,14 @@ class Trainer:
             self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
         self.dist.on_main(lambda: runlock.claim(self.out))
         if self.dist.main:  # from here on, files are written
-            if path:  # the pointers a kill in its save left behind
-                self.checkpoints.repair(path, self.monitor.state.best_step)
             save_config(cfg, self.out / "config.yaml")
             atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
             # Metrics from rank 0 (the values are global), from the resumed step on.
             self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, unit=self.data.unit,
                                   telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world,
                                                       self.data.seq_len))
+            if path:  # what a kill in its save left undone (run() closes the mirror's copies)
+                self.checkpoints.repair(path, self.monitor.state.best_step)
 
     def close(self, ended: bool) -> None:
         """Close what the run opened, on its way out of an error too; `ended`: finish() follows."""

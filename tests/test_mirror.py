@@ -206,9 +206,17 @@ def test_a_rerun_copies_the_last_checkpoint_a_kill_kept_from_the_mirror(tmp_path
     assert mirrored_names(str(target)) >= {"step_00000002", "step_00000004"}
     assert_same(str(target), out / "checkpoints" / "step_00000002")
     assert (target / "latest").read_text() == "step_00000004"
-    (target / "latest").write_text("step_00000002")
+    (target / "latest").write_text("step_00000002")  # named again, its whole copy not made again
+    copied = (target / "step_00000004" / "manifest.json").stat().st_mtime_ns
     assert train.main(args) == 0
     assert (target / "latest").read_text() == "step_00000004"
+    assert (target / "step_00000004" / "manifest.json").stat().st_mtime_ns == copied
+    # Another start's checkpoint of the same step there (a resume back in time, killed before its
+    # copy): not this run's, so copied over.
+    manifest = target / "step_00000004" / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "resumed_from": "elsewhere"}))
+    assert train.main(args) == 0
+    assert_same(str(target), out / "checkpoints" / "step_00000004")
 
 
 def test_a_resume_path_command_rerun_on_a_new_disk_continues_from_the_mirror(tmp_path, cache):

@@ -92,12 +92,22 @@ class Mirror:
         else:  # an unbounded queue: put never blocks
             self._queue.put((Path(ckpt_dir), frozenset(keep)))
 
-    def holds(self, name: str) -> bool:
-        """Whether checkpoint `name` is mirrored whole (its manifest, copied last, is there)."""
+    def holds(self, ckpt_dir: Path) -> bool:
+        """Whether the mirror holds checkpoint `ckpt_dir` whole: its manifest (copied last) there, byte
+        for byte (not another start's checkpoint of the same step). True where the mirror cannot be
+        read now: nothing is copied again, its whole copy deleted first, on a guess."""
         try:
-            return self.fs.exists(posixpath.join(self.root, name, MANIFEST))
-        except Exception:  # noqa: BLE001 -- unreachable now (backends raise their own types): a copy
-            return False  # queued is retried (`_retrying`)
+            there = self.fs.cat_file(posixpath.join(self.root, ckpt_dir.name, MANIFEST))
+        except FileNotFoundError:
+            return False
+        except Exception:  # noqa: BLE001 -- backends raise their own types (botocore...)
+            return True
+        return there == (ckpt_dir / MANIFEST).read_bytes()
+
+    def name_latest(self, ckpt_dir: Path) -> None:
+        """Queue the mirror's `latest` naming `ckpt_dir`, after the copies queued before it."""
+        if not self._closed:
+            self._queue.put((Path(ckpt_dir), None))
 
     def latest(self) -> str | None:
         """The checkpoint the mirror's `latest` names (the last one copied), or None."""
@@ -120,6 +130,9 @@ class Mirror:
     def _work(self) -> None:
         while (item := self._queue.get()) is not None and not self._abandon.is_set():
             ckpt_dir, keep = item
+            if keep is None:  # `latest` alone (name_latest)
+                self._retrying(self._name, ckpt_dir.name, "could not write latest")
+                continue
             if not ckpt_dir.exists():  # pruned by the local retention: a newer checkpoint is queued
                 continue
             if reason := verify(ckpt_dir):
@@ -157,7 +170,10 @@ class Mirror:
             if ckpt_dir.exists():
                 raise
             return  # pruned locally mid-copy (a newer one is queued); the part copy is pruned next
-        fs.pipe_file(posixpath.join(self.root, "latest"), ckpt_dir.name.encode())
+        self._name(ckpt_dir.name)
+
+    def _name(self, name: str) -> None:
+        self.fs.pipe_file(posixpath.join(self.root, "latest"), name.encode())
 
     def _prune(self, keep: frozenset[str], replacing: str = "") -> None:
         """Delete the mirrored checkpoints not in `keep` except the newest complete one (a failing

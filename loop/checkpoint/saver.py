@@ -97,12 +97,13 @@ class Saver:
         atomic_write(self.root / "latest", path.name.encode())
         store.prune(self.root, self.keep_last, {best} - {None}, path)
         self.point(best)
-        if self.mirror:  # the newest copied last: the mirror's `latest` names the last copy
-            missing = [d for d in store.step_dirs(self.root)[:-1] if not self.mirror.holds(d.name)]
-            if missing or not self.mirror.holds(path.name) or self.mirror.latest() != path.name:
-                keep = {d.name for d in store.step_dirs(self.root)} | ({best} - {None})
-                for d in [*missing, path]:
-                    self.mirror.submit(d, keep)
+        if self.mirror:  # the copies it lacks, oldest first, then its `latest`
+            keep = {d.name for d in store.step_dirs(self.root)} | ({best} - {None})
+            missing = [d for d in store.step_dirs(self.root) if not self.mirror.holds(d)]
+            for d in missing:
+                self.mirror.submit(d, keep)
+            if missing or self.mirror.latest() != path.name:
+                self.mirror.name_latest(path)
 
     def wait(self) -> None:
         """The checkpoint being written, if any, is on disk after this (before reading them)."""
