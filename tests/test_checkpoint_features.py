@@ -454,6 +454,9 @@ def test_pointers_a_kill_in_the_last_save_left_behind_are_repaired_by_the_rerun(
     leftovers = [out / ".config.yaml.tmp-99999", out / ".model.pt.tmp-7", root / ".best.tmp-12"]
     for tmp in [*leftovers, out / ".report.md.tmp-5"]:
         tmp.write_bytes(b"half")
+    (root / ".tmp-step_00000004-321").mkdir()  # a fetch from the mirror cut short
+    (root / ".tmp-step_00000004-321" / "state.pt").write_bytes(b"half")
+    leftovers.append(root / ".tmp-step_00000004-321")
     train_here(out, cache, *args)
     assert (root / "latest").read_text() == (root / "best").read_text() == "step_00000004"
     assert [d.name for d in store.step_dirs(root)] == (["step_00000004"] if keep_last == 1 else

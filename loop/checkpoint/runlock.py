@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import shutil
 import socket
 from pathlib import Path
 
@@ -54,7 +55,7 @@ def hold(out: Path, sign: bool = False) -> None:
 
 def claim(out: Path) -> None:
     """Make run directory `out` and hold it, signed: from here on the run writes there; the temp
-    copies of its files that a kill mid-write left go."""
+    copies of its files and checkpoints that a kill mid-write left go."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # where the permission bits say yes and the file system no (/proc, /sys)
@@ -66,6 +67,8 @@ def claim(out: Path) -> None:
     for d, names in ((out, WRITTEN_ALONE), (out / "checkpoints", ("latest", "best"))):
         for tmp in (t for name in names for t in d.glob(f".{name}.tmp-*")):
             tmp.unlink(missing_ok=True)  # a kill mid-write left it (loop/checkpoint/atomic.py)
+    for tmp in (out / "checkpoints").glob(".tmp-*"):  # a checkpoint, or a mirror's copy, cut short
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def release() -> None:
