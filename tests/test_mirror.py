@@ -211,6 +211,8 @@ def test_a_rerun_copies_the_last_checkpoint_a_kill_kept_from_the_mirror(tmp_path
     assert train.main(args) == 0
     assert (target / "latest").read_text() == "step_00000004"
     assert (target / "step_00000004" / "manifest.json").stat().st_mtime_ns == copied
+    (out / "checkpoints" / "step_00000002" / "manifest.json").unlink()  # one here damaged by hand:
+    assert train.main(args) == 0  # passed over, not a traceback
     # Another start's checkpoint of the same step there (a resume back in time, killed before its
     # copy): not this run's, so copied over.
     manifest = target / "step_00000004" / "manifest.json"

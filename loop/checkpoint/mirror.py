@@ -97,12 +97,16 @@ class Mirror:
         for byte (not another start's checkpoint of the same step). True where the mirror cannot be
         read now: nothing is copied again, its whole copy deleted first, on a guess."""
         try:
+            mine = (ckpt_dir / MANIFEST).read_bytes()
+        except OSError:  # not whole here either (damaged by hand): nothing to copy
+            return True
+        try:
             there = self.fs.cat_file(posixpath.join(self.root, ckpt_dir.name, MANIFEST))
         except FileNotFoundError:
             return False
         except Exception:  # noqa: BLE001 -- backends raise their own types (botocore...)
             return True
-        return there == (ckpt_dir / MANIFEST).read_bytes()
+        return there == mine
 
     def name_latest(self, ckpt_dir: Path) -> None:
         """Queue the mirror's `latest` naming `ckpt_dir`, after the copies queued before it."""
