@@ -8,8 +8,6 @@ MODELS), the processes; the loop lives in loop/trainer.py. Exit codes (docs/fail
 2 bad input (nothing overwritten), 3 gave up, 130 Ctrl-C, 141 the console's reader gone,
 143 preempted after a checkpoint; after the last three, rerun the same command to continue.
 """
-from __future__ import annotations
-
 import gc
 import sys
 

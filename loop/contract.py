@@ -4,7 +4,7 @@ A model's `forward(batch)` returns the loss summed over the batch's real targets
 -100 are not counted), or a dict with that sum under "loss" and more sums over the same targets (a
 classifier: "accuracy", the number it got right). The loop divides by the target count of the whole
 optimizer step, so gradient accumulation is exact, and validation divides each sum by the count of
-its targets. Before anything is written, `Evaluator.check_model` (loop/evaluate.py) probes a
+its targets. Before anything is written, `check_model` (loop/probe.py) probes a
 validation batch through the model: the loss is a sum, and train.best_metric is one it reports.
 """
 from __future__ import annotations

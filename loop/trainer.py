@@ -21,6 +21,7 @@ import torch
 from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.profiler import record_function
 
+from loop import probe
 from loop.checkpoint import resume, runlock, state, store
 from loop.checkpoint.atomic import atomic_write
 from loop.checkpoint.saver import Saver
@@ -64,10 +65,8 @@ class Trainer:
         watched = watched_buffers(self.raw)  # those a forward can leave non-finite (BatchNorm's statistics)
         self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save, watched)
         self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist, watched)
-        switch = hasattr(self.raw, "set_activation_checkpointing")  # the model's own way to use less memory
-        hint = ", or model.activation_checkpointing=true" if switch else ""
-        self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded, hint,
-                               bool(tc.global_batch))
+        self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded,
+                               self.raw, bool(tc.global_batch))
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
                                    self.sharded, self.progress, self.oom)
         self.log, self.metadata, self.run_facts, self.preempted = NullLog(), {}, {}, False
@@ -120,7 +119,7 @@ class Trainer:
         cfg, tc, p = self.cfg, self.cfg.train, self.progress
         if self.lab:
             self.dist.say(banner(self.lab))
-        self.evaluator.check_model(self.raw, self.monitor.metric, tc.compile)  # before anything is written
+        probe.check_model(self.evaluator, self.raw, self.monitor.metric, tc.compile)  # before anything is written
         path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
         if self.dist.main:  # before the restore, which compares it with the checkpoint's
             self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
@@ -162,10 +161,7 @@ class Trainer:
     def step(self) -> bool:
         """One optimizer step: train.grad_accum loaded batches, p.micro_split micro-batches each. False: rolled back."""
         tc, p = self.cfg.train, self.progress
-        t0 = time.perf_counter()
-        with record_function("data"):
-            batches = self.feed.draw()  # this rank's train.grad_accum loaded batches
-        data_ms = 1000 * (time.perf_counter() - t0)  # waiting for the DataLoader
+        batches, data_ms = self.feed.draw()  # this rank's train.grad_accum loaded batches; the wait
         # Targets in the step on every rank: counted by the collate, summed on the CPU (no GPU sync).
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in batches)])[0])
         if not n_targets:  # every y is -100 on every rank (e.g. prompts only): nothing to learn

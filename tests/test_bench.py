@@ -158,7 +158,7 @@ def test_the_bare_loop_trains_what_the_scaffold_trains(cache, more):
     t = build_trainer(cfg, Dist(), torch.device("cpu"))
     t.log = NullLog()
     t.feed.start()
-    steps = [t.feed.draw() for _ in range(2)]
+    steps = [t.feed.draw()[0] for _ in range(2)]
     t.feed.batches = iter([b for s in steps for b in s])
     loop = loop_vs_bare.Bare(cfg, cfg.train.max_steps)
     before = {k: v.clone() for k, v in loop.model.state_dict().items()}

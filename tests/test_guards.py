@@ -440,7 +440,7 @@ def test_a_window_is_passed_over_whole_at_any_step_width(cache, at, windows, bat
     p = Progress(samples=at, skip_windows=windows)
     feed = Feed(data, cfg, False, p, Dist())
     feed.start()
-    drawn = [i for b in feed.draw() for i in b["idx"].tolist()]
+    drawn = [i for b in feed.draw()[0] for i in b["idx"].tolist()]
     feed.close()
     assert p.samples == starts and drawn == order[starts:starts + 2 * batch]
 
@@ -533,7 +533,7 @@ def test_the_contract_probe_retries_in_halves_with_what_the_failed_try_held_free
     # split to reach it); each half starts with the failed try's tensors freed, as the split does.
     from types import SimpleNamespace
 
-    from loop.evaluate import Evaluator
+    from loop.probe import fitted
 
     class FitsTwo(torch.nn.Module):  # runs out of memory past 2 samples, in a cycle
         def __init__(self):
@@ -554,7 +554,7 @@ def test_the_contract_probe_retries_in_halves_with_what_the_failed_try_held_free
     evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=False)
     gc.disable()  # no collection but the probe's own
     try:
-        assert Evaluator._probe(evaluator, FitsTwo(), batch) == ({"val_loss": 2.0}, 4)
+        assert fitted(evaluator, FitsTwo(), batch) == ({"val_loss": 2.0}, 4)
     finally:
         gc.enable()
 

@@ -18,7 +18,8 @@ import torch
 import train
 from conftest import TINY
 from loop.checkpoint import store
-from loop.checkpoint.mirror import Mirror, fetch_latest
+from loop.checkpoint.fetch import fetch_latest
+from loop.checkpoint.mirror import Mirror
 from loop.errors import BadInput
 
 NAMES = ["state.pt", "rng_rank0.pt", "manifest.json"]

@@ -404,8 +404,8 @@ def test_a_mean_at_a_micro_batch_of_one_is_found_by_halving_the_sample_s_targets
 
     from loop.data.sampler import target_halves
     from loop.distributed.group import Dist
-    from loop.evaluate import Evaluator
     from loop.precision import Precision
+    from loop.probe import sums_add_up
 
     class Mean(torch.nn.Module):
         def __init__(self):
@@ -424,9 +424,9 @@ def test_a_mean_at_a_micro_batch_of_one_is_found_by_halving_the_sample_s_targets
     assert [h["n_targets"] for h in halves] == [2, 3]
     evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=True, seed=0)
     with pytest.raises(BadInput, match="not a sum over the batch's targets"):
-        Evaluator._sums_add_up(evaluator, Mean(), batch, 1)
+        sums_add_up(evaluator, Mean(), batch, 1)
     Mean.forward = lambda self, b: (self.w * b["y"].float() * (b["y"] != IGNORE_INDEX)).sum()  # a sum
-    Evaluator._sums_add_up(evaluator, Mean(), batch, 1)
+    sums_add_up(evaluator, Mean(), batch, 1)
     assert target_halves({**batch, "y": torch.tensor([[2]])}) is None  # one target: nothing to halve
 
 
@@ -436,11 +436,11 @@ def test_a_signed_sum_and_a_value_drawn_at_random_are_not_taken_for_means():
     from types import SimpleNamespace
 
     from loop.distributed.group import Dist
-    from loop.evaluate import Evaluator, _adds_up
     from loop.precision import Precision
+    from loop.probe import adds_up, sums_add_up
 
-    assert _adds_up(-0.214844, 7.34375, -7.5625)
-    assert not _adds_up(4.49, 4.49, 4.49) and not _adds_up(8.0, 2.0, 2.0)  # a mean; a broadcast's half
+    assert adds_up(-0.214844, 7.34375, -7.5625)
+    assert not adds_up(4.49, 4.49, 4.49) and not adds_up(8.0, 2.0, 2.0)  # a mean; a broadcast's half
 
     class Sampled(torch.nn.Module):
         def __init__(self):
@@ -456,7 +456,7 @@ def test_a_signed_sum_and_a_value_drawn_at_random_are_not_taken_for_means():
     y = torch.arange(64).reshape(4, 16)
     batch = {"idx": torch.arange(4), "x": torch.zeros(4, 16, dtype=torch.long), "y": y, "n_targets": 64}
     evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=False, seed=0)
-    Evaluator._sums_add_up(evaluator, Sampled(), batch, 1)
+    sums_add_up(evaluator, Sampled(), batch, 1)
 
 
 def test_a_model_that_draws_random_numbers_in_eval_mode_trains_and_evaluating_changes_nothing(tmp_path, cache,

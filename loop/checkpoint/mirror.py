@@ -1,4 +1,5 @@
-"""Checkpoint mirror: a background copy of each completed checkpoint to `run.mirror`, and the way back.
+"""Checkpoint mirror: a background copy of each completed checkpoint to `run.mirror` (the way back,
+to a machine with no checkpoint: loop/checkpoint/fetch.py).
 
 `run.mirror` is a directory (e.g. a mounted bucket) or any fsspec URL (`memory://b/run`, `file:///x`,
 `s3://b/run` with s3fs installed): one fsspec code path for all. Use:
@@ -6,19 +7,15 @@
                                           # (an unknown protocol, a local directory it cannot make)
     mirror.submit(store.save(root, ...), {p.name for p in store.step_dirs(root)})
     mirror.close()                        # end of run: waits for the queued copies
-    fetch_latest(cfg.run.mirror, root)    # no local checkpoint (new machine): get the newest valid
 Object stores have no atomic rename, so the manifest is copied after the data files (then `latest`):
 a copy cut short has no manifest, is never fetched and is deleted by the next prune. A copy that
 still fails after its retries prints one warning and is dropped; nothing here raises into training.
 """
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import posixpath
 import queue
-import shutil
 import sys
 import tempfile
 import threading
@@ -28,12 +25,11 @@ from pathlib import Path
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from loop.checkpoint.atomic import atomic_write, fsync_dir
-from loop.checkpoint.store import MANIFEST, STEP_DIR, step_dirs, verify
+from loop.checkpoint.store import MANIFEST, STEP_DIR, verify
 from loop.errors import BadInput
 
 
-def _open(target: str):
+def open_target(target: str):
     try:
         return fsspec.core.url_to_fs(target)
     except (ImportError, ValueError) as e:  # unknown protocol, or its backend (s3fs...) missing
@@ -41,7 +37,7 @@ def _open(target: str):
                        f"fsspec URL whose backend is installed (e.g. pip install s3fs for s3://).")
 
 
-def _mirrored(fs, root: str) -> list[tuple[int, str]]:
+def step_copies(fs, root: str) -> list[tuple[int, str]]:
     """(step, path) of the step dirs in the mirror, oldest first; [] if the mirror does not exist.
     A symbolic link (a local mirror's) is not one: pruning it would delete what it links to."""
     try:
@@ -49,13 +45,10 @@ def _mirrored(fs, root: str) -> list[tuple[int, str]]:
     except FileNotFoundError:
         return []
     return sorted((int(m.group(1)), e["name"]) for e in entries
-                  if (m := STEP_DIR.match(_name(e["name"]))) and not e.get("islink"))
+                  if (m := STEP_DIR.match(base_name(e["name"]))) and not e.get("islink"))
 
 
-INCOMPLETE = f"incomplete (no {MANIFEST}; a copy was cut short)"  # skipped: never a copy to miss
-
-
-def _name(path: str) -> str:
+def base_name(path: str) -> str:
     return posixpath.basename(path.rstrip("/"))
 
 
@@ -64,7 +57,7 @@ class Mirror:
 
     def __init__(self, target: str, retries: int = 3, backoff_s: float = 0.5):
         self.target, self.retries, self.backoff_s = target, retries, backoff_s
-        self.fs, self.root = _open(target)
+        self.fs, self.root = open_target(target)
         if isinstance(self.fs, LocalFileSystem):
             # A directory that cannot be made (a typo, a mount that is not there) is bad input at once,
             # not a warning at every checkpoint of a run that thinks it is backed up. Object stores
@@ -186,88 +179,11 @@ class Mirror:
         the step about to be copied again (run.resume=PATH back in time saved it anew); its
         earlier copy goes too, and is not the one kept, since the copy that follows overwrites it."""
         mirrored = [(path, self.fs.exists(posixpath.join(path, MANIFEST)))
-                    for _, path in _mirrored(self.fs, self.root)]
-        newest = next((_name(path) for path, whole in reversed(mirrored)
-                       if whole and _name(path) != replacing), None)
+                    for _, path in step_copies(self.fs, self.root)]
+        newest = next((base_name(path) for path, whole in reversed(mirrored)
+                       if whole and base_name(path) != replacing), None)
         for path, whole in mirrored:
-            if not whole or _name(path) not in keep - {replacing} | {newest}:
+            if not whole or base_name(path) not in keep - {replacing} | {newest}:
                 if whole:  # manifest first: a delete cut short leaves no valid-looking dir
                     self.fs.rm_file(posixpath.join(path, MANIFEST))
                 self.fs.rm(path, recursive=True)
-
-
-def listed(target: str) -> tuple:
-    """(fs, root, the step dirs mirrored there, oldest first); BadInput if it cannot be listed."""
-    fs, root = _open(target)
-    try:
-        return fs, root, _mirrored(fs, root)
-    except OSError as e:  # e.g. a file where the directory should be: before anything is written
-        raise BadInput(f"run.mirror={target}: cannot list it ({e.strerror or e}). Expected a "
-                       f"directory path or an fsspec URL this machine can read.") from e
-
-
-def fetch_latest(target: str, local_root: Path, before_write=lambda: None, wanted=lambda _: True) -> Path | None:
-    """Copy the newest mirrored checkpoint that verifies into local_root (atomic: temp dir then rename,
-    so local_root/step_XXXXXXXX appears complete or not at all) and return its local path; None if the
-    mirror holds none, or if `wanted` (of the verified copy) says no to it. Invalid mirrored ones
-    are skipped with a warning on stderr naming them; if none of those with a manifest can be
-    fetched, BadInput. `before_write` is called before anything is written (the trainer makes and
-    locks run.out_dir)."""
-    fs, root, mirrored = listed(target)
-    local_root = Path(local_root)
-    if mirrored:
-        before_write()
-    refused = 0
-    for _, src in reversed(mirrored):
-        name = _name(src)
-        final, tmp = local_root / name, local_root / f".tmp-{name}-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-        try:
-            reason = _download(fs, src, tmp)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            reason = f"{type(e).__name__}: {e}"
-        reason = reason or verify(tmp)
-        if reason is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            print(f"warning: skipping mirrored checkpoint {target}/{name}: {reason}", file=sys.stderr)
-            refused += reason != INCOMPLETE
-            continue
-        if not wanted(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-            return None
-        shutil.rmtree(final, ignore_errors=True)  # a leftover at this step: replace it
-        os.replace(tmp, final)
-        fsync_dir(local_root)
-        if step_dirs(local_root)[-1] == final:  # never point `latest` back at an older step
-            atomic_write(local_root / "latest", name.encode())
-        # Said: the resume line names the local copy, and a mirror two runs share hands one the
-        # other's checkpoints without a word otherwise.
-        print(f"note: no valid checkpoint in {local_root}; {name} fetched from run.mirror={target} (a "
-              f"mirror holds one run's checkpoints: give each run its own)")
-        return final
-    if refused:  # a fresh start would delete them from the mirror: an error (a credential, a full
-        # disk) must not cost the run its checkpoints, as none verifying locally does not
-        with contextlib.suppress(OSError):
-            local_root.rmdir()  # made for the fetch; empty again
-        raise BadInput(f"run.mirror={target}: none of its {refused} whole checkpoints could be fetched "
-                       f"or verifies (see the warnings above); expected at least one valid checkpoint, "
-                       f"as a fresh start would delete them from the mirror. Fix what the warnings "
-                       f"name, or give the run a new run.mirror.")
-    return None
-
-
-def _download(fs, src: str, tmp: Path) -> str | None:
-    """Copy one mirrored checkpoint into tmp, fsynced; the reason it is unusable, or None."""
-    if not fs.exists(posixpath.join(src, MANIFEST)):
-        return INCOMPLETE
-    names = json.loads(fs.cat_file(posixpath.join(src, MANIFEST)))["files"]
-    for name in [*names, MANIFEST]:
-        if name != posixpath.basename(name) or name in ("", ".", ".."):  # no writing outside tmp
-            return f"{MANIFEST} names a file outside its dir: {name!r}"
-        with fs.open(posixpath.join(src, name), "rb") as f, open(tmp / name, "wb") as out:
-            shutil.copyfileobj(f, out, 1 << 20)
-            out.flush()
-            os.fsync(out.fileno())
-    fsync_dir(tmp)
-    return None

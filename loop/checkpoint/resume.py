@@ -36,7 +36,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None,
             raise BadInput(f"run.resume=never, but {ckpt_root} already holds checkpoints that a fresh "
                            f"run would overwrite; use a new run.out_dir, or run.resume=auto to continue from them.")
         if mirror:
-            from loop.checkpoint.mirror import listed
+            from loop.checkpoint.fetch import listed
 
             if listed(mirror)[2]:  # the mirror keeps what checkpoints/ keeps: it would prune them
                 raise BadInput(f"run.resume=never, but run.mirror={mirror} already holds checkpoints "
@@ -46,7 +46,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None,
     if not resume:  # Path("") is "." (here), which would be named "not a valid checkpoint"
         raise BadInput("config key run.resume is empty; expected auto, never or a checkpoint directory.")
     if not store.step_dirs(ckpt_root) and mirror:  # a new disk (a requeue): the newest, if any, is there
-        from loop.checkpoint.mirror import fetch_latest
+        from loop.checkpoint.fetch import fetch_latest
 
         # run.resume=PATH: only a checkpoint this run saved since starting there (`continued`).
         start = None if resume == "auto" else str(Path(resume).resolve())
@@ -62,7 +62,7 @@ def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None,
     except BadInput:  # none verifies: the mirror's copies are there for this too
         if not mirror:
             raise
-        from loop.checkpoint.mirror import fetch_latest
+        from loop.checkpoint.fetch import fetch_latest
 
         if (path := fetch_latest(mirror, ckpt_root, before_fetch)) is None:
             raise

@@ -6,6 +6,10 @@ over windows a rollback marked as never to be trained on (loop/guards/nonfinite.
 """
 from __future__ import annotations
 
+import time
+
+from torch.profiler import record_function
+
 from loop.data.bundle import Data
 from loop.data.sampler import close_loader, train_loader
 from loop.distributed.group import Dist
@@ -28,13 +32,15 @@ class Feed:
                                          d.prefetch_factor, self.pin_memory, worker_ignores_stop_signals,
                                          self.dist.rank, self.dist.world))
 
-    def draw(self) -> list[dict]:
-        """The next optimizer step's train.grad_accum batches."""
-        p, k = self.progress, self.cfg.train.grad_accum
-        if (past := p.past_windows(self.width())) != p.samples:
-            p.samples = past  # the samples between are passed over: a fresh loader from there
-            self.start()
-        return [next(self.batches) for _ in range(k)]
+    def draw(self) -> tuple[list[dict], float]:
+        """The next optimizer step's train.grad_accum batches, and the ms spent waiting for them."""
+        p, k, t0 = self.progress, self.cfg.train.grad_accum, time.perf_counter()
+        with record_function("data"):  # the profiler's row for it
+            if (past := p.past_windows(self.width())) != p.samples:
+                p.samples = past  # the samples between are passed over: a fresh loader from there
+                self.start()
+            batches = [next(self.batches) for _ in range(k)]
+        return batches, 1000 * (time.perf_counter() - t0)
 
     def width(self) -> int:
         """The global samples a step takes: data.batch_size x train.grad_accum x processes."""

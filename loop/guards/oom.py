@@ -84,11 +84,13 @@ class Attempt:
 
 class OutOfMemory:
     def __init__(self, policy: str, batch_size: int, progress: Progress, dist: Dist, sharded: bool,
-                 hint: str = "", global_batch: bool = False):
-        """`hint`: one more way to use less memory, for the message (a model's own switch).
+                 model: torch.nn.Module | None = None, global_batch: bool = False):
+        """`model`: its own way to use less memory, if it has one, is named in the messages.
         `global_batch`: train.global_batch is set, so the accumulation follows data.batch_size."""
         self.policy, self.batch_size, self.progress = policy, batch_size, progress
-        self.dist, self.sharded, self.hint = dist, sharded, hint
+        self.dist, self.sharded = dist, sharded
+        switch = hasattr(model, "set_activation_checkpointing")
+        self.hint = ", or model.activation_checkpointing=true" if switch else ""
         self.smaller = ("a smaller data.batch_size (train.global_batch keeps the step), or "
                         "data.batch_size=auto" if global_batch else
                         "a smaller data.batch_size and a larger train.grad_accum (the same global batch)")
