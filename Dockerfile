@@ -41,7 +41,7 @@ print('python', sys.version.split()[0], 'torch', torch.__version__, 'cuda', torc
 assert sys.version.startswith('${PYTHON_VERSION}.') and torch.__version__.split('+')[0] == '${TORCH_VERSION}' \
 and torch.version.cuda == '${CUDA_VERSION}', 'the base image is not the pinned Python, torch and CUDA'"
 
-# torch.compile (train.compile, on in configs/gpt2_124m.yaml) needs a C compiler when it runs:
+# torch.compile (train.compile=true) needs a C compiler when it runs:
 # Triton builds its kernel launchers with it. Runtime images from before pytorch/pytorch#170235
 # ship none (pytorch/pytorch#116696): install gcc where the base lacks it.
 RUN command -v gcc >/dev/null || { apt-get update \
