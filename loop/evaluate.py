@@ -89,6 +89,8 @@ class Evaluator:
         if self.lab == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
             batches = val_batches(self.data.val, self.batch_size, self.n_batches, None, self.dist.rank,
                                   self.dist.world)
+        if self.dist.world > 1:  # one model validated, the one a checkpoint keeps: each rank's BatchNorm
+            fsdp.sync_buffers(self.model)  # statistics (and the EMA's of them) moved with its own data
         with own_rng(self.device, self.seed):
             metrics = val_metrics(self.model, batches, self.precision, self.device, self.dist,
                                   self.progress.micro_split)

@@ -141,6 +141,31 @@ def test_ddp_with_dropout_sigkill_then_rerun_is_bit_identical(tmp_path, cache):
 
 
 @pytest.mark.slow
+def test_ddp_batch_norm_and_its_ema_validate_as_one_model_across_a_kill_and_a_rerun(tmp_path, cache):
+    # Each rank's BatchNorm statistics, and the EMA's average of them, move with its own data; a
+    # checkpoint keeps rank 0's. Validation sums every rank's share, so every rank validates rank
+    # 0's model: a resumed run, and a rerun of a finished one, report the uninterrupted val_loss.
+    def cmd(out: Path) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                "tests/more_models.py", f"run.out_dir={out}", *TINY, cache, *STEPS, "model.name=gpt_bn",
+                "ema.enabled=true", "ema.decay=0.9", "train.eval_every=5", "train.sample_tokens=0"]
+
+    whole, out = tmp_path / "whole", tmp_path / "run"
+    done = subprocess.run(cmd(whole), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    code, printed = jobs.run_until(cmd(out), 12, tree=True, cwd=ROOT)
+    assert code == -signal.SIGKILL and not (out / "summary.json").exists(), printed
+    rerun = subprocess.run(cmd(out), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0 and "at step 10" in rerun.stdout, rerun.stdout + rerun.stderr
+    assert [r["val_loss"] for r in metrics(out) if "val_loss" in r] == \
+        [r["val_loss"] for r in metrics(whole) if "val_loss" in r]
+    first = summary(whole)["val_loss"]
+    again = subprocess.run(cmd(whole), cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "at step 20" in again.stdout, again.stdout + again.stderr
+    assert summary(whole)["val_loss"] == first == summary(out)["val_loss"]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, first, then",
                          [("ddp", 2, 1), ("ddp", 1, 2), ("fsdp", 2, 1), ("fsdp", 1, 2)])
 def test_world_size_change_continues_the_global_order(tmp_path, cache, two_proc, strategy, first, then):
