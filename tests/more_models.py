@@ -3,14 +3,14 @@
 Models: `gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient);
 `gpt_first_micro`, the GPT plus a layer its forward uses in every other training call only;
 `gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates);
-`gpt_bn_spare_bf16`, `gpt_spare` with that batch norm and its weights in bfloat16 (a checkpoint loaded in bf16 to fine-tune); `gpt_wrong`, the GPT with a
-bug in its forward (embeddings one feature too wide); and two that FSDP cannot shard: `gpt_scalar`,
-with a parameter of shape (), and `gpt_shared`, its second block the first one again (weights
-shared across layers). Data sets: `text_broken`, the text corpus with training samples that raise
-(a user's Dataset bug); `text_augmented`, the text corpus with random augmentation
-(conftest.augment); `text_masked`, the text corpus with a varying number of each sample's targets
-masked (-100); `text_per_node`, the text corpus one sample shorter on rank 1 (a node with another
-copy of the data).
+`gpt_bn_spare_bf16`, `gpt_spare` with that batch norm and its weights in bfloat16 (a checkpoint
+loaded in bf16 to fine-tune); `gpt_wrong`, the GPT with a bug in its forward (embeddings one feature
+too wide); and two that FSDP cannot shard: `gpt_scalar`, with a parameter of shape (), and
+`gpt_shared`, its second block the first one again (weights shared across layers). Data sets:
+`text_broken`, the text corpus with training samples that raise (a user's Dataset bug);
+`text_augmented`, the text corpus with random augmentation (conftest.augment); `text_masked`, the
+text corpus with a varying number of each sample's targets masked (-100); `text_per_node`, the text
+corpus one sample shorter on rank 1 (a node with another copy of the data).
 
     python -m torch.distributed.run --standalone --nproc_per_node=2 tests/more_models.py k=v ...
 """
