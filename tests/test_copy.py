@@ -3,9 +3,11 @@ own fast tests (a SIGKILLed run rerun bit-identical among them) and `make verify
 sets registered beside its own break none of that, and the examples come only on request."""
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -145,6 +147,23 @@ def test_a_dest_that_cannot_be_made_or_lies_in_the_scaffold_is_bad_input(tmp_pat
         made = new_project(dest)
         assert made.returncode == 2 and f"DEST={dest}: {says}" in made.stderr, made.stderr
         assert not dest.exists()
+
+
+def test_a_copy_that_fails_midway_is_bad_input_and_leaves_dest_as_it_was(tmp_path, monkeypatch, capsys):
+    # A full disk, or an empty directory this user cannot write to: exit 2, and no half-made project
+    # (a rerun would refuse it as a directory that is not empty).
+    from tools import new_project as tool
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copy2", full)  # the single files, after loop/ and the rest are copied
+    new, empty = tmp_path / "new", tmp_path / "empty"
+    empty.mkdir()
+    for dest in (new, empty):
+        assert tool.main([str(dest)]) == 2
+        assert f"DEST={dest}" in capsys.readouterr().err
+    assert not new.exists() and list(empty.iterdir()) == []
 
 
 def test_a_dest_under_home_written_with_a_tilde_is_made_there(tmp_path):

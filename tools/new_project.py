@@ -13,8 +13,8 @@ DEST's directory name names the project (pyproject.toml, the README, the Docker 
 As made, it trains (`make train`), passes its tests (`make test-fast`, `make test`) and `make
 verify`. With EXAMPLES=1 the scaffold's data sets and models (text, markov, random, tokens,
 shakespeare, mnist; gpt, cnn) and their configs come too, registered beside mine. Exit codes: 0
-made, 2 bad input (DEST exists and is not an empty directory, cannot be made, or is inside this
-project).
+made, 2 bad input (DEST exists and is not an empty directory, cannot be made or written, or is
+inside this project).
 """
 from __future__ import annotations
 
@@ -53,11 +53,31 @@ def make(dest: Path, examples: bool) -> None:
     if dest.resolve().is_relative_to(ROOT):  # its tests, or its copies, or its git commit taken for the project's
         raise BadInput(f"DEST={dest}: inside {ROOT}, the project it copies; expected a path outside it "
                        f"(e.g. ../{dest.name}).")
+    made = not dest.exists()
     try:
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, a place no directory can be made
         raise BadInput(f"DEST={dest}: cannot be made ({e.strerror}); expected a path where a directory "
                        f"can be made.") from None
+    try:
+        copy(dest, examples)
+    except BaseException as e:  # no half-made project left (a rerun would refuse it): DEST as it was
+        if made:
+            shutil.rmtree(dest, ignore_errors=True)
+        else:  # it was empty
+            for child in list(dest.iterdir()):
+                if child.is_dir() and not child.is_symlink():
+                    shutil.rmtree(child, ignore_errors=True)
+                else:
+                    child.unlink(missing_ok=True)
+        if not isinstance(e, OSError):
+            raise
+        raise BadInput(f"DEST={dest}: cannot write the project there ({e.strerror or e}); nothing of it is "
+                       f"left. Expected a directory this user can write to, with room for the copy.") from None
+
+
+def copy(dest: Path, examples: bool) -> None:
+    """The project's files into the empty directory `dest`."""
     for name in COPIED:
         src, to = ROOT / name, dest / name
         to.parent.mkdir(parents=True, exist_ok=True)
