@@ -32,6 +32,23 @@ def test_commit_and_dirty_flag_in_a_temp_repo(tmp_path):
     assert metadata.git_info(tmp_path)["diff_sha256"] != dirty["diff_sha256"]  # hash of the diff
 
 
+def test_a_run_s_own_directory_inside_the_tree_does_not_make_it_dirty(tmp_path):
+    # A resumed run whose run.out_dir lies in the tree, unignored: its own files are no code change.
+    # Any other untracked file is (a new module the run may import).
+    git(tmp_path, "init", "-q")
+    (tmp_path / "a.txt").write_text("one\n")
+    git(tmp_path, "add", "a.txt")
+    git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    (tmp_path / "out [1]").mkdir()
+    (tmp_path / "out [1]" / "metrics.jsonl").write_text("{}\n")  # a name git would read as a glob
+    assert metadata.git_info(tmp_path, written=tmp_path / "out [1]")["dirty"] is False
+    assert metadata.git_info(tmp_path)["dirty"] is True
+    assert metadata.git_info(tmp_path, written=tmp_path)["dirty"] is True  # the tree itself: not left out
+    (tmp_path / "mine.py").write_text("")
+    assert metadata.git_info(tmp_path, written=tmp_path / "out [1]")["dirty"] is True
+    assert metadata.git_info(tmp_path, written=tmp_path / "elsewhere")["dirty"] is True
+
+
 def test_what_the_project_writes_leaves_the_tree_clean(tmp_path):
     # The dirty flag counts untracked files, so everything the project writes by default must be
     # git-ignored: an unignored comparison report (python -m tools.report A B -> reports/A_vs_B/)

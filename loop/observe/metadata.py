@@ -53,9 +53,15 @@ def _git(root: Path, *args: str) -> str | None:
     return out.stdout if out.returncode == 0 else None
 
 
-def git_info(root: Path = ROOT) -> dict:
+def git_info(root: Path = ROOT, written: Path | None = None) -> dict:
+    """The commit, whether the tree differs from it (untracked files too: a new module a run imports
+    is code the commit lacks), and a hash of the diff. `written`: the run's own directory, left out
+    where it lies inside the tree: the files a run writes are no change to its code."""
     commit = (_git(root, "rev-parse", "HEAD") or "").strip() or os.environ.get("GIT_COMMIT")
-    status = _git(root, "status", "--porcelain")
+    inside = written is not None and Path(written).resolve().is_relative_to(root.resolve()) \
+        and Path(written).resolve() != root.resolve()
+    spec = [":/", f":(exclude,literal){Path(written).resolve().relative_to(root.resolve())}"] if inside else []
+    status = _git(root, "status", "--porcelain", "--", *spec)
     diff = _git(root, "diff", "HEAD")
     return {"commit": commit, "dirty": bool(status.strip()) if status is not None else None,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
@@ -134,7 +140,7 @@ def collect(cfg, device: torch.device, precision: str, world_size: int, data_met
     off = asdict(FaultsConfig())
     faults = {k: v for k, v in asdict(cfg.faults).items() if v != off[k]}
     return {
-        "git": git_info(), "code_sha256": code_hash(), "config_sha256": config_hash(cfg),
+        "git": git_info(written=Path(cfg.run.out_dir)), "code_sha256": code_hash(), "config_sha256": config_hash(cfg),
         "data": data_identity(data_meta),
         "argv": safe_argv(),
         "start_time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "world_size": world_size,
