@@ -17,6 +17,7 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.profiler import record_function
 
 from loop.contract import loss_and_sums
 from loop.data.sampler import split_batch, to_device, val_batches
@@ -97,6 +98,7 @@ class Evaluator:
         self.last = (self.progress.step, metrics)
         return metrics
 
+    @record_function("eval")  # a region of the profiler's breakdown (loop/observe/profile.py)
     def evaluate(self, log, monitor) -> bool:
         """Validation metrics and a text sample into `log`; True if the monitored metric
         (train.best_metric) is the best so far (`monitor`: loop/monitor.py)."""

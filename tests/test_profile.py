@@ -12,7 +12,9 @@ from loop.observe.profile import REGIONS, breakdown
 @pytest.mark.slow
 def test_profile_breakdown_names_every_region_and_sums_to_one(tmp_path, cache):
     out = tmp_path / "run"
-    proc = run_train(out, cache, "train.max_steps=10", "train.profile=true")
+    # An evaluation and a checkpoint after step 5: inside the profiled steps 4-8, named, not "other".
+    proc = run_train(out, cache, "train.max_steps=10", "train.profile=true", "train.eval_every=5",
+                     "train.ckpt_every=5")
     parts = json.loads((out / "profile" / "breakdown.json").read_text())
     assert set(parts) == {*REGIONS, "other"}
     assert sum(parts.values()) == pytest.approx(1.0, abs=1e-9)
@@ -34,7 +36,8 @@ def test_breakdown_is_each_region_s_share_of_the_steps_and_other_never_below_zer
 
     steps_us = 1000.0  # the profiled steps' wall time
     assert breakdown(prof(data=10.0, forward=400.0, backward=500.0, optimizer=40.0), steps_us) == \
-        {"data": 0.01, "forward": 0.4, "backward": 0.5, "optimizer": 0.04, "other": pytest.approx(0.05)}
+        {"data": 0.01, "forward": 0.4, "backward": 0.5, "optimizer": 0.04, "eval": 0.0, "checkpoint": 0.0,
+         "other": pytest.approx(0.05)}
     assert breakdown(prof(data=20.0, forward=450.0, backward=550.0, optimizer=0.0), steps_us)["other"] == 0.0
 
 
@@ -59,7 +62,8 @@ def test_a_region_s_gpu_side_twin_does_not_hide_its_host_time():
     averages = events.key_averages()
     assert sorted(e.key for e in averages).count("forward") == 2  # the twins are rows of their own
     assert breakdown(SimpleNamespace(key_averages=lambda: averages), 1000.0) == \
-        {"data": 0.01, "forward": 0.4, "backward": 0.5, "optimizer": 0.04, "other": pytest.approx(0.05)}
+        {"data": 0.01, "forward": 0.4, "backward": 0.5, "optimizer": 0.04, "eval": 0.0, "checkpoint": 0.0,
+         "other": pytest.approx(0.05)}
 
 
 @pytest.mark.slow
