@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from loop.contract import loss_and_sums
-from loop.data.sampler import split_batch, target_halves, to_device
+from loop.data.sampler import holding_targets, split_batch, target_halves, to_device
 from loop.errors import BadInput, GaveUp
 from loop.evaluate import evaluating, val_metrics
 from loop.guards.oom import out_of_memory, release_memory
@@ -56,6 +56,7 @@ def sums_add_up(ev, raw: nn.Module, batch: dict, split: int) -> None:
     random numbers in eval mode cannot be compared, and is said), then its two halves.
     `split`: the probe's pieces, of which `batch` is one (more than 1: two samples ran out of
     memory). Every rank takes part (under FSDP each forward is a collective)."""
+    batch = holding_targets(batch)  # a half without targets would compare nothing
     parts, cannot = split_batch(batch, 2), False
     if len(parts) < 2 and not (parts := target_halves(batch)):
         cannot = split > 1 or ev.sharded  # under FSDP an out of memory cannot be retried

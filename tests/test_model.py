@@ -430,6 +430,34 @@ def test_a_mean_at_a_micro_batch_of_one_is_found_by_halving_the_sample_s_targets
     assert target_halves({**batch, "y": torch.tensor([[2]])}) is None  # one target: nothing to halve
 
 
+def test_a_mean_is_found_in_a_probe_batch_whose_later_samples_hold_no_target():
+    # Unlabelled samples (every y -100) after labelled ones: halves cut by sample left one without
+    # targets, which compares nothing, and a mean trained without a word. The samples that hold
+    # targets are halved.
+    from types import SimpleNamespace
+
+    from loop.distributed.group import Dist
+    from loop.precision import Precision
+    from loop.probe import sums_add_up
+
+    class MaskedMean(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Linear(3, 1)
+
+        def forward(self, batch):
+            real = batch["y"] != IGNORE_INDEX
+            return (((self.w(batch["x"]) - batch["y"]) ** 2) * real).sum() / real.sum().clamp_min(1)
+
+    cpu = torch.device("cpu")
+    y = torch.tensor([[1.5], [2.5], [-100.0], [-100.0]])
+    batch = {"idx": torch.arange(4), "x": torch.randn(4, 3, generator=torch.Generator().manual_seed(0)), "y": y,
+             "n_targets": 2}
+    evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=False, seed=0)
+    with pytest.raises(BadInput, match="not a sum over the batch's targets"):
+        sums_add_up(evaluator, MaskedMean(), batch, 1)
+
+
 def test_a_signed_sum_and_a_value_drawn_at_random_are_not_taken_for_means():
     # A signed sum's halves can be far larger than it (bf16 rounding of 7.34 and -7.56 is more than
     # 1% of their sum -0.21); a count drawn at random differs in the halves, which draw again.

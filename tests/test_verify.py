@@ -434,6 +434,48 @@ def test_an_accumulation_failure_with_equal_target_counts_names_a_loss_that_does
     assert "a prediction of shape (B,) broadcast against targets of shape (B, 1)" in result.hint, result
 
 
+class Unlabelled(Points):
+    """Points whose odd samples hold no target (y -100: unlabelled, or a prompt without an answer)."""
+
+    def __getitem__(self, i: int) -> dict:
+        item = super().__getitem__(i)
+        return {**item, "y": torch.full_like(item["y"], -100.0)} if i % 2 else item
+
+
+class MaskedMean(torch.nn.Module):
+    """The mean squared error over the real targets: a mean, not the sum the loop divides."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Linear(3, 1)
+
+    def forward(self, batch):
+        real = batch["y"] != -100
+        return (((self.w(batch["x"]) - batch["y"]) ** 2) * real).sum() / real.sum().clamp_min(1)
+
+
+def test_a_micro_batch_without_targets_does_not_let_a_mean_pass_the_accumulation_check(monkeypatch):
+    # A micro-batch whose samples hold no target weighs nothing whatever its loss is divided by, so
+    # with one in the step a per-micro-batch mean matched the sum: a plain PASS. The audit takes
+    # the first samples that hold targets; with one float target each, their counts are equal,
+    # which the row says cannot tell a mean (the start's probe finds it: tests/test_model.py).
+    from data import DATASETS
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.data.bundle import Data
+    from model import MODELS
+    from tools.audit_grads import gradient_audits
+
+    monkeypatch.setitem(DATASETS, "unlabelled", lambda cfg: Data(Unlabelled(64), Unlabelled(16), vocab_size=1,
+                                                                 seq_len=1))
+    monkeypatch.setitem(MODELS, "masked_mean", lambda cfg, data: MaskedMean())
+    for seed in range(4):
+        args = ["data.name=unlabelled", "model.name=masked_mean", "train.device=cpu", "data.batch_size=2",
+                "train.grad_accum=2", f"run.seed={seed}"]
+        [result] = gradient_audits(DEFAULT_CONFIG, args, {"accumulation"})
+        assert "(targets per micro-batch [2, 2])" in result.numbers, result
+        assert not result.ok or "a per-micro-batch mean would pass too" in result.numbers, result
+
+
 def test_a_loss_that_is_not_finite_in_an_audit_is_its_fail_row_naming_the_usual_causes(cache, monkeypatch):
     # A model that averages per sequence, then over sequences: the audit keeps the first quarter of
     # each later micro-batch's targets (whole sequences first), so that micro-batch has sequences

@@ -17,6 +17,7 @@ and each still weighs enough that a loop that leaves one out fails.
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ from loop.config.load import load_config
 from loop.config.runtime import follow_global_batch
 from loop.contract import loss_and_sums
 from loop.data.bundle import IGNORE_INDEX
-from loop.data.sampler import split_batch, to_device, train_loader
+from loop.data.sampler import holding_targets, split_batch, to_device, train_loader
 from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.precision import DTYPES
@@ -100,11 +101,18 @@ class Probe:
 
 
 def step_batches(ds, seed: int, k: int, b: int) -> list[dict]:
-    """The first k*b training samples in the loop's order, as k micro-batches of b; every
-    micro-batch after the first keeps the first quarter of its real targets (when targets are ids;
-    real ones, not positions, which a masked prompt leaves without any)."""
-    batch = next(iter(train_loader(ds, k * b, seed, 0, 0, 2, False)))
-    micro = split_batch(batch, k)
+    """The first k*b training samples in the loop's order that hold targets (a micro-batch without
+    any weighs nothing, whatever its loss is divided by: a per-micro-batch mean would pass), as k
+    micro-batches of b; fewer where the first 8*k*b samples hold fewer. Every micro-batch after the
+    first keeps the first quarter of its real targets (when targets are ids; real ones, not
+    positions, which a masked prompt leaves without any)."""
+    found = []
+    for batch in itertools.islice(train_loader(ds, k * b, seed, 0, 0, 2, False), 8):
+        found.append(holding_targets(batch))
+        if sum(len(f["idx"]) for f in found) >= k * b:
+            break
+    batch = {key: torch.cat([f[key] for f in found])[:k * b] for key, v in found[0].items() if torch.is_tensor(v)}
+    micro = split_batch({**batch, "n_targets": -1}, k)  # recounted per micro-batch
     if not torch.is_floating_point(batch["y"]):
         for m in micro[1:]:
             y = m["y"].flatten()
@@ -173,6 +181,11 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
     accum, whole = Probe(config, overrides, k, b), Probe(config, overrides, 1, k * b)
     micro = step_batches(accum.trainer.data.train, probe.run.seed, k, b)
     counts = [m["n_targets"] for m in micro]
+    if sum(len(m["idx"]) for m in micro) < k * b:  # a per-micro-batch mean cannot be told from a sum
+        return [Result(check, False, f"only {sum(len(m['idx']) for m in micro)} of the first {8 * k * b} "
+                       f"training samples hold a target (y other than -100); {k} micro-batches of {b} need "
+                       f"{k * b}", "a data set whose samples mostly hold no target; check data.name's "
+                       "training split") for check in ("accumulation", "clipping") if check in checks]
     w = whole.trainer
     kind = arithmetic(w.precision.name, w.raw)
     tol, kind = TOLERANCE[kind], kind if kind == w.precision.name else f"{kind} weights"

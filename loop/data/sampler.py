@@ -80,6 +80,15 @@ def split_batch(batch: dict, parts: int) -> list[dict]:
     return [b for b in out if len(b["idx"])]
 
 
+def holding_targets(batch: dict) -> dict:
+    """The batch's samples that hold a real target, its tensors cut alike (others, as split_batch
+    does, left out); the batch itself where every sample holds one."""
+    held = (batch["y"] != IGNORE_INDEX).reshape(len(batch["y"]), -1).any(1)
+    if held.all():
+        return batch
+    return {**{k: v[held] for k, v in batch.items() if torch.is_tensor(v)}, "n_targets": batch["n_targets"]}
+
+
 def target_halves(batch: dict) -> list[dict] | None:
     """`batch` twice, each with one half of its real targets, the other half set to -100 (not
     counted); None where they cannot be halved (one target, or float targets, which a model need
