@@ -18,7 +18,8 @@ VERIFY = [sys.executable, "-m", "tools.verify"]
 
 
 def verify(tmp_path, *args: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([*VERIFY, "--out", str(tmp_path / "verify"), *args], cwd=ROOT,
+    """make verify into tmp_path / "verify runs": a path with a space, as many users' have."""
+    return subprocess.run([*VERIFY, "--out", str(tmp_path / "verify runs"), *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -45,7 +46,7 @@ def test_verify_passes_on_the_default_config(tmp_path, cache):
     assert "2 x 4 vs 1 x 8" in table["accumulation"][1]  # the config's own grad_accum and batch
     assert "targets per micro-batch [128, 32]" in table["accumulation"][1]  # unequal on purpose
     assert "96 sample ids over 12 steps" in table["data"][1]
-    assert not (tmp_path / "verify").exists(), "runs, and the --out they made, go when every check passes"
+    assert not (tmp_path / "verify runs").exists(), "runs, and the --out they made, go when every check passes"
 
 
 @pytest.mark.slow
@@ -82,6 +83,7 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
     proc = verify(tmp_path, "model.n_layr=2")  # and once as users run it: the exit code is 2
     assert proc.returncode == 2 and "Did you mean 'model.n_layer'" in proc.stderr, proc.stderr
     assert not list((tmp_path / "verify").glob("*")), "nothing is left behind"
+    assert not (tmp_path / "verify runs").exists()
     code, err = main(["--out", str(tmp_path / "verify"), "--timeout", "0"]), capsys.readouterr().err
     assert code == 2 and "--timeout: expected a number of seconds > 0, got 0.0." in err, err
     # --out where a file is: exit 2 naming it, not a FileExistsError traceback with exit 1
@@ -168,6 +170,19 @@ def test_the_resume_audit_kills_only_once_a_checkpoint_is_complete(tmp_path, cac
     assert killed > 3 and resumed in (2, 4), result.numbers  # 4's write may have ended before the kill
 
 
+def test_a_job_past_its_timeout_is_killed_and_says_so():
+    # Its SIGKILL is the watchdog's: a caller waiting to kill it at a step must not take it for its own.
+    from tools import jobs
+
+    hangs = [sys.executable, "-c", "import time; print('step 1/5', flush=True); time.sleep(60)"]
+    start = time.monotonic()
+    code, printed = jobs.run_until(hangs, 5, timeout=1)
+    assert code == -signal.SIGKILL and printed == "step 1/5\n" + jobs.TIMED_OUT
+    assert time.monotonic() - start < 30
+    code, printed = jobs.run_until(hangs, 1, timeout=30)  # killed at its step: not timed out
+    assert code == -signal.SIGKILL and printed == "step 1/5\n"
+
+
 def test_a_job_process_that_ended_before_its_signal_is_passed_over(monkeypatch):
     # run_until lists a torchrun job's processes, then signals each: a worker that ended in
     # between (as in a 2-process kill at a run's end) is passed over, not a ProcessLookupError out
@@ -180,6 +195,22 @@ def test_a_job_process_that_ended_before_its_signal_is_passed_over(monkeypatch):
     job = [sys.executable, "-c", "import time; print('step 1/9', flush=True); time.sleep(60)"]
     code, printed = jobs.run_until(job, 1, tree=True)
     assert code == -signal.SIGKILL and printed == "step 1/9\n"
+
+
+def test_a_model_that_crashes_gives_its_traceback_and_leaves_no_empty_directory(tmp_path, cache, monkeypatch):
+    # A bug in the model is a traceback, as train.py gives; the --out it made goes with it.
+    from conftest import gpt_then
+    from model import MODELS
+    from tools.verify import main
+
+    def crash(batch):
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    monkeypatch.setitem(MODELS, "gpt_crash", gpt_then(lambda m: setattr(m, "forward", crash) or m))
+    out = tmp_path / "new" / "verify"
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        main(["--out", str(out), "--checks", "accumulation", "model.name=gpt_crash", cache, *TINY])
+    assert not (tmp_path / "new").exists()
 
 
 def test_a_model_kept_in_bf16_is_held_to_bf16_tolerances(cache, monkeypatch):
@@ -261,7 +292,14 @@ def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monke
     finished = (0, "step 10/10\ndone\n")
     monkeypatch.setattr(audit_runs.jobs, "run_until", lambda *a, **k: finished)
     result = audit_runs.resume(plan)
-    assert not result.ok and result.numbers == "run R was to be killed at step 5 but exited 0: ['done']"
+    assert not result.ok and "killed at step 5 but exited 0 (R.killed.log): " in result.numbers, result
+    assert result.numbers.endswith("done") and (tmp_path / "R.killed.log").read_text() == finished[1]
+
+    # Killed, but by the watchdog of a run that hung before step 5: not the kill the check is about.
+    hung = (-signal.SIGKILL, "step 3/10\n" + audit_runs.jobs.TIMED_OUT)
+    monkeypatch.setattr(audit_runs.jobs, "run_until", lambda *a, **k: hung)
+    result = audit_runs.resume(plan)
+    assert not result.ok and "did not reach step 5" in result.numbers and "--timeout 60" in result.numbers, result
 
     killed = (-signal.SIGKILL, "step 5/10\n")
     monkeypatch.setattr(audit_runs.jobs, "run_until", lambda *a, **k: killed)

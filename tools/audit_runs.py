@@ -90,13 +90,18 @@ def run(plan: Plan, name: str, *extra: str, nproc: int = 0) -> str | None:
         return f"run {name} did not finish within --timeout {plan.timeout:g} s and was killed ({name}.log)"
     (plan.root / f"{name}.log").write_text(out + err)
     if proc.returncode != 0:
-        lines = (err or out).strip().splitlines()
-        said = [line for line in lines if line.startswith("error: ")]  # torchrun's summary follows it
-        tail = said[0][len("error: "):] if said else " | ".join(lines[-3:])
+        tail = _said(err or out)
         if name == "A" and proc.returncode == EXIT_BAD_INPUT:  # the first run of the config: its input is bad
             raise BadInput(tail)
         return f"run {name} exited {proc.returncode} ({name}.log): {tail}"
     return None
+
+
+def _said(printed: str) -> str:
+    """What a failed run said: its error line (torchrun's summary follows it), or its last lines."""
+    lines = printed.strip().splitlines()
+    said = [line for line in lines if line.startswith("error: ")]
+    return said[0][len("error: "):] if said else " | ".join(lines[-3:])
 
 
 def _records(plan: Plan, name: str) -> list[dict]:
@@ -155,12 +160,17 @@ def resume(plan: Plan) -> Result:
     # at the step after it, and a rerun with nothing to resume from proves nothing about resuming.
     latest = plan.root / "R" / "checkpoints" / "latest"
     code, printed = jobs.run_until(cmd, plan.kill_at, timeout=plan.timeout, ready=latest.exists)
+    (plan.root / "R.killed.log").write_text(printed)  # the rerun's goes to R.log
+    if jobs.TIMED_OUT in printed:  # its SIGKILL was the watchdog's, not the kill at a step
+        return Result("resume", False, f"run R did not reach step {plan.kill_at} with a checkpoint complete "
+                      f"within --timeout {plan.timeout:g} s and was killed (R.killed.log)")
     if code != -signal.SIGKILL:
         return Result("resume", False, f"run R was to be killed at step {plan.kill_at} but exited "
-                      f"{code}: {printed.strip().splitlines()[-1:]}")
+                      f"{code} (R.killed.log): {_said(printed)}")
     if why := run(plan, "R"):
         return Result("resume", False, why)
-    m = re.search(r"resumed from \S+ at step (\d+)", (plan.root / "R.log").read_text())
+    # The path may hold spaces (a --out or project path on macOS).
+    m = re.search(r"^resumed from .+ at step (\d+)$", (plan.root / "R.log").read_text(), re.M)
     if not m:
         return Result("resume", False, "the rerun did not resume from a checkpoint", HINTS["resume"])
     killed = max(filter(None, map(jobs.reported_step, printed.splitlines())))

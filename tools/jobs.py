@@ -13,6 +13,9 @@ from pathlib import Path
 from typing import Callable
 
 ROOT = Path(__file__).resolve().parents[1]
+# The last line of what run_until returns where the job ran past its timeout: its SIGKILL is then
+# the watchdog's, not the signal asked for.
+TIMED_OUT = "jobs: the job ran past its timeout and was killed\n"
 
 
 def train_cmd(args: list[str], nproc: int = 0, restarts: int = 0) -> list[str]:
@@ -38,7 +41,7 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
     """Start a job; once it reports `at_step` (or a later step where `ready()` first holds, if
     given), send `sig` (`repeat` times; to the whole process group, as SLURM does, if `group`; to
     every process of a torchrun job if `tree`). Return its exit code and everything it printed. A
-    job that hangs is killed after `timeout` seconds."""
+    job that hangs is killed after `timeout` seconds, and what it printed then ends with TIMED_OUT."""
     # A shell without job control starts background jobs with SIGINT ignored, and children inherit
     # that: a job sent SIGINT (Ctrl-C) must get Python's default handler back to notice it.
     reset = (lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)) if sig == signal.SIGINT else None
@@ -67,12 +70,18 @@ def run_until(cmd: list[str], at_step: int, sig: int = signal.SIGKILL, group: bo
         raise
     finally:
         timer.cancel()  # else its thread keeps the interpreter up to `timeout` seconds
-    return proc.returncode, "".join(seen)
+    return proc.returncode, "".join([*seen, TIMED_OUT] if timer.fired else seen)
 
 
 def watchdog(proc: subprocess.Popen, seconds: float) -> threading.Timer:
-    """SIGKILL the process and its descendants after `seconds` unless cancelled."""
-    timer = threading.Timer(seconds, kill_tree, (proc,))
+    """SIGKILL the process and its descendants after `seconds` unless cancelled; `.fired` says whether
+    it did."""
+    def fire() -> None:
+        timer.fired = True
+        kill_tree(proc)
+
+    timer = threading.Timer(seconds, fire)
+    timer.fired = False
     timer.start()
     return timer
 

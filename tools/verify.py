@@ -56,7 +56,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--config", default=DEFAULT_CONFIG)
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (at least 8)")
     p.add_argument("--nproc", type=int, default=0, help="also check n processes against one (ddp)")
-    p.add_argument("--checks", help=f"comma-separated subset of {', '.join(CHECKS)} (default: all)")
+    p.add_argument("--checks", help=f"comma-separated subset of {', '.join(CHECKS)} (default: all; ddp with --nproc)")
     p.add_argument("--kill-at", type=int, help="the step to kill at (default: random)")
     p.add_argument("--out", default="runs/verify", help="where the audit runs go")
     p.add_argument("--keep", action="store_true", help="keep the runs even when every check passes")
@@ -161,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # the run under way is stopped with it; what ran so far stays to read
         print(f"\ninterrupted{f': runs so far kept in {root}' if 'root' in locals() else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except Exception:  # a bug in the model or data: its traceback, as train.py gives, and no empty dirs
+        if "root" in locals() and not any(root.iterdir()):
+            root.rmdir()
+            remove_if_empty(made)
+        raise
     print(table(results), flush=True)
     (root / "verify.json").write_text(json.dumps(
         {"argv": sys.argv, "results": [vars(r) for r in results]}, indent=1))
