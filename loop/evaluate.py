@@ -98,16 +98,16 @@ class Evaluator:
         self.last = (self.progress.step, metrics)
         return metrics
 
-    @record_function("eval")  # a region of the profiler's breakdown (loop/observe/profile.py)
     def evaluate(self, log, monitor) -> bool:
         """Validation metrics and a text sample into `log`; True if the monitored metric
         (train.best_metric) is the best so far (`monitor`: loop/monitor.py)."""
-        metrics = self.validate()
-        step = self.progress.step
-        for name, value in metrics.items():
-            log.scalar(step, name, value)
-        if text := self.sample():
-            log.text(step, "sample", text)  # a no-op off rank 0
+        with record_function("eval"):  # a region of the profiler's breakdown (loop/observe/profile.py)
+            metrics = self.validate()
+            step = self.progress.step
+            for name, value in metrics.items():
+                log.scalar(step, name, value)
+            if text := self.sample():
+                log.text(step, "sample", text)  # a no-op off rank 0
         best = monitor.update(step, metrics[monitor.metric])
         if monitor.state.stop_reason:  # set by this evaluation: the loop ends here
             self.dist.say(f"stopped early at step {step}: {monitor.state.stop_reason}")

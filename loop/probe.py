@@ -45,6 +45,7 @@ def check_model(ev, raw: nn.Module, best_metric: str, compiled: bool) -> None:
                        f"model reports ({', '.join(names)}); got {best_metric!r}.")
     sums_add_up(ev, raw, split_batch(probe, split)[0], split)
 
+
 @torch.no_grad()
 def sums_add_up(ev, raw: nn.Module, batch: dict, split: int) -> None:
     """A loss summed over the targets is the sum of its halves' losses; a mean is about half that
@@ -104,9 +105,10 @@ def sums_add_up(ev, raw: nn.Module, batch: dict, split: int) -> None:
     if randoms:
         whole, again = whole["loss"], again["loss"]
         ev.dist.say(f"note: the model draws random numbers in eval mode (one validation batch under "
-                      f"two seeds gave losses {whole:.6g} and {again:.6g}), so whether its loss is a sum "
-                      f"over the targets is not checked; validation draws them seeded by run.seed, the "
-                      f"same at every evaluation")
+                    f"two seeds gave losses {whole:.6g} and {again:.6g}), so whether its loss is a sum "
+                    f"over the targets is not checked; validation draws them seeded by run.seed, the "
+                    f"same at every evaluation")
+
 
 def fitted(ev, raw: nn.Module, batch: dict) -> tuple[dict[str, float], int]:
     """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch
@@ -123,7 +125,7 @@ def fitted(ev, raw: nn.Module, batch: dict) -> tuple[dict[str, float], int]:
                 raise  # retried outside the except block: its traceback pins the tensors
         if ev.sharded:
             ev.oom.in_collectives("in the first validation forward (the model's contract probe) "
-                                    "under FSDP, which gathers each block's weights from all ranks")
+                                  "under FSDP, which gathers each block's weights from all ranks")
         if split >= n:
             raise GaveUp(f"out of memory in the model's first forward (validation, no "
                          f"gradients), even one sample at a time: the model does not fit "

@@ -257,8 +257,9 @@ class Trainer:
         """Checkpoint this step (every rank takes part); metrics up to it are on disk first (the
         console's step line stays at train.log_every)."""
         self.log.flush(console=False)
-        self.checkpoints.save(self.progress.step, self.parts, self.sharded, self.run_facts,
-                              self.monitor.state.best_step)
+        with record_function("checkpoint"):  # a region of the profiler's breakdown
+            self.checkpoints.save(self.progress.step, self.parts, self.sharded, self.run_facts,
+                                  self.monitor.state.best_step)
 
     def finish(self) -> dict:
         """The end: summary.json, model.pt and the report (loop/observe/summary.py); a preempted

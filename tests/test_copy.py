@@ -157,13 +157,17 @@ def test_a_copy_that_fails_midway_is_bad_input_and_leaves_dest_as_it_was(tmp_pat
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(shutil, "copy2", full)  # the single files, after loop/ and the rest are copied
-    new, empty = tmp_path / "new", tmp_path / "empty"
+    new, empty = tmp_path / "a" / "b" / "new", tmp_path / "empty"
     empty.mkdir()
-    for dest in (new, empty):
-        assert tool.main([str(dest)]) == 2
-        assert f"DEST={dest}" in capsys.readouterr().err
-    assert not new.exists() and list(empty.iterdir()) == []
+    # Each single file (after loop/ and the rest are copied), then every file copytree copies.
+    for failing in ("copy2", "copyfile"):
+        with monkeypatch.context() as m:
+            m.setattr(shutil, failing, full)
+            for dest in (new, empty):
+                assert tool.main([str(dest)]) == 2
+                err = capsys.readouterr().err
+                assert f"DEST={dest}" in err and "No space left on device" in err and len(err) < 400, err
+        assert not (tmp_path / "a").exists() and list(empty.iterdir()) == []
 
 
 def test_a_dest_under_home_written_with_a_tilde_is_made_there(tmp_path):

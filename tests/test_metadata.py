@@ -44,6 +44,12 @@ def test_a_run_s_own_directory_inside_the_tree_does_not_make_it_dirty(tmp_path):
     assert metadata.git_info(tmp_path, written=tmp_path / "out [1]")["dirty"] is False
     assert metadata.git_info(tmp_path)["dirty"] is True
     assert metadata.git_info(tmp_path, written=tmp_path)["dirty"] is True  # the tree itself: not left out
+    git(tmp_path, "add", "out [1]/metrics.jsonl")
+    git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "a run's file committed")
+    (tmp_path / "out [1]" / "metrics.jsonl").write_text("{}\n{}\n")  # a tracked file changed: its diff
+    changed = metadata.git_info(tmp_path, written=tmp_path / "out [1]")
+    assert changed["dirty"] is True and changed["diff_sha256"] is not None
+    git(tmp_path, "checkout", "-q", "--", "out [1]/metrics.jsonl")
     (tmp_path / "mine.py").write_text("")
     assert metadata.git_info(tmp_path, written=tmp_path / "out [1]")["dirty"] is True
     assert metadata.git_info(tmp_path, written=tmp_path / "elsewhere")["dirty"] is True
@@ -57,6 +63,11 @@ def test_what_the_project_writes_leaves_the_tree_clean(tmp_path):
     git(tmp_path, "init", "-q")
     git(tmp_path, "add", ".gitignore")
     git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    for name in ("runs", "data/cache"):  # each a link to a scratch disk, as on many clusters
+        scratch = tmp_path.parent / f"{tmp_path.name}-scratch-{name.replace('/', '-')}"
+        scratch.mkdir()
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).symlink_to(scratch)
     for path in ["runs/default/metrics.jsonl", "reports/a_vs_b/report.md", "data/cache/t/tokens.bin",
                  ".venv/.stamp", ".pytest_cache/v", "loop/__pycache__/x.pyc", ".env"]:
         (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)

@@ -77,7 +77,7 @@ def watchdog(proc: subprocess.Popen, seconds: float) -> threading.Timer:
     """SIGKILL the process and its descendants after `seconds` unless cancelled; `.fired` says whether
     it did."""
     def fire() -> None:
-        timer.fired = True
+        timer.fired = proc.poll() is None  # not a job that ended on its own just now
         kill_tree(proc)
 
     timer = threading.Timer(seconds, fire)

@@ -19,6 +19,7 @@ inside this project).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import shlex
 import shutil
@@ -53,7 +54,7 @@ def make(dest: Path, examples: bool) -> None:
     if dest.resolve().is_relative_to(ROOT):  # its tests, or its copies, or its git commit taken for the project's
         raise BadInput(f"DEST={dest}: inside {ROOT}, the project it copies; expected a path outside it "
                        f"(e.g. ../{dest.name}).")
-    made = not dest.exists()
+    made = [d for d in (dest, *dest.parents) if not d.exists()]  # DEST first, then its parents
     try:
         dest.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # a file in the way, a place no directory can be made
@@ -64,6 +65,9 @@ def make(dest: Path, examples: bool) -> None:
     except BaseException as e:  # no half-made project left (a rerun would refuse it): DEST as it was
         if made:
             shutil.rmtree(dest, ignore_errors=True)
+            for parent in made[1:]:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
         else:  # it was empty
             for child in list(dest.iterdir()):
                 if child.is_dir() and not child.is_symlink():
@@ -72,8 +76,11 @@ def make(dest: Path, examples: bool) -> None:
                     child.unlink(missing_ok=True)
         if not isinstance(e, OSError):
             raise
-        raise BadInput(f"DEST={dest}: cannot write the project there ({e.strerror or e}); nothing of it is "
-                       f"left. Expected a directory this user can write to, with room for the copy.") from None
+        why = e.strerror or e
+        if isinstance(e, shutil.Error):  # copytree's, one entry per file: the first, and how many
+            why = f"{e.args[0][0][2]}, and {len(e.args[0]) - 1} more" if len(e.args[0]) > 1 else e.args[0][0][2]
+        raise BadInput(f"DEST={dest}: cannot write the project there ({why}); what was copied is removed. "
+                       f"Expected a directory this user can write to, with room for the copy.") from None
 
 
 def copy(dest: Path, examples: bool) -> None:

@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from torch.profiler import record_function
 
 from loop.checkpoint import state, store
 from loop.checkpoint.async_save import AsyncSaver
@@ -39,7 +38,6 @@ class Saver:
 
         self.mirror = Mirror(target)
 
-    @record_function("checkpoint")  # a region of the profiler's breakdown (loop/observe/profile.py)
     def save(self, step: int, parts: dict, sharded: bool, run_facts: dict, best_step: int) -> None:
         """Checkpoint `step` of `parts` (loop/checkpoint/state.py), `run_facts` beside them in state.pt;
         `best_step`: the best checkpoint's step, kept by retention and named by `best` (0: none)."""

@@ -55,14 +55,17 @@ def _git(root: Path, *args: str) -> str | None:
 
 def git_info(root: Path = ROOT, written: Path | None = None) -> dict:
     """The commit, whether the tree differs from it (untracked files too: a new module a run imports
-    is code the commit lacks), and a hash of the diff. `written`: the run's own directory, left out
-    where it lies inside the tree: the files a run writes are no change to its code."""
+    is code the commit lacks), and a hash of the diff. `written`: the run's own directory, whose
+    untracked files are left out where it lies inside the tree: what a run writes is no change to
+    its code."""
     commit = (_git(root, "rev-parse", "HEAD") or "").strip() or os.environ.get("GIT_COMMIT")
-    inside = written is not None and Path(written).resolve().is_relative_to(root.resolve()) \
-        and Path(written).resolve() != root.resolve()
-    spec = [":/", f":(exclude,literal){Path(written).resolve().relative_to(root.resolve())}"] if inside else []
-    status = _git(root, "status", "--porcelain", "--", *spec)
+    here, run = os.path.abspath(root), os.path.abspath(written) if written is not None else None
+    inside = run is not None and run != here and Path(run).is_relative_to(here)
+    leave_out = [f":(exclude,literal){os.path.relpath(run, here)}"] if inside else []
+    tracked = _git(root, "status", "--porcelain", "--untracked-files=no")
+    untracked = _git(root, "status", "--porcelain", "--", ":/", *leave_out)  # and tracked files but the run's
     diff = _git(root, "diff", "HEAD")
+    status = None if tracked is None or untracked is None else tracked + untracked
     return {"commit": commit, "dirty": bool(status.strip()) if status is not None else None,
             "diff_sha256": hashlib.sha256(diff.encode()).hexdigest() if diff else None}
 

@@ -5,9 +5,9 @@
 
 The loop marks its regions with `record_function`: data (waiting for the DataLoader), forward,
 backward, optimizer (unscale, clip, finite check, step, zero_grad), and between steps eval and
-checkpoint (at train.eval_every and train.ckpt_every: 0 where none falls in the profiled steps).
-After the profiled steps this prints the fraction of their time in each and the rest as "other"
-(logging, Python overhead, idle),
+checkpoint (at train.eval_every and train.ckpt_every: those after steps 3-7 fall in the profiled
+steps 4-8). After the profiled steps this prints the fraction of their time in each and the rest
+as "other" (logging, Python overhead, idle),
 and writes to <out_dir>/profile/: `breakdown.json` and `trace.json`, a Chrome trace that opens in
 Perfetto (ui.perfetto.dev) or chrome://tracing. Times are host wall times of the regions; on a GPU,
 kernels run asynchronously, so the trace's device lanes show where the GPU itself is busy.
