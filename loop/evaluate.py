@@ -55,7 +55,8 @@ def text_sample(model: nn.Module, prompt: torch.Tensor, n: int, seed: int, decod
 @contextlib.contextmanager
 def evaluating(model: nn.Module):
     """Eval mode (no dropout, BatchNorm's running statistics) inside; the model's own mode after,
-    and under FSDP each block's weights back to their shards (loop/distributed/fsdp.py::reshard)."""
+    and, after a block that did not raise, under FSDP each block's weights back to their shards
+    (loop/distributed/fsdp.py::reshard)."""
     was_training = model.training
     model.eval()
     try:
@@ -71,11 +72,11 @@ class Evaluator:
     so evaluating never changes training."""
 
     def __init__(self, model: nn.Module, data, cfg, precision, device: torch.device, dist,
-                 sharded: bool, progress, oom):
-        """`model`: what is evaluated (the EMA copy, if on); `progress` and `oom` (loop/guards/oom.py):
-        the training micro-batch, which validation splits like, and what out of memory says."""
+                 sharded: bool, progress):
+        """`model`: what is evaluated (the EMA copy, if on); `progress`: the training micro-batch,
+        which validation splits like (an out of memory made it smaller)."""
         self.model, self.data, self.precision, self.device, self.dist = model, data, precision, device, dist
-        self.sharded, self.progress, self.oom, self.lab = sharded, progress, oom, cfg.lab.break_
+        self.sharded, self.progress, self.lab = sharded, progress, cfg.lab.break_
         self.seed, self.tokens = cfg.run.seed, cfg.train.sample_tokens
         # train.eval_batches x (data.batch_size x processes) samples; with train.global_batch, x its
         # samples: the set then stays whatever the micro-batch (auto: the GPU) and process count.
@@ -90,8 +91,7 @@ class Evaluator:
         if self.lab == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
             batches = val_batches(self.data.val, self.batch_size, self.n_batches, None, self.dist.rank,
                                   self.dist.world)
-        if self.dist.world > 1:  # one model validated, the one a checkpoint keeps: each rank's BatchNorm
-            fsdp.sync_buffers(self.model)  # statistics (and the EMA's of them) moved with its own data
+        self.dist.sync_buffers(self.model)  # one model validated, the one a checkpoint keeps (the EMA's too)
         with own_rng(self.device, self.seed):
             metrics = val_metrics(self.model, batches, self.precision, self.device, self.dist,
                                   self.progress.micro_split)

@@ -21,10 +21,11 @@ from loop.guards.oom import out_of_memory, release_memory
 from loop.rng import own_rng
 
 
-def check_model(ev, raw: nn.Module, best_metric: str, compiled: bool) -> None:
-    """Before anything is written, probe one validation batch through the trained model `raw`
-    (eval mode, no gradients, torch's streams as they were after): it keeps its contract
-    (`loss_and_sums`, a loss summed over the targets), and train.best_metric is one it reports."""
+def check_model(ev, raw: nn.Module, oom, best_metric: str, compiled: bool) -> None:
+    """Before anything is written, probe one validation batch through `raw`, the model training
+    trains (eval mode, no gradients, torch's streams as they were after): it keeps its contract
+    (`loss_and_sums`, a loss summed over the targets), and train.best_metric is one it reports.
+    `oom` (loop/guards/oom.py): what an out of memory says where it cannot be retried."""
     if not ev.dist.sum_host([sum(b["n_targets"] for b in ev.batches)])[0]:
         raise BadInput("data: the validation batches hold no targets (every y is -100, the ignored "
                        "index); expected some to measure val_loss on.")
@@ -32,7 +33,7 @@ def check_model(ev, raw: nn.Module, best_metric: str, compiled: bool) -> None:
     probe = next((b for b in ev.batches if b["n_targets"]), ev.batches[0])
     try:  # a compiled model is built here, at its first forward
         with own_rng(ev.device, ev.seed):
-            names, split = fitted(ev, raw, probe)
+            names, split = fitted(ev, raw, probe, oom)
     except Exception as e:
         if not (compiled and cannot_compile(e)):
             raise
@@ -110,7 +111,7 @@ def sums_add_up(ev, raw: nn.Module, batch: dict, split: int) -> None:
                     f"same at every evaluation")
 
 
-def fitted(ev, raw: nn.Module, batch: dict) -> tuple[dict[str, float], int]:
+def fitted(ev, raw: nn.Module, batch: dict, oom) -> tuple[dict[str, float], int]:
     """val_metrics on `batch`, in halves, quarters, ... if it runs out of memory: a micro-batch
     too big for the card must reach training, whose recovery (train.oom_policy) splits it. Ranks
     need not agree first: the one collective comes after every forward. Under FSDP, whose
@@ -124,8 +125,8 @@ def fitted(ev, raw: nn.Module, batch: dict) -> tuple[dict[str, float], int]:
             if not out_of_memory(e):
                 raise  # retried outside the except block: its traceback pins the tensors
         if ev.sharded:
-            ev.oom.in_collectives("in the first validation forward (the model's contract probe) "
-                                  "under FSDP, which gathers each block's weights from all ranks")
+            oom.in_collectives("in the first validation forward (the model's contract probe) "
+                               "under FSDP, which gathers each block's weights from all ranks")
         if split >= n:
             raise GaveUp(f"out of memory in the model's first forward (validation, no "
                          f"gradients), even one sample at a time: the model does not fit "

@@ -20,7 +20,7 @@ class Progress:
     samples: int = 0  # training samples consumed by those steps: the data position
     tokens: int = 0  # targets in those samples
     skipped: int = 0  # steps train.nan_policy=skip dropped (fp16 overflows, empty steps: counted apart)
-    overflows: int = 0  # fp16 steps skipped by the GradScaler (scale backed off)
+    overflows: int = 0  # fp16 steps not taken for an overflow at a scale > 1 (the scale backed off)
     empty: int = 0  # steps skipped because their batches held no target (every y -100)
     train_s: float = 0.0  # wall time of the steps taken and their evaluations, not of checkpoint
     # writes or rolled-back steps, over every start of the run (resumes too)

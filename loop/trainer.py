@@ -68,7 +68,7 @@ class Trainer:
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded,
                                self.raw, bool(tc.global_batch))
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
-                                   self.sharded, self.progress, self.oom)
+                                   self.sharded, self.progress)
         self.log, self.metadata, self.run_facts, self.preempted = NullLog(), {}, {}, False
 
     def run(self) -> dict:
@@ -119,7 +119,7 @@ class Trainer:
         cfg, tc, p = self.cfg, self.cfg.train, self.progress
         if self.lab:
             self.dist.say(banner(self.lab))
-        probe.check_model(self.evaluator, self.raw, self.monitor.metric, tc.compile)  # before anything is written
+        probe.check_model(self.evaluator, self.raw, self.oom, self.monitor.metric, tc.compile)  # before any write
         path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
         if self.dist.main:  # before the restore, which compares it with the checkpoint's
             self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
@@ -209,7 +209,7 @@ class Trainer:
                     self.ema.update(self.raw)
                 self.nonfinite.passed()
             elif self.scaler.is_enabled() and loss_ok and self.scaler.get_scale() > 1:
-                p.overflows += 1  # fp16 gradients overflowed under a scale > 1: the scaler skips, backs off
+                p.overflows += 1  # fp16 gradients overflowed under a scale > 1: not taken; update() backs the scale off
             elif self.nonfinite.verdict(losses, grad_norm, self.raw) == "rollback":
                 return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
             self.scaler.update()
@@ -221,8 +221,8 @@ class Trainer:
         """One micro-batch's loss, summed over its targets (the model's contract: loop/contract.py).
         loop/build.py wraps it with the configured faults (loop/guards/faults.py)."""
         batch = to_device(batch, self.device, non_blocking=True)
-        if self.sharded:
-            fsdp.sync_buffers(self.raw)  # rank 0's buffers on every rank, as DDP does
+        if self.sharded:  # FSDP shards parameters only: buffers as DDP keeps them
+            self.dist.sync_buffers(self.raw)
         with self.precision.autocast(), record_function("forward"):
             return loss_and_sums(self.model(batch))[0]
 

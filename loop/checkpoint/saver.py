@@ -52,7 +52,7 @@ class Saver:
             return
         if sharded:  # every rank's copy of each buffer the same, whichever one DCP keeps
             for module in (model, *([ema.module] if ema else [])):
-                fsdp.sync_buffers(module)
+                self.dist.sync_buffers(module)
         best = f"step_{best_step:08d}" if best_step else None
         meta = {"config_sha256": run_facts["config_sha256"], "world_size": self.dist.world,
                 "resumed_from": self.origin}

@@ -98,15 +98,6 @@ def shard(model: nn.Module, whole_weights: dict[str, torch.Tensor], param_dtype:
     return model
 
 
-def sync_buffers(module: nn.Module) -> None:
-    """Rank 0's buffers on every rank, as DDP does before each forward. FSDP shards parameters only:
-    a buffer the forward updates (BatchNorm's running statistics) would drift apart per rank, and
-    the sharded checkpoint keeps one copy of it, so a resume would leave the run it came from. A
-    model without buffers (the GPT) costs nothing."""
-    for buf in module.buffers():
-        dist.broadcast(buf, src=0)
-
-
 def host_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """What `shard` hands out from rank 0: the state_dict and the buffers that are in none."""
     return {**dict(model.named_buffers()), **model.state_dict()}

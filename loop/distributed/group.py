@@ -82,6 +82,14 @@ class Dist:
         if self.main:
             print(*args, **kwargs, flush=True)
 
+    def sync_buffers(self, module: torch.nn.Module) -> None:
+        """Rank 0's buffers on every rank, as DDP does before a step's first forward: a buffer a forward
+        updates (BatchNorm's running statistics) moves with each rank's own data, and a checkpoint
+        keeps one copy of it. A model without buffers (the GPT) costs nothing."""
+        if self.world > 1:
+            for buf in module.buffers():
+                dist.broadcast(buf, src=0)
+
     def barrier(self) -> None:
         if self.world > 1:
             dist.barrier(group=self.cpu_group)

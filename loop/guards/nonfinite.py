@@ -1,5 +1,6 @@
 """The non-finite policy (train.nan_policy): what a step whose loss or gradients are not finite does
-(under fp16, gradients that overflow with a finite loss are the GradScaler's: it skips the step).
+(under fp16, gradients that overflow with a finite loss at a scale above 1 are the GradScaler's
+way to find its scale: the step is not taken and the scale backs off, counted apart as overflows).
 
     skip      the step changes nothing (weights, optimizer, LR, EMA); the data moves on. Buffers its
               forward updated (BatchNorm's running statistics) keep the update: a skip cannot undo
@@ -40,7 +41,8 @@ class NonFinite:
         self.watched = watched
 
     def passed(self) -> None:
-        """The step is taken; past the last bad step (not a replay after a rollback) the streak ends."""
+        """The step is taken; from the last bad step on (its replay after a rollback included, not
+        the replays before it) the streak ends."""
         if self.progress.step + 1 >= self.progress.last_bad:
             self.progress.bad_streak = 0
 
@@ -88,7 +90,7 @@ def describe(step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor, mod
 def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> bool:
     """Back to the newest valid checkpoint (every rank): `parts` restored, the metrics after it
     dropped (as at a resume), the data read from its position on, passing over the bad step's
-    window from now on. False: no step was taken."""
+    window from now on. Returns False, Trainer.step's answer for a step not taken."""
     log.flush()  # the steps before the bad one first: on the console before "resumed from"
     p = parts["progress"]
     bad = p.samples

@@ -1,8 +1,10 @@
 """Out of memory: a step that runs out is retried in smaller micro-batches (train.oom_policy=split)
 where nothing crossed the ranks yet, and the allocator is set up to run out less.
 
-Up to the last micro-batch's backward, DDP ranks run no collective: each gets that far, and there
-all agree whether any ran out (`Attempt.agree`) before any rank starts reducing gradients. Then
+Up to the last micro-batch's backward, DDP ranks run no collective that an out of memory could
+leave waiting (DDP's broadcast of a model's buffers comes first in a step's first forward, before
+anything is allocated): each gets that far, and there all agree whether any ran out
+(`Attempt.agree`) before any rank starts reducing gradients. Then
 every rank retries the same samples with the micro-batch halved: the same global batch, the same
 maths. Out of memory inside a collective (that last backward with other ranks, or any forward or
 backward under FSDP, which gathers each block's weights from all ranks) cannot be undone: the
