@@ -92,7 +92,7 @@ class Trainer:
                 evaluate = (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps
                 # A new best of train.best_metric: checkpointed at this step, named by checkpoints/best.
                 best = bool(evaluate) and self.evaluator.evaluate(self.log, self.monitor)
-                preempt = self.dist.sum_host([float(preemption.requested())])[0] > 0  # every rank agrees
+                preempt = preemption.agreed(self.dist)
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()
@@ -110,7 +110,7 @@ class Trainer:
                 self.close(ended)  # the last async checkpoint write finishes under the stop handlers
             finally:
                 preemption.close()
-        if not self.preempted and self.dist.sum_host([float(preemption.requested())])[0] > 0:
+        if not self.preempted and preemption.agreed(self.dist):
             self.preempted = True  # a stop signal while the last checkpoint was written: it is on disk
         return self.finish()
 

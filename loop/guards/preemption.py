@@ -53,6 +53,10 @@ class Preemption:
             self._stop(f"torchrun (pid {self._launcher}) is gone")
         return self.reason is not None
 
+    def agreed(self, dist) -> bool:
+        """Whether a stop came to any rank (a collective: every rank stops at the same step)."""
+        return dist.sum_host([float(self.requested())])[0] > 0
+
     def close(self) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
