@@ -434,6 +434,40 @@ def test_best_checkpoint_is_tracked_and_kept(tmp_path, cache, mode):
         assert best_step < 30  # the highest val loss is early: kept although it is old
 
 
+def test_the_last_step_is_checkpointed_when_its_evaluation_is_no_best(tmp_path, cache):
+    # best_mode=max on a falling loss: the end's evaluation is no new best, and step 15 is no
+    # periodic checkpoint. Saved all the same, a rerun of the finished run trains nothing again.
+    out = tmp_path / "run"
+    args = ("train.max_steps=15", "train.ckpt_every=10", "train.eval_every=10", "train.best_mode=max")
+    train_here(out, cache, *args)
+    root = out / "checkpoints"
+    assert [d.name for d in store.step_dirs(root)] == ["step_00000010", "step_00000015"]
+    assert (root / "latest").read_text() == "step_00000015" and (root / "best").read_text() == "step_00000010"
+    rerun = train_here(out, cache, *args)
+    assert "at step 15" in rerun.stdout and [r["step"] for r in metrics(out)] == list(range(1, 16))
+
+
+def test_a_resume_back_in_time_leaves_the_newer_checkpoints_and_their_pointers_alone():
+    # The repair of what a kill in the last save left undone is for a resume from the newest
+    # checkpoint: resumed from an older one (run.resume=PATH), `latest` still names the newest and
+    # `best` the run's best until this run saves, and retention deletes nothing.
+    import tempfile
+    from pathlib import Path
+
+    from loop.checkpoint.saver import Saver
+    from loop.distributed.group import Dist
+
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "checkpoints"
+        for step in (5, 10, 15, 20):
+            (root / f"step_{step:08d}").mkdir(parents=True)
+        for pointer in ("latest", "best"):
+            (root / pointer).write_text("step_00000020")
+        Saver(root, 3, Dist(), False).repair(root / "step_00000010", 5)
+        assert [d.name for d in store.step_dirs(root)] == [f"step_{s:08d}" for s in (5, 10, 15, 20)]
+        assert (root / "latest").read_text() == (root / "best").read_text() == "step_00000020"
+
+
 @pytest.mark.parametrize("keep_last", [1, 3])
 def test_pointers_a_kill_in_the_last_save_left_behind_are_repaired_by_the_rerun(tmp_path, cache, keep_last):
     # A kill after the last checkpoint's rename but before `latest` and `best` were written: the

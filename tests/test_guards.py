@@ -214,6 +214,19 @@ def test_a_rollback_under_fp16_trains_on(tmp_path, cache):
     assert (s["rollbacks"], s["steps"], s["skipped_steps"]) == (1, 8, 0)
 
 
+@pytest.mark.parametrize("every, bad, back_to", [(5, 1, 0), (2, 3, 2)])
+def test_a_rollback_goes_back_to_the_checkpoint_of_the_step_just_before(tmp_path, cache, capsys, every, bad, back_to):
+    # A bad first step: back to the step-0 checkpoint written for it. A bad step right after a
+    # checkpoint: back to that one, not one older.
+    from conftest import TINY, build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=6",
+                                f"train.ckpt_every={every}", "train.nan_policy=rollback", f"faults.nan_at_step={bad}"])
+    s = build_trainer(cfg, Dist(), torch.device("cpu")).run()
+    assert (s["rollbacks"], s["steps"]) == (1, 6)
+    assert f"rolled back to step {back_to};" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache, monkeypatch, capsys):
     # train.async_save: step 10's checkpoint (on a disk made a second slower) is still being
