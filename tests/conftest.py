@@ -2,6 +2,7 @@
 process, where no kill, signal or torchrun is involved), kill it, read its files."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
@@ -35,6 +36,15 @@ def children_temp_dir(tmp_path_factory) -> None:
     pytest prunes: torchrun leaves an empty torchelastic_* directory in the temp dir at each launch
     (its default log dir), 30-odd of them in /tmp per make test otherwise."""
     os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+
+
+@pytest.fixture(autouse=True)
+def hang_guard():
+    """A test that hangs (a loop a bug keeps from ending) ends after 10 minutes with every thread's
+    traceback, its worker reported crashed, instead of stalling the suite past CI's limit."""
+    faulthandler.dump_traceback_later(600, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 @pytest.fixture(scope="session")
