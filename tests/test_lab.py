@@ -25,7 +25,7 @@ def test_verify_names_the_check_each_switch_breaks(tmp_path, cache, name):
     for check in s.caught_by:
         assert f"  {check}: usual cause: " in proc.stdout
     assert f"LAB SWITCH ON: lab.break={name}" in proc.stdout
-    kept = next((tmp_path / "verify").iterdir())  # failed audits keep their runs to look at
+    kept = next((tmp_path / "verify runs").iterdir())  # failed audits keep their runs to look at
     assert json.loads((kept / "verify.json").read_text())["results"]
 
 
