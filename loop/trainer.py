@@ -63,7 +63,8 @@ class Trainer:
                       "ema": ema, "monitor": self.monitor, "progress": self.progress, "rng": RngStreams()}
         self.feed = Feed(data, cfg, cfg.data.pin_memory and device.type == "cuda", self.progress, self.dist)
         watched = watched_buffers(self.raw)  # those a forward can leave non-finite (BatchNorm's statistics)
-        self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save, watched)
+        self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save, watched,
+                                 self.sharded)
         self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist, watched)
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded,
                                self.raw, bool(tc.global_batch))
@@ -258,8 +259,7 @@ class Trainer:
         console's step line stays at train.log_every)."""
         self.log.flush(console=False)
         with record_function("checkpoint"):  # a region of the profiler's breakdown
-            self.checkpoints.save(self.progress.step, self.parts, self.sharded, self.run_facts,
-                                  self.monitor.state.best_step)
+            self.checkpoints.save(self.progress.step, self.parts, self.run_facts, self.monitor.state.best_step)
 
     def finish(self) -> dict:
         """The end: summary.json, model.pt and the report (loop/observe/summary.py); a preempted

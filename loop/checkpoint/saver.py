@@ -24,9 +24,11 @@ from loop.distributed.group import Dist
 
 
 class Saver:
-    def __init__(self, root: Path, keep_last: int, dist: Dist, async_save: bool, watched: set[str] = frozenset()):
-        """`watched`: the buffers checked with the weights (loop/guards/nonfinite.py::watched_buffers)."""
-        self.root, self.keep_last, self.dist, self.watched = root, keep_last, dist, watched
+    def __init__(self, root: Path, keep_last: int, dist: Dist, async_save: bool, watched: set[str] = frozenset(),
+                 sharded: bool = False):
+        """`watched`: the buffers checked with the weights (loop/guards/nonfinite.py::watched_buffers);
+        `sharded`: the model is FSDP's, saved as every rank's shards."""
+        self.root, self.keep_last, self.dist, self.watched, self.sharded = root, keep_last, dist, watched, sharded
         self.writer = AsyncSaver(dist.for_thread()) if async_save else None
         self.mirror = None  # rank 0's loop.checkpoint.mirror.Mirror: it alone writes checkpoints
         self.origin: str | None = None  # where run.resume=PATH began (resume.origin), in each manifest
@@ -38,7 +40,7 @@ class Saver:
 
         self.mirror = Mirror(target)
 
-    def save(self, step: int, parts: dict, sharded: bool, run_facts: dict, best_step: int) -> None:
+    def save(self, step: int, parts: dict, run_facts: dict, best_step: int) -> None:
         """Checkpoint `step` of `parts` (loop/checkpoint/state.py), `run_facts` beside them in state.pt;
         `best_step`: the best checkpoint's step, kept by retention and named by `best` (0: none)."""
         model, ema = parts["model"], parts["ema"]
@@ -50,13 +52,13 @@ class Saver:
             print(f"warning: step {step}: weights or buffers are not all finite; no checkpoint written",
                   file=sys.stderr)
             return
-        if sharded:  # every rank's copy of each buffer the same, whichever one DCP keeps
+        if self.sharded:  # every rank's copy of each buffer the same, whichever one DCP keeps
             for module in (model, *([ema.module] if ema else [])):
                 self.dist.sync_buffers(module)
         best = f"step_{best_step:08d}" if best_step else None
         meta = {"config_sha256": run_facts["config_sha256"], "world_size": self.dist.world,
                 "resumed_from": self.origin}
-        files = state.files(parts, self.dist.rank, sharded, run_facts)
+        files = state.files(parts, self.dist.rank, self.sharded, run_facts)
         midway = partial(self.midway, step) if self.midway else None
         args = (self.root, step, files, self.keep_last, meta, {best} - {None}, midway)
         then = partial(self.saved, best=best)
@@ -64,9 +66,9 @@ class Saver:
         if self.writer:  # returns once the state (FSDP: and this rank's shards) is copied
             shards = partial(fsdp.staged_writer, model, optimizer, averaged, self.writer.dist.cpu_group)
             self.writer.save(*args, then=then if self.dist.main else None,
-                             shards=shards if sharded else None)
+                             shards=shards if self.sharded else None)
         else:
-            shards = partial(fsdp.write, fsdp.state_dict(model, optimizer, averaged)) if sharded else None
+            shards = partial(fsdp.write, fsdp.state_dict(model, optimizer, averaged)) if self.sharded else None
             path = store.save(*args, dist=self.dist, shards=shards)
             if self.dist.main:
                 then(path)
