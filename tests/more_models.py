@@ -2,6 +2,7 @@
 
 Models: `gpt_spare`, the GPT plus a head its forward never uses (parameters that get no gradient);
 `gpt_first_micro`, the GPT plus a layer its forward uses in every other training call only;
+`gpt_frozen`, the GPT with its position embeddings frozen (requires_grad=False);
 `gpt_bn`, the GPT with batch norm over its embeddings (buffers the forward updates);
 `gpt_bn_spare_bf16`, `gpt_spare` with that batch norm and its weights in bfloat16 (a checkpoint
 loaded in bf16 to fine-tune); `gpt_wrong`, the GPT with a bug in its forward (embeddings one feature
@@ -104,6 +105,12 @@ def gpt_first_micro(cfg: GPTOptions, data: Data) -> nn.Module:
     return m
 
 
+def gpt_frozen(cfg: GPTOptions, data: Data) -> nn.Module:
+    m = build_gpt(cfg, data)
+    m.wpe.weight.requires_grad_(False)  # frozen, as a fine-tune (LoRA) leaves most weights
+    return m
+
+
 def gpt_bn(cfg: GPTOptions, data: Data) -> nn.Module:
     m = build_gpt(cfg, data)
     m.drop = nn.Sequential(TokenNorm(cfg.n_embd), m.drop)  # applied to the embeddings
@@ -135,7 +142,7 @@ def gpt_shared(cfg: GPTOptions, data: Data) -> nn.Module:
 
 
 if __name__ == "__main__":
-    MODELS.update(gpt_spare=gpt_spare, gpt_bn=gpt_bn, gpt_bn_spare_bf16=gpt_bn_spare_bf16, gpt_wrong=gpt_wrong,
+    MODELS.update(gpt_spare=gpt_spare, gpt_frozen=gpt_frozen, gpt_bn=gpt_bn, gpt_bn_spare_bf16=gpt_bn_spare_bf16, gpt_wrong=gpt_wrong,
                   gpt_scalar=gpt_scalar, gpt_shared=gpt_shared, gpt_first_micro=gpt_first_micro)
     DATASETS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked,
                     text_per_node=text_per_node)

@@ -400,6 +400,9 @@ def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(
     done = launch(tmp_path / "b", "train.find_unused_parameters=true")
     assert done.returncode == 0, done.stderr
     assert summary(tmp_path / "b")["steps"] == 3
+    # A frozen parameter (requires_grad=False, as a fine-tune leaves most) is DDP's to leave out.
+    frozen = launch(tmp_path / "d", "model.name=gpt_frozen")
+    assert frozen.returncode == 0 and summary(tmp_path / "d")["steps"] == 3, frozen.stderr
 
 
 @pytest.mark.slow
