@@ -19,6 +19,7 @@ import torch
 
 from conftest import DIST as STEPS
 from conftest import ROOT, TINY, ids, metrics, run_and_signal, run_train, summary, train_cmd, watchdog
+from loop.checkpoint import store
 from loop.distributed.group import Dist
 from loop.errors import BadInput
 from loop.rng import rank_seed
@@ -289,6 +290,34 @@ def test_max_restarts_recovers_a_killed_worker(tmp_path, cache, two_proc):
     assert resumed and resumed[1] in ("10", "15"), printed
     assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
     assert [r["loss"] for r in metrics(out)] == [r["loss"] for r in metrics(two_proc)]
+
+
+@pytest.mark.slow
+def test_a_stop_signal_to_one_rank_stops_every_rank_at_one_checkpoint(tmp_path, cache, two_proc):
+    # SIGTERM to one worker alone (a node's agent preempting its own processes): every rank agrees
+    # at that step, all save it and exit 143; the others must not train on without it.
+    out = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(out, cache, *STEPS, nproc=2), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    timer = watchdog(proc)
+    seen, signalled = [], None
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            if signalled is None and line.startswith("step") and int(line.split()[1].split("/")[0]) >= 5:
+                signalled = children(proc.pid)[-1]
+                os.kill(signalled, signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        timer.cancel()
+    printed = "".join(seen)
+    stopped = re.search(r"preempted at step (\d+); checkpoint written", printed)
+    assert signalled and stopped and 5 <= int(stopped[1]) < 20, printed
+    assert printed.count("exitcode  : 143") == 2 and not (out / "summary.json").exists(), printed
+    assert store.step_dirs(out / "checkpoints")[-1].name == f"step_{int(stopped[1]):08d}"
+    rerun = run_train(out, cache, *STEPS, nproc=2)
+    assert f"at step {stopped[1]}" in rerun.stdout, rerun.stdout
+    assert summary(out)["params_sha256"] == summary(two_proc)["params_sha256"]
 
 
 @pytest.mark.slow
