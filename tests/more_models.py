@@ -142,8 +142,8 @@ def gpt_shared(cfg: GPTOptions, data: Data) -> nn.Module:
 
 
 if __name__ == "__main__":
-    MODELS.update(gpt_spare=gpt_spare, gpt_frozen=gpt_frozen, gpt_bn=gpt_bn, gpt_bn_spare_bf16=gpt_bn_spare_bf16, gpt_wrong=gpt_wrong,
-                  gpt_scalar=gpt_scalar, gpt_shared=gpt_shared, gpt_first_micro=gpt_first_micro)
+    MODELS.update(gpt_spare=gpt_spare, gpt_frozen=gpt_frozen, gpt_bn=gpt_bn, gpt_bn_spare_bf16=gpt_bn_spare_bf16,
+                  gpt_wrong=gpt_wrong, gpt_scalar=gpt_scalar, gpt_shared=gpt_shared, gpt_first_micro=gpt_first_micro)
     DATASETS.update(text_broken=text_broken, text_augmented=text_augmented, text_masked=text_masked,
                     text_per_node=text_per_node)
     sys.exit(train.main())

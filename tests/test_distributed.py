@@ -1,8 +1,9 @@
-"""Many processes, one code path, through real torchrun subprocesses (gloo on CPU): 2 processes
-equal 1 process with twice the micro-batch, a SIGKILLed 2-process job resumes bit-identically, the
-world size can change at a resume without skipping or repeating a sample, a NaN on one rank is
-skipped by all (or rolled back by all, past the global window), torchrun --max-restarts recovers a killed worker, and torchrun with one process
-takes the distributed path (DDP or FSDP over one rank) with plain python's results."""
+"""Many processes, one code path, through real torchrun subprocesses (gloo on CPU): 2 processes equal 1
+process with twice the micro-batch, a SIGKILLed 2-process job resumes bit-identically, the world
+size can change at a resume without skipping or repeating a sample, a NaN on one rank is skipped by
+all (or rolled back by all, past the global window), torchrun --max-restarts recovers a killed
+worker, and torchrun with one process takes the distributed path (DDP or FSDP over one rank) with
+plain python's results."""
 from __future__ import annotations
 
 import json
