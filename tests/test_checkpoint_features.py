@@ -647,6 +647,23 @@ def test_init_from_a_model_pt_loads_its_weights(tmp_path, cache, reference):
         "checkpoint).\n"), shorter.stderr
 
 
+def test_init_from_weights_the_model_lacks_names_each_of_them_and_the_key(tmp_path, cache):
+    # Weights with tensors this model has no place for (trained with model.bias=true, warm-started
+    # with false): every one named, and the key that made them, not load_state_dict's "Unexpected
+    # key(s)" traceback (exit 1).
+    biased = tmp_path / "biased"
+    train_here(biased, cache, "train.max_steps=0", "model.bias=true")
+    extra = [k for k in torch.load(biased / "model.pt", weights_only=True)["model"] if k.endswith(".bias")]
+    out = tmp_path / "run"
+    proc = train_here(out, cache, "train.max_steps=0", "model.bias=false", f"run.init_from={biased / 'model.pt'}",
+                      check=False)
+    assert proc.returncode == 2 and not out.exists(), proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    listed = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
+    assert extra and listed == [f"{k}: in checkpoint, not in the model" for k in extra], proc.stderr
+    assert f"({len(extra)} tensor(s))" in proc.stderr and "model.bias=True" in proc.stderr, proc.stderr
+
+
 @pytest.mark.slow
 def test_the_latest_and_best_pointers_name_their_checkpoints(tmp_path, cache, reference):
     # checkpoints/latest and /best are what one sees in a run directory, and what one names. They

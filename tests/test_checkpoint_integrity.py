@@ -398,6 +398,24 @@ def test_resume_from_missing_path_exits_2_naming_it(tmp_path, cache):
     assert not out.exists()
 
 
+def test_a_checkpoint_named_by_path_that_does_not_verify_exits_2_and_writes_nothing(tmp_path, cache, base10):
+    # A checkpoint named by hand is verified as run.resume=auto verifies the ones it finds: one byte
+    # of its state.pt changed still unpickles (here: a weight), and resumed or warm-started from, it
+    # trained on weights no run wrote, its manifest's sha256 ignored.
+    out = tmp_path / "run"
+    shutil.copytree(base10, out, symlinks=True)
+    ckpt = out / "checkpoints" / "step_00000010"
+    flip_middle_byte(ckpt / "state.pt")
+    before = snapshot(out)
+    for key, new in (("run.resume", out), ("run.init_from", tmp_path / "warm")):
+        proc = train_here(new, cache, *BASE, "train.max_steps=20", f"{key}={ckpt}", check=False)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        assert f"{key}={ckpt}: not a valid checkpoint" in proc.stderr and "state.pt" in proc.stderr, proc.stderr
+        assert "Traceback" not in proc.stderr, proc.stderr
+        assert_unchanged(before, out)
+    assert not (tmp_path / "warm").exists(), "nothing is written on the bad-input path"
+
+
 # ---------------------------------------------------------------------------- 6. a full disk
 def run_with_file_limit(nbytes: int, out: Path, *overrides: str, cmd: list[str] | None = None
                         ) -> subprocess.CompletedProcess:

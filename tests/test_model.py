@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import token_data
+from conftest import token_data, train_here
 from data import DATASETS
 from data.markov import MarkovConfig, MarkovOptions
 from loop.build import build_data, build_model
@@ -487,6 +487,34 @@ def test_a_signed_sum_and_a_value_drawn_at_random_are_not_taken_for_means():
     sums_add_up(evaluator, Sampled(), batch, 1)
 
 
+def test_a_value_drawn_at_random_beside_a_mean_loss_does_not_excuse_the_loss():
+    # Only a loss that differs under other draws cannot be compared: a count drawn at random beside
+    # it is left out of the comparison, and the loss still checked. Were any random value to skip
+    # the whole probe, a mean loss with, say, a sampled metric beside it trained without a word.
+    from types import SimpleNamespace
+
+    from loop.distributed.group import Dist
+    from loop.precision import Precision
+    from loop.probe import sums_add_up
+
+    class MeanAndSampled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, batch):
+            counted = batch["y"] != IGNORE_INDEX
+            return {"loss": (self.w * batch["y"].float())[counted].mean(),
+                    "sampled": ((torch.rand(batch["y"].shape) < 0.5) & counted).sum()}
+
+    cpu = torch.device("cpu")
+    y = torch.arange(64).reshape(4, 16)
+    batch = {"idx": torch.arange(4), "x": torch.zeros(4, 16, dtype=torch.long), "y": y, "n_targets": 64}
+    evaluator = SimpleNamespace(precision=Precision("fp32", cpu), device=cpu, dist=Dist(), sharded=False, seed=0)
+    with pytest.raises(BadInput, match="the model's loss is not a sum over the batch's targets"):
+        sums_add_up(evaluator, MeanAndSampled(), batch, 1)
+
+
 def test_a_model_that_draws_random_numbers_in_eval_mode_trains_and_evaluating_changes_nothing(tmp_path, cache,
                                                                                                capsys):
     # A diffusion model's noise, drawn from torch's global stream in eval mode too: its loss is a
@@ -537,6 +565,18 @@ def test_validation_without_any_target_stops_the_run_before_anything_is_written(
     with pytest.raises(BadInput, match=r"^data: the validation batches hold no targets \(every y is -100"):
         trainer("all", masked=None).run()
     assert not (tmp_path / "all").exists()
+
+
+def test_a_best_metric_the_model_does_not_report_stops_the_run_before_anything_is_written(tmp_path, cache):
+    # Which metrics a model reports is known only once it has run: a misspelt train.best_metric is
+    # named by the probe, with the ones there are, before run.out_dir is made, not found at the
+    # first evaluation, after training and writing.
+    out = tmp_path / "run"
+    proc = train_here(out, cache, "train.max_steps=4", "train.best_metric=val_los", check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "config key train.best_metric" in proc.stderr and "(val_loss)" in proc.stderr, proc.stderr
+    assert "'val_los'" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    assert not out.exists(), "nothing is written on the bad-input path"
 
 
 def test_frozen_parameters_are_counted_apart_and_stay_unchanged(tmp_path, cache, capsys):
