@@ -393,7 +393,8 @@ LAUNCH = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127
     ({**LAUNCH, "RANK": "zero"}, "expected integers; got RANK='zero'"),
     ({**LAUNCH, "RANK": "3", "WORLD_SIZE": "2"}, "RANK=3, LOCAL_RANK=0, WORLD_SIZE=2: expected 0 <= RANK"),
     ({**LAUNCH, "WORLD_SIZE": "0"}, "WORLD_SIZE=0: expected 0 <= RANK < WORLD_SIZE"),
-    ({**LAUNCH, "MASTER_PORT": "http"}, "MASTER_PORT: expected a port from 1 to 65535; got 'http'")])
+    ({**LAUNCH, "MASTER_PORT": "http"}, "MASTER_PORT: expected a port from 1 to 65535; got 'http'"),
+    ({**LAUNCH, "MASTER_PORT": "65536"}, "MASTER_PORT: expected a port from 1 to 65535; got '65536'")])  # one past
 def test_a_half_set_launch_environment_exits_2_naming_the_variables(tmp_path, env, named):
     # A stray RANK (another tool's, or a hand-made launch) must not end in torch's rendezvous error.
     out = tmp_path / "run"

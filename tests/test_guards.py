@@ -458,6 +458,30 @@ def test_a_window_is_passed_over_whole_at_any_step_width(cache, at, windows, bat
     assert p.samples == starts and drawn == order[starts:starts + 2 * batch]
 
 
+def test_a_window_past_this_rank_s_share_but_inside_the_global_step_is_passed_over(cache):
+    # Windows are in global samples: a step of 2 processes takes twice one process's, so a window
+    # that starts past this rank's share of the step but inside the step is passed over whole, or
+    # the other rank's half of the step would train on samples a rollback marked as bad.
+    import itertools
+
+    from conftest import TINY, build_data
+    from loop.data.feed import Feed
+    from loop.data.sampler import StreamSampler
+    from loop.progress import Progress
+
+    cfg = load_config(DEFAULT, [cache, *TINY])  # batch_size 4 x train.grad_accum 2
+    data = build_data(cfg.data)
+    assert Feed(data, cfg, False, Progress(), Dist()).width() == 8
+    p = Progress(samples=96, skip_windows=[[104, 112]])
+    feed = Feed(data, cfg, False, p, Dist(world=2))  # rank 0 of 2: no process group needed to draw
+    assert feed.width() == 16
+    feed.start()
+    drawn = [b["idx"].tolist() for b in feed.draw()[0]]
+    feed.close()
+    order = [i for _, i in itertools.islice(iter(StreamSampler(len(data.train), cfg.run.seed)), 200)]
+    assert p.samples == 112 and drawn == [order[112:116], order[120:124]]  # rank 0's slice of each micro-batch
+
+
 def test_every_window_rolled_back_from_stays_passed_over(tmp_path, cache):
     # Two bad windows after the same checkpoint (step 10): the second rollback goes back to it
     # too, and must pass over the first window as well, or it meets it again (and again...). The

@@ -109,3 +109,26 @@ def test_mfu_counts_every_input_position_not_only_the_targets(tmp_path):
     log.close()
     rec = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()][-1]
     assert rec["mfu"] == rec["samples_per_s"] and rec["tokens_per_s"] != rec["samples_per_s"]
+
+
+def test_fp32_on_cuda_with_tf32_matmuls_is_measured_against_the_tf32_peak(monkeypatch):
+    # With TF32 matmuls allowed an fp32 run's matmuls run on the tensor cores: against the plain
+    # fp32 peak (66.9 TFLOP/s on an H100 SXM; TF32 494.7) its MFU would read up to 7x too high. No GPU here:
+    # the device name and the precision setting are what Telemetry reads, so they are set.
+    import torch
+
+    from loop.observe import telemetry
+
+    monkeypatch.setattr(telemetry, "node_gpus", lambda device: None)  # no NVML sampler
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    m, cuda = torch.nn.Linear(2, 2), torch.device("cuda", 0)
+    peaks, before = {}, torch.backends.cuda.matmul.fp32_precision  # monkeypatch cannot undo this one
+    try:
+        for setting in ("tf32", "ieee"):
+            torch.backends.cuda.matmul.fp32_precision = setting
+            peaks[setting] = telemetry.Telemetry(m, cuda, "fp32", 2).peak
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = before
+    assert peaks == {"tf32": 2 * peak_flops("NVIDIA H100 80GB HBM3", "tf32"),
+                     "ieee": 2 * peak_flops("NVIDIA H100 80GB HBM3", "fp32")}
+    assert telemetry.Telemetry(m, cuda, "bf16", 1).peak == peak_flops("NVIDIA H100 80GB HBM3", "bf16")  # as is

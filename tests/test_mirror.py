@@ -251,6 +251,28 @@ def test_a_resume_path_start_leaves_a_mirrored_checkpoint_of_another_start_alone
     assert choose(str(start), root, target) == start and not store.step_dirs(root)
 
 
+def test_holds_says_no_only_when_the_mirror_is_read_and_lacks_the_checkpoint(tmp_path, monkeypatch):
+    # A mirror that cannot be read now (a network blip) holds the checkpoint as far as anyone knows:
+    # copying it again on a guess deletes the whole copy there first. Read and missing, or another
+    # start's checkpoint of the same step (its manifest differs): it is copied.
+    target = mem_target()
+    mirror = Mirror(target)
+    run_with_mirror(mirror, tmp_path / "ckpt", [1])
+    path = tmp_path / "ckpt" / "step_00000001"
+    fs, there = mirror.fs, remote(target, path.name, "manifest.json")
+    assert mirror.holds(path)
+
+    def unreachable(p, *args, **kwargs):
+        raise ConnectionError("bucket unreachable")
+    with monkeypatch.context() as m:
+        m.setattr(fs, "cat_file", unreachable)
+        assert mirror.holds(path)
+    fs.pipe_file(there, b"{}")  # another start's manifest
+    assert not mirror.holds(path)
+    fs.rm_file(there)  # FileNotFoundError: a copy cut short
+    assert not mirror.holds(path)
+
+
 def test_fetch_latest_none_when_mirror_empty(tmp_path):
     assert fetch_latest(mem_target(), tmp_path / "a") is None  # does not exist
     (tmp_path / "empty").mkdir()

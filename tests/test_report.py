@@ -150,6 +150,20 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     assert_png(tmp_path / "out" / "gpu_memory.png")
 
 
+def test_a_run_on_the_second_gpu_is_named_and_priced_as_that_gpu(tmp_path):
+    # A process on cuda:1 of a machine with two different cards rented the second: the report
+    # names it and charges its price, not the first card's. A run dir written by hand: no training.
+    run = tmp_path / "second_gpu"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 64, "loss": 2.0, "ms_per_step": 10.0}) + "\n")
+    (run / "summary.json").write_text(json.dumps({"steps": 1, "tokens": 64, "wall_s": 3600.0, "final_loss": 2.0}))
+    gpus = [{"name": "FakeGPU A", "memory_gb": 80.0}, {"name": "FakeGPU B", "memory_gb": 24.0}]
+    (run / "metadata.json").write_text(json.dumps({"device": "cuda:1", "world_size": 1, "hardware": {"gpus": gpus}}))
+    prices = {"FakeGPU A": 9.0, "FakeGPU B": 2.0}
+    row = rows(write_report([run], tmp_path / "out", price_per_hour=prices, plots=False).read_text())["second_gpu"]
+    assert row["device"] == "FakeGPU B x1" and row["cost $"] == "2.0000"
+
+
 @pytest.mark.slow
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,

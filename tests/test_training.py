@@ -152,3 +152,16 @@ def test_the_console_says_a_step_line_every_log_interval_and_at_the_last_only(tm
     assert [int(s) for s in re.findall(r"^eval +(\d+)/", proc.stdout, re.M)] == [3, 6, 9, 12, 13], proc.stdout
     steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 14))
+
+
+def test_the_start_line_s_global_batch_counts_every_process(monkeypatch):
+    # What a run says it trains on: data.batch_size x train.grad_accum is one process's share, and
+    # the global batch (what the learning rate is tuned for) is that share over every process.
+    from loop.observe.summary import start_line
+
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # no backend to name
+    m = torch.nn.Linear(3, 2)
+    line = start_line(m, m, False, torch.device("cpu"), "fp32", world=2, batch=8, seq_len=32)
+    assert "| 2 process(es)," in line and line.endswith("| global batch 16 samples of 32 target(s)"), line
+    one = start_line(m, m, False, torch.device("cpu"), "fp32", world=1, batch=8, seq_len=32)
+    assert one.endswith("global batch 8 samples of 32 target(s)"), one
