@@ -150,6 +150,23 @@ def test_world_size_energy_and_memory_from_records(runs, tmp_path):
     assert_png(tmp_path / "out" / "gpu_memory.png")
 
 
+def test_a_run_resumed_back_in_time_and_stopped_at_its_old_end_is_not_reported_finished(tmp_path):
+    # run.resume=PATH back to an older step, on another course (a changed optim.lr), stopped at the
+    # step the run had ended at: summary.json is the abandoned course's end, and the log's last step
+    # is not its. The row is the interrupted run the log shows, not that end's numbers.
+    run = tmp_path / "back"
+    run.mkdir()
+    recs = [{"step": 1, "tokens": 64, "loss": 3.0, "ms_per_step": 10.0},
+            {"step": 2, "tokens": 128, "loss": 2.5, "ms_per_step": 10.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    end = {"steps": 2, "tokens": 128, "wall_s": 3600.0, "final_loss": 2.75}
+    (run / "summary.json").write_text(json.dumps(end))
+    row = rows(write_report([run], tmp_path / "a", plots=False).read_text())["back"]
+    assert row["status"] == "interrupted at step 2" and row["final train loss"] == "2.5000", row
+    (run / "summary.json").write_text(json.dumps({**end, "final_loss": 2.5}))  # this course's end
+    assert rows(write_report([run], tmp_path / "b", plots=False).read_text())["back"]["status"] == "finished"
+
+
 def test_a_run_on_the_second_gpu_is_named_and_priced_as_that_gpu(tmp_path):
     # A process on cuda:1 of a machine with two different cards rented the second: the report
     # names it and charges its price, not the first card's. A run dir written by hand: no training.

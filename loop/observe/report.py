@@ -55,8 +55,11 @@ def load_run(run_dir: Path) -> dict:
     summ, meta, cfg = _json(run_dir / "summary.json"), _json(run_dir / "metadata.json"), _config(run_dir)
     last = recs[-1] if recs else {}
     # A summary.json is this run's end only if the log ends there too: a finished run resumed for
-    # more steps (a larger train.max_steps) and stopped keeps its first end's, which the log covers.
-    finished = "steps" in summ and summ["steps"] == last.get("step", 0)
+    # more steps (a larger train.max_steps) and stopped keeps its first end's, which the log covers;
+    # one resumed back in time (run.resume=PATH) on another course and stopped at the same step
+    # keeps it too, and its last step's loss and tokens are not the summary's.
+    finished = "steps" in summ and summ["steps"] == last.get("step", 0) and summ.get("tokens") == last.get("tokens") \
+        and repr(summ.get("final_loss")) == repr(last.get("loss"))
     summ = summ if finished else {}
     if finished:
         wall = summ.get("wall_s") or 0.0
