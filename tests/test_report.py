@@ -172,7 +172,8 @@ def test_a_run_on_the_second_gpu_is_named_and_priced_as_that_gpu(tmp_path):
     # names it and charges its price, not the first card's. A run dir written by hand: no training.
     run = tmp_path / "second_gpu"
     run.mkdir()
-    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 64, "loss": 2.0, "ms_per_step": 10.0}) + "\n")
+    record = {"step": 1, "tokens": 64, "loss": 2.0, "ms_per_step": 10.0}
+    (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
     (run / "summary.json").write_text(json.dumps({"steps": 1, "tokens": 64, "wall_s": 3600.0, "final_loss": 2.0}))
     gpus = [{"name": "FakeGPU A", "memory_gb": 80.0}, {"name": "FakeGPU B", "memory_gb": 24.0}]
     (run / "metadata.json").write_text(json.dumps({"device": "cuda:1", "world_size": 1, "hardware": {"gpus": gpus}}))
