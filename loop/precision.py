@@ -44,10 +44,11 @@ def check_weights(model: torch.nn.Module, precision: Precision, asked: str) -> N
     """Weights the model keeps in 16 bits, under autocast: bf16 ones under bf16 compute as they are;
     any other pairing fails inside PyTorch: fp16's GradScaler refuses to unscale float16 gradients (at
     the first step, after the run directory is written), and autocast to one 16-bit type over
-    weights of the other breaks layers such as LayerNorm (on CPU, in the first forward)."""
+    weights of the other breaks layers such as LayerNorm (on CPU, in the first forward). A frozen
+    parameter has no gradient to unscale: float16 ones train under fp16 (a frozen base, LoRA-style)."""
     for name, p in model.named_parameters():
         if p.dtype in (torch.float16, torch.bfloat16) and precision.dtype is not None \
-                and (p.dtype != precision.dtype or precision.scaler.is_enabled()):
+                and (p.dtype != precision.dtype or (precision.scaler.is_enabled() and p.requires_grad)):
             key = asked if asked == precision.name else f"{asked} ({precision.name} on this device)"
             why = "its GradScaler does not unscale float16 gradients" if p.dtype == precision.dtype \
                 else f"autocast to {precision.dtype} does not mix with {p.dtype} weights"

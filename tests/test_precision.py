@@ -115,6 +115,29 @@ def test_16_bit_weights_autocast_cannot_train_are_refused(tmp_path, cache, monke
     assert not (tmp_path / "run").exists()
 
 
+def test_a_frozen_float16_base_trains_under_fp16(tmp_path, cache, monkeypatch):
+    # A frozen base kept in float16 (a LoRA-style fine-tune) has no gradient for the GradScaler to
+    # unscale: the rest trains under fp16, and the base stays as it was.
+    from conftest import TINY, build_trainer, gpt_then, load_config
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+    from model import MODELS
+
+    def frozen_half(m):
+        m.wte.weight.requires_grad_(False)
+        m.wte.half()
+        return m
+
+    monkeypatch.setitem(MODELS, "gpt16", gpt_then(frozen_half))
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, "model.name=gpt16", "train.precision=fp16", "train.max_steps=3",
+                                       "train.sample_tokens=0", f"run.out_dir={tmp_path / 'run'}"])
+    t = build_trainer(cfg, Dist(), CPU)
+    base, head = t.raw.wte.weight.detach().clone(), t.raw.blocks[0].attn.qkv.weight.detach().clone()
+    assert t.run()["steps"] == 3
+    assert t.raw.wte.weight.dtype is torch.float16 and torch.equal(t.raw.wte.weight, base)
+    assert not torch.equal(t.raw.blocks[0].attn.qkv.weight, head)
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_weights_kept_in_bf16_train_under_fp32_and_bf16(tmp_path, cache, monkeypatch, precision):
     # The weights' own dtype (fp32: no autocast), or bf16 autocast over bf16 weights: nothing to cast.
