@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import sys
 import time
 from pathlib import Path
@@ -23,10 +22,7 @@ from torch.profiler import record_function
 
 from loop import probe
 from loop.checkpoint import resume, runlock, state, store
-from loop.checkpoint.atomic import atomic_write
 from loop.checkpoint.saver import Saver
-from loop.config.load import config_hash, to_dict
-from loop.config.load import save as save_config
 from loop.contract import loss_and_sums
 from loop.data.feed import Feed
 from loop.data.sampler import split_batch, to_device
@@ -39,8 +35,8 @@ from loop.guards.oom import OutOfMemory
 from loop.guards.preemption import Preemption
 from loop.lab import banner
 from loop.monitor import Monitor
+from loop.observe import metadata as run_metadata
 from loop.observe import summary
-from loop.observe.metadata import collect as collect_metadata
 from loop.observe.metrics import MetricsLog, NullLog
 from loop.observe.profile import StepProfiler
 from loop.observe.telemetry import Telemetry
@@ -123,10 +119,9 @@ class Trainer:
         probe.check_model(self.evaluator, self.raw, self.oom, self.monitor.metric, tc.compile)  # before any write
         path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
         if self.dist.main:  # before the restore, which compares it with the checkpoint's
-            self.metadata = collect_metadata(cfg, self.device, self.precision.name, self.dist.world,
-                                             {**self.data.meta, "unit": self.data.unit}, path)
-        self.run_facts = {"config": to_dict(cfg), "config_sha256": config_hash(cfg),
-                          "world_size": self.dist.world, "metadata": self.metadata}
+            self.metadata = run_metadata.collect(cfg, self.device, self.precision.name, self.dist.world,
+                                                 {**self.data.meta, "unit": self.data.unit}, path)
+        self.run_facts = run_metadata.run_facts(cfg, self.dist.world, self.metadata)
         if path:
             self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata)
         elif cfg.run.init_from:
@@ -136,8 +131,7 @@ class Trainer:
             self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
         self.dist.on_main(lambda: runlock.claim(self.out))
         if self.dist.main:  # from here on, files are written
-            save_config(cfg, self.out / "config.yaml")
-            atomic_write(self.out / "metadata.json", json.dumps(self.metadata, indent=1).encode())
+            run_metadata.write(self.out, cfg, self.metadata)
             # Metrics from rank 0 (the values are global), from the resumed step on.
             self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, unit=self.data.unit,
                                   telemetry=Telemetry(self.raw, self.device, self.precision.name, self.dist.world,

@@ -17,6 +17,7 @@ produced this run.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 import re
@@ -30,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from loop.checkpoint.atomic import atomic_write
 from loop.config import dotenv
-from loop.config.load import config_hash
+from loop.config.load import config_hash, save, to_dict
 from loop.config.schema import FaultsConfig
 from loop.determinism import in_effect
 
@@ -156,3 +158,16 @@ def collect(cfg, device: torch.device, precision: str, world_size: int, data_met
         "versions": {"python": platform.python_version(), "torch": str(torch.__version__),
                      "numpy": np.__version__, "cuda": torch.version.cuda},
     }
+
+
+def run_facts(cfg, world_size: int, metadata: dict) -> dict:
+    """What every checkpoint holds beside the training state, for a resume to compare with its own
+    run (loop/checkpoint/notes.py): the config, its hash, the world size and this metadata."""
+    return {"config": to_dict(cfg), "config_sha256": config_hash(cfg), "world_size": world_size,
+            "metadata": metadata}
+
+
+def write(out: Path, cfg, metadata: dict) -> None:
+    """The run directory's config.yaml (the resolved config) and metadata.json, at every start."""
+    save(cfg, out / "config.yaml")
+    atomic_write(out / "metadata.json", json.dumps(metadata, indent=1).encode())
