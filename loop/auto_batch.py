@@ -21,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+import torch.distributed
 import torch.nn as nn
 
 from loop.checkpoint import resume
@@ -61,8 +62,8 @@ def micro_batch(cfg, model: nn.Module, data: Data, device: torch.device, precisi
         raise BadInput(f"{KEY}: fits the micro-batch to a CUDA GPU's memory, and this run is on {device}; "
                        f"expected a number for data.batch_size.")
     sizes = divisors(share)
-    copies = 2 + (dist.world > 1) + cfg.ema.enabled  # AdamW's two moments, DDP's buckets, the EMA
-    reserve = copies * sum(p.numel() * p.element_size() for p in model.parameters())
+    # DDP wraps the model whenever there is a process group, one process under torchrun too.
+    reserve = held_beside(model, torch.distributed.is_initialized(), cfg.ema.enabled)
     fits = largest_that_fits(model, data, sizes, device, precision, reserve)
     everyone = dist.gather_to_main(fits)  # rank 0's list; None on the others
     fits = dist.from_main(None if not everyone or None in everyone else min(everyone))
@@ -72,6 +73,17 @@ def micro_batch(cfg, model: nn.Module, data: Data, device: torch.device, precisi
                        f"(or model.activation_checkpointing=true where the model has it).")
     return fits, (f"the largest of {', '.join(map(str, sizes))} whose forward and backward fit on every "
                   f"process's GPU with {reserve / 1e9:.2f} GB kept for the optimizer")
+
+
+def held_beside(model: nn.Module, ddp: bool, ema: bool) -> int:
+    """Bytes a training step holds beside the weights, the gradients and the activations (which a
+    try makes itself): AdamW's two moments and DDP's gradient buckets, each the size of the
+    trainable parameters (a frozen one has neither), and the EMA copy of every parameter and
+    buffer, which keeps 16-bit ones in float32 (loop/ema.py)."""
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    average = sum(t.numel() * (max(t.element_size(), 4) if t.is_floating_point() else t.element_size())
+                  for t in (*model.parameters(), *model.buffers()))
+    return (2 + ddp) * trainable + ema * average
 
 
 def divisors(share: int) -> list[int]:

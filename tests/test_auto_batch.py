@@ -192,3 +192,48 @@ def test_after_a_change_of_process_count_the_micro_batch_is_kept_where_it_divide
     proc = run_train(tried, cache, *args, "data.batch_size=auto", "train.max_steps=6", nproc=2, check=False)
     assert proc.returncode != 0 and "data.batch_size=auto: fits the micro-batch to a CUDA GPU" in proc.stderr
     assert sorted(p.name for p in (tried / "checkpoints").glob("step_*")) == ["step_00000003"]
+
+
+class LoraLike(nn.Module):
+    """A frozen 16-bit base, a trainable float32 head and a buffer: what the step holds beside
+    each differs (AdamW and DDP keep nothing for the base; the EMA keeps it in float32)."""
+
+    def __init__(self):
+        super().__init__()
+        self.base = nn.Linear(100, 100).half().requires_grad_(False)  # 10,100 x 2 bytes
+        self.head = nn.Linear(100, 10)  # 1,010 x 4 bytes
+        self.register_buffer("seen", torch.zeros(5))  # 5 x 4 bytes
+
+
+def test_processes_take_the_smallest_fit_beside_what_the_step_holds(monkeypatch):
+    # The fit itself needs a CUDA GPU; what auto makes of the fits is reached here with the try
+    # replaced: the sizes it tries, the reserve it holds beside them, the answer over the ranks.
+    from loop import auto_batch
+    from loop.distributed.group import Dist
+
+    tried = []
+
+    def fit(model, data, sizes, device, precision, reserve):
+        tried.append((sizes, reserve))
+        return 8
+
+    class RankZeroOfTwo(Dist):  # the other rank's GPU fits 4
+        def gather_to_main(self, obj):
+            return [obj, 4]
+
+        def from_main(self, obj):
+            return obj
+
+    monkeypatch.setattr(auto_batch, "largest_that_fits", fit)
+    monkeypatch.setattr(auto_batch, "resumed_micro_batch", lambda run, out: None)  # a fresh run
+    cuda, model = torch.device("cuda"), LoraLike()
+    trainable, average = 1010 * 4, (10100 + 1010 + 5) * 4
+    for world, ema, ddp in ((2, False, True), (1, False, True), (1, True, False)):
+        cfg = load_config(DEFAULT, ["data.batch_size=auto", "train.global_batch=32", f"ema.enabled={ema}"])
+        dist = RankZeroOfTwo(world=2) if world == 2 else Dist()
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda ddp=ddp: ddp)  # torchrun's group
+        size, _ = auto_batch.micro_batch(cfg, model, None, cuda, Precision("fp32", torch.device("cpu")), dist)
+        assert size == (4 if world == 2 else 8)  # every process takes the smallest
+        # AdamW's two moments and DDP's buckets (one process under torchrun too) of the trainable
+        # head alone; the EMA's float32 copy of everything.
+        assert tried[-1] == (divisors(32 // world), (2 + ddp) * trainable + ema * average), (world, ema, ddp)
