@@ -527,6 +527,27 @@ def test_oom_halves_the_micro_batch_and_keeps_the_maths(tmp_path, cache):
         assert summary(out)["micro_batch"] == 4
 
 
+def test_a_resume_with_another_batch_size_cuts_it_to_the_micro_batch_known_to_fit(tmp_path, cache):
+    # Out of memory at step 3 split data.batch_size 8 into micro-batches of 4. The split is for 8:
+    # resumed at 4 (the advice after an out of memory) it trains whole, at 16 in pieces of 4, not
+    # at half and at 8, which is known not to fit; at 8 again it keeps the split.
+    import shutil
+
+    first = tmp_path / "first"
+    train_here(first, cache, "train.max_steps=5", "train.ckpt_every=5", "data.batch_size=8",
+               "train.grad_accum=1", "faults.oom_at_step=3")
+    assert state(first, 5)["progress"]["micro_split"] == 2
+    for batch, accum, micro, split in ((4, 2, 4, 1), (16, 1, 4, 4), (8, 1, 4, 2)):
+        out = tmp_path / str(batch)
+        shutil.copytree(first, out)
+        proc = train_here(out, cache, "train.max_steps=7", "train.ckpt_every=7", f"data.batch_size={batch}",
+                          f"train.grad_accum={accum}")
+        assert [r["micro_batch"] for r in metrics(out)] == [8, 8, 4, 4, 4, micro, micro], batch
+        assert state(out, 7)["progress"]["micro_split"] == split
+        said = f"data.batch_size={batch} now trains in micro-batches of {micro}"
+        assert (said in proc.stdout) is (batch != 8), proc.stdout
+
+
 def test_a_cuda_library_s_failure_to_allocate_is_an_out_of_memory_and_other_errors_are_not():
     # cuBLAS creates the backward thread's handle at the first backward pass; with the forward's
     # activations filling the card that fails as a RuntimeError (on an H100, GPT-2 124M retried at

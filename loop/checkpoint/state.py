@@ -20,6 +20,7 @@ from loop.checkpoint.resume import followed, origin, verified
 from loop.checkpoint.weights import load_export, load_model_state
 from loop.distributed import fsdp
 from loop.errors import BadInput
+from loop.guards.oom import resplit
 from loop.rng import rank_seed, seed_everything
 
 SHARDED = ("model", "optimizer")  # under FSDP: in the shards every rank writes, not in state.pt
@@ -68,6 +69,9 @@ def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
               f"{state['world_size']}); its random streams start from a new seed")
     with plain_data(path / "state.pt", "config and metadata"):
         changed = notes.what_changed(state, cfg, dist.world, metadata)
+        # An out-of-memory split is for the micro-batch it split: the checkpoint's data.batch_size.
+        if split := resplit(parts["progress"], state["config"]["data"]["batch_size"], cfg.data.batch_size):
+            changed.append(split)
     for note in changed:
         dist.say(f"note: {note}")
     step = parts["progress"].step

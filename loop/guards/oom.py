@@ -67,6 +67,21 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def resplit(progress: Progress, was: int, now: int) -> str | None:
+    """A resume with another data.batch_size than the checkpoint's run, whose split (Progress.
+    micro_split) was for its own size: cut the new size so that no micro-batch is larger than the
+    one known to fit, and none smaller than that needs (whole, where it fits). What it did, for a
+    note; None where there was no split or the size is the same."""
+    if was == now or progress.micro_split == 1:
+        return None
+    fits, split = -(-was // progress.micro_split), 1
+    while -(-now // split) > fits:
+        split *= 2
+    progress.micro_split = split
+    return (f"the checkpoint's run trained data.batch_size={was} in micro-batches of {fits} after running "
+            f"out of memory; data.batch_size={now} now trains in micro-batches of {-(-now // split)}")
+
+
 class _OtherRank(Exception):
     """Another rank ran out of memory: this one skips its last backward and retries too."""
 
