@@ -182,6 +182,19 @@ def test_a_run_on_the_second_gpu_is_named_and_priced_as_that_gpu(tmp_path):
     assert row["device"] == "FakeGPU B x1" and row["cost $"] == "2.0000"
 
 
+def test_the_run_s_mfu_weighs_each_interval_by_its_time(tmp_path):
+    # Intervals of 10, 5 (ended by a checkpoint's flush) and 5 steps (holding the save), each MFU
+    # in step with its throughput: the run's is its FLOPs over its 3.25 s, 20 steps x 40 / 3250 ms,
+    # as its mean tokens/s is; a plain mean of the three (43.3%) overstates it.
+    run = tmp_path / "mfu"
+    run.mkdir()
+    recs = [{"step": s, "tokens": 64 * s, "loss": 2.0, "ms_per_step": ms, "mfu": 40 / ms}
+            for s, ms in ((10, 100.0), (15, 50.0), (20, 400.0))]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    row = rows(write_report([run], tmp_path / "out", plots=False).read_text())["mfu"]
+    assert row["wall time"] == "0:00:03" and row["MFU"] == f"{100 * 20 * 40 / 3250:.1f}%", row
+
+
 @pytest.mark.slow
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,

@@ -61,16 +61,16 @@ def load_run(run_dir: Path) -> dict:
     finished = "steps" in summ and summ["steps"] == last.get("step", 0) and summ.get("tokens") == last.get("tokens") \
         and repr(summ.get("final_loss")) == repr(last.get("loss"))
     summ = summ if finished else {}
-    if finished:
-        wall = summ.get("wall_s") or 0.0
-    else:
-        # No summary: wall time is rebuilt from the log. Each interval's last record holds its mean
-        # ms_per_step over the steps since the previous such record, so their products add up to the
-        # training time (evals and checkpoints included, process startup not). Steps dropped by a
-        # resume (after the checkpoint) were truncated from the log and are not counted.
-        wall, prev = 0.0, 0
-        for r in (r for r in recs if "ms_per_step" in r):
-            wall, prev = wall + r["ms_per_step"] * max(r["step"] - prev, 0) / 1000, r["step"]
+    # Each interval's last record holds its mean ms_per_step over the steps since the previous such
+    # record, so their products are the intervals' seconds, which add up to the training time
+    # (evals and checkpoints included, process startup not). Steps dropped by a resume (after the
+    # checkpoint) were truncated from the log and are not counted.
+    intervals, prev = [], 0  # (interval's last record, its seconds)
+    for r in (r for r in recs if "ms_per_step" in r):
+        intervals.append((r, r["ms_per_step"] * max(r["step"] - prev, 0) / 1000))
+        prev = r["step"]
+    # No summary: wall time is rebuilt from the log.
+    wall = (summ.get("wall_s") or 0.0) if finished else sum(s for _, s in intervals)
     # energy_j is the run's to each step, every start of train.py counting on from the energy the
     # log held (loop/observe/metrics.py). A drop is a count that started again (a log without an
     # earlier reading to go on from): each stretch's last reading is added. summary.json has the last.
@@ -84,7 +84,12 @@ def load_run(run_dir: Path) -> dict:
         starts[-1:] = [max(starts[-1] if starts else 0.0, summ["energy_j"])]
     steps, tokens = summ.get("steps", last.get("step", 0)), summ.get("tokens", last.get("tokens", 0))
     mem = _numbers(recs, "cuda_max_alloc_gb") + _numbers([summ], "cuda_max_alloc_gb")
-    mfu, vals = _numbers(recs, "mfu"), _numbers(recs, "val_loss") + _numbers([summ], "val_loss")
+    # The run's MFU is its FLOPs over its time, as mean tokens/s is its tokens over its time: each
+    # interval's MFU weighs by its seconds (a short interval a checkpoint's flush ends counts less).
+    timed = [(r["mfu"], s) for r, s in intervals if _numbers([r], "mfu")]
+    seconds = sum(s for _, s in timed)
+    mfu = [sum(m * s for m, s in timed) / seconds] if seconds else _numbers(recs, "mfu")
+    vals = _numbers(recs, "val_loss") + _numbers([summ], "val_loss")
     status = "finished" + (" (stopped early)" if summ.get("stopped_early") else "") if finished \
         else f"interrupted at step {last.get('step', 0)}"
     return {
