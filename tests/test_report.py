@@ -195,6 +195,20 @@ def test_the_run_s_mfu_weighs_each_interval_by_its_time(tmp_path):
     assert row["wall time"] == "0:00:03" and row["MFU"] == f"{100 * 20 * 40 / 3250:.1f}%", row
 
 
+def test_runs_whose_directories_share_a_name_are_told_apart(tmp_path, monkeypatch):
+    # A sweep's sweep/lr1/seed0 and sweep/lr2/seed0: a row each that says which, and a default
+    # --out of their own (not reports/seed0_vs_seed0, which another pair's seed0 would overwrite).
+    for lr, loss in (("lr1", 2.0), ("lr2", 3.0)):
+        run = tmp_path / "sweep" / lr / "seed0"
+        run.mkdir(parents=True)
+        record = {"step": 1, "tokens": 64, "loss": loss, "ms_per_step": 10.0}
+        (run / "metrics.jsonl").write_text(json.dumps(record) + "\n")
+    monkeypatch.chdir(tmp_path)
+    assert report_main(["sweep/lr1/seed0", "sweep/lr2/seed0"]) == 0
+    table = rows((tmp_path / "reports" / "lr1-seed0_vs_lr2-seed0" / "report.md").read_text())
+    assert (table["lr1/seed0"]["final train loss"], table["lr2/seed0"]["final train loss"]) == ("2.0000", "3.0000")
+
+
 @pytest.mark.slow
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,

@@ -14,7 +14,7 @@ from pathlib import Path
 from loop.config.arguments import non_negative
 from loop.config.paths import writable_dir
 from loop.errors import EXIT_BAD_INPUT, BadInput
-from loop.observe.report import run_setting, write_report
+from loop.observe.report import run_names, run_setting, write_report
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
                    "RUN_DIR's report.price_per_hour; 0: no cost)")
     p.add_argument("--co2-g-per-kwh", type=non_negative, help="grid g/kWh (default: the first RUN_DIR's report.co2_g_per_kwh)")
     a = p.parse_args(argv)
-    out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else Path("reports") / "_vs_".join(d.resolve().name for d in a.run_dirs))
+    out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else
+                    Path("reports") / "_vs_".join(n.replace("/", "-") for n in run_names(a.run_dirs)))
     try:
         for d in a.run_dirs:  # else a file named as RUN_DIR is blamed on --out, which was not given
             if d.is_file():

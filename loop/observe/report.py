@@ -186,7 +186,7 @@ def write_report(run_dirs: list[Path], out_dir: Path,
                  price_per_hour: float | dict[str, float] = ReportConfig.price_per_hour,
                  co2_g_per_kwh: float = ReportConfig.co2_g_per_kwh, plots: bool = True) -> Path:
     """Write out_dir/report.md, one table row per run, and when matplotlib imports `plot`'s PNGs, one
-    line per run (legend: the run dir's name); return report.md's path. A run without summary.json is
+    line per run (legend: `run_names`); return report.md's path. A run without summary.json is
     'interrupted': its figures come from metrics.jsonl alone (`load_run`)."""
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
@@ -195,7 +195,7 @@ def write_report(run_dirs: list[Path], out_dir: Path,
             raise FileNotFoundError(f"{d}: an empty metrics.jsonl: the run stopped before its first step")
         if not log.is_file():
             raise FileNotFoundError(f"{d}: no metrics.jsonl, so not a run directory (or the run never logged a step)")
-    runs = [load_run(d) for d in run_dirs]
+    runs = [{**load_run(d), "name": name} for d, name in zip(run_dirs, run_names(run_dirs))]
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     if not plots:
@@ -215,6 +215,18 @@ def write_report(run_dirs: list[Path], out_dir: Path,
     path = out_dir / "report.md"
     atomic_write(path, md.encode())  # written at the end of a run: a kill mid-write leaves the old one
     return path
+
+
+def run_names(run_dirs: list[Path]) -> list[str]:
+    """Each run's name in the table, the legends and the samples: its directory's own name, with as
+    many parent directories as tell it from the others (sweeps/lr1/seed0 and sweeps/lr2/seed0 are
+    lr1/seed0 and lr2/seed0, not two rows named seed0)."""
+    parts = [Path(d).resolve().parts for d in run_dirs]
+    for n in range(1, max(map(len, parts), default=1) + 1):
+        found = ["/".join(p[-n:]) for p in parts]
+        if len(set(found)) == len(found):
+            return found
+    return [Path(d).resolve().name for d in run_dirs]  # one directory given twice
 
 
 def samples(runs: list[dict]) -> str:
