@@ -77,6 +77,9 @@ def token_data(root: Path, seq_len: int, prepared: bool = True) -> Data:
             raise BadInput(f"data: the {name} split of {meta['source']} is shorter than "
                            f"data.seq_len={seq_len} + 1 tokens; use a smaller data.seq_len.")
     check_files(root, meta, again)
+    for name, ds in (("train", train), ("val", val)):  # a meta.json that gives no counts: the files'
+        # sizes, so metadata.json identifies the data and a resume onto files written again says so
+        meta.setdefault(f"{name}_tokens", ds.path.stat().st_size // 2)
     if meta["kind"] == "chars":
         decode = lambda ids: "".join(chars[i] for i in ids)  # noqa: E731
     else:

@@ -155,3 +155,26 @@ def test_the_data_is_recorded_and_a_resume_on_other_data_says_so(tmp_path, cache
     assert (f"note: the data differs from the checkpoint's run (sha256 {data['sha256']} -> {new}); "
             f"training goes on from the same sample position in it, not bit for bit as before") \
         in other.stdout, other.stdout
+
+
+def test_a_resume_on_token_files_written_again_says_the_data_differs(tmp_path):
+    # A token directory of another tool's meta.json may give no token counts: its files' sizes
+    # are recorded, so a resume onto the directory tokenized again is said, not gone on with silently.
+    import numpy as np
+
+    root = tmp_path / "tokens"
+    root.mkdir()
+    rng = np.random.default_rng(0)
+    rng.integers(0, 50, 4000, dtype=np.uint16).tofile(root / "train.bin")
+    rng.integers(0, 50, 800, dtype=np.uint16).tofile(root / "val.bin")
+    (root / "meta.json").write_text(json.dumps({"vocab_size": 50}))
+    out = tmp_path / "run"
+    args = ["data.name=tokens", f"data.path={root}", "train.ckpt_every=5"]
+    train_here(out, *args, "train.max_steps=5")
+    data = json.loads((out / "metadata.json").read_text())["data"]
+    assert (data["train_tokens"], data["val_tokens"]) == (4000, 800)
+    rng.integers(0, 50, 6000, dtype=np.uint16).tofile(root / "train.bin")  # another tokenizer's
+    again = train_here(out, *args, "train.max_steps=6")
+    assert "resumed from" in again.stdout, again.stdout
+    assert "note: the data differs from the checkpoint's run (train_tokens 4000 -> 6000)" in again.stdout, \
+        again.stdout
