@@ -3,7 +3,8 @@
 The first update copies the weights; the one after n updates averages with the decay
 min(decay, (1+n)/(warmup+n)), which warms up so that early averages are not dominated by the
 random initial weights. The copy is validated, checkpointed and exported; its
-checkpoint state is its plain weights (no `module.` prefix) and the update count, and with FSDP
+checkpoint state is its plain weights (no `module.` prefix) and the update count (a buffer in no
+state_dict is copied from the model, not averaged), and with FSDP
 the weights are sharded like the model's and saved with its shards (loop/distributed/fsdp.py).
 
 It is built from the model before that is wrapped (an FSDP module cannot be deep-copied);
@@ -38,23 +39,31 @@ class EMA(AveragedModel):
         rank 0's weights (loop/distributed/fsdp.py::shard)."""
         super().__init__(meta_copy(model) if shapes_only else model, use_buffers=True)
         self.decay, self.warmup = decay, warmup
+        # A buffer in no state_dict (a cache, RoPE's frequencies) is in no checkpoint either: it is
+        # copied from the model, not averaged, so a resumed run's copy holds what an uninterrupted
+        # one's does (an average of a constant drifts by rounding).
+        kept = self.module.state_dict().keys()
+        self.averaged = [True] * len(list(self.module.parameters())) + \
+            [name in kept for name, _ in self.module.named_buffers()]
         for t in [*self.module.parameters(), *self.module.buffers()]:
             if t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
                 t.data = t.data.float()  # in place: tied weights stay one tensor
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        """Average `model`'s weights and floating buffers in: one foreach update per device and
-        dtype (FSDP: this rank's shards); the decay stays a device tensor (no host read)."""
+        """Average `model`'s weights and the floating buffers of its state_dict in (the other
+        buffers copied): one foreach update per device and dtype (FSDP: this rank's shards); the
+        decay stays a device tensor (no host read)."""
         averages = [fsdp.local(t) for t in (*self.module.parameters(), *self.module.buffers())]
         groups: dict[tuple, tuple[list, list]] = {}
-        for a, w in zip(averages, (*model.parameters(), *model.buffers())):
-            avg, new = groups.setdefault((a.device, a.dtype), ([], []))
+        for a, w, averaged in zip(averages, (*model.parameters(), *model.buffers()), self.averaged):
+            avg, new = groups.setdefault((a.device, a.dtype, averaged), ([], []))
             avg.append(a)
             new.append(fsdp.local(w).detach().to(a.dtype))
         first = bool(self.n_averaged == 0)
-        for (device, dtype), (avg, new) in groups.items():
-            if first or not dtype.is_floating_point:  # counters (batch norm's) are copied, not averaged
+        for (device, dtype, averaged), (avg, new) in groups.items():
+            # Counters (batch norm's) and buffers in no state_dict are copied, not averaged.
+            if first or not dtype.is_floating_point or not averaged:
                 torch._foreach_copy_(avg, new)
                 continue
             n = self.n_averaged.to(device)

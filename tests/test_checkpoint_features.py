@@ -232,6 +232,43 @@ def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
     torch.testing.assert_close(ema.module.weight, w1 + (w0 - w1) * 0.999 ** 100, rtol=0, atol=1e-4)
 
 
+def test_an_ema_of_a_model_with_a_buffer_in_no_state_dict_resumes_bit_for_bit(tmp_path, cache, monkeypatch):
+    # A buffer registered with persistent=False (a cache, RoPE's frequencies) is in no checkpoint:
+    # a resumed run's EMA copy holds the model's. An average of it drifts from that by rounding,
+    # and an uninterrupted run's validation losses would part from a resumed one's.
+    from conftest import gpt_then
+    from loop.ema import EMA
+    from model import MODELS
+
+    class Scale(torch.nn.Module):
+        def __init__(self, n: int):
+            super().__init__()
+            self.register_buffer("s", 1 + 0.5 * torch.randn(n), persistent=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * self.s
+
+    def scaled(m):
+        m.drop = torch.nn.Sequential(Scale(m.wte.weight.shape[1]), m.drop)
+        return m
+
+    net = torch.nn.Linear(4, 4)
+    net.register_buffer("s", torch.randn(1000), persistent=False)
+    ema = EMA(net, decay=0.999, warmup=10)
+    for _ in range(50):
+        ema.update(net)
+    assert torch.equal(ema.module.s, net.s)  # what a resume's copy holds
+    monkeypatch.setitem(MODELS, "gpt_scaled", gpt_then(scaled))
+    args = [cache, "model.name=gpt_scaled", "train.max_steps=40", "train.eval_every=5", "train.ckpt_every=20",
+            "train.keep_last=9", "ema.enabled=true", "ema.decay=0.9"]
+    ref, out = tmp_path / "ref", tmp_path / "run"
+    train_here(ref, *args)
+    shutil.copytree(ref, out)
+    train_here(out, *args, f"run.resume={out / 'checkpoints' / 'step_00000020'}")  # steps 21-40 again
+    vals = [[(r["step"], r["val_loss"]) for r in metrics(run) if "val_loss" in r] for run in (ref, out)]
+    assert len(vals[0]) == 8 and vals[1] == vals[0]
+
+
 def test_the_ema_averages_the_weights_each_step_ends_with_and_is_what_validates(tmp_path, cache):
     # The trainer's average against the formula applied to the weights recorded after every step
     # (float64 here, float32 there: 1e-6). Only this test catches an average updated before the
