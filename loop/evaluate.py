@@ -4,7 +4,8 @@ Validation runs in eval mode under `no_grad` on a fixed set of batches (drawn on
 generator) and reports each sum the model returns (loop/contract.py) divided by the number of real
 targets, as `val_loss`, `val_accuracy`, ..., with one host read. A model that draws from torch's
 global streams in eval mode (a diffusion model's noise) draws them seeded by run.seed, and
-training's streams are put back after (loop/rng.py::own_rng). The sample uses its own `torch.Generator`.
+training's streams are put back after (loop/rng.py::own_rng). The sample is given its own
+`torch.Generator` and runs in those seeded streams too (a generate() may draw from torch's).
 
 `Evaluator` is a run's evaluation: its fixed validation batches and its samples (loop/probe.py probes
 the model's contract with them before anything is written).
@@ -128,4 +129,5 @@ class Evaluator:
         # Fetched as training fetches (loop/data/seeded.py): a validation set that augments draws
         # from its own seeded streams, so evaluating leaves the training streams (dropout) as they are.
         prompt = SeededSamples(self.data.val, self.seed)[(0, 0)]["x"][None, :8].to(self.device)  # (1, 8)
-        return text_sample(self.model, prompt, self.tokens, self.seed, self.data.decode)
+        with own_rng(self.device, self.seed):  # a generate() that draws from torch's streams, not its generator
+            return text_sample(self.model, prompt, self.tokens, self.seed, self.data.decode)

@@ -544,6 +544,26 @@ def test_a_model_that_draws_random_numbers_in_eval_mode_trains_and_evaluating_ch
     assert "note: the model draws random numbers in eval mode" in capsys.readouterr().out
 
 
+def test_a_text_sample_from_torch_s_own_streams_changes_no_training_step(tmp_path, cache):
+    # A generate() that draws from torch's global stream, not the generator it is given (as
+    # torch.multinomial does without one): the sample after each validation must leave training's
+    # draws (dropout here) as a run that never evaluated has them.
+    from conftest import TINY, build_trainer, load_config, metrics
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+
+    def run(out, *overrides):
+        cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=4",
+                                           "model.dropout=0.2", "train.sample_tokens=4", *overrides])
+        t = build_trainer(cfg, Dist(), torch.device("cpu"))
+        given = t.raw.generate
+        t.raw.generate = lambda prompt, n, generator: given(prompt, n, None)  # multinomial: torch's stream
+        t.run()
+        return [r["loss"] for r in metrics(out)]
+
+    assert run(tmp_path / "every", "train.eval_every=1") == run(tmp_path / "end", "train.eval_every=0")
+
+
 def test_validation_without_any_target_stops_the_run_before_anything_is_written(tmp_path, cache):
     # Every y masked (a label mapping gone wrong): named, not val_loss divided by a count of 0 (a
     # ZeroDivisionError traceback). A first batch without targets alone is fine: the probe takes
