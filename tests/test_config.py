@@ -443,6 +443,17 @@ def test_save_then_load_is_equal(tmp_path):
     assert again != load_config(DEFAULT)  # the comparison can fail
 
 
+def test_the_config_hash_changes_with_any_key_of_any_section():
+    # metadata.json's and each checkpoint's config_sha256 names the config: two runs whose configs
+    # differ in one key, of whichever section, must not share it.
+    one_per_section = ["run.seed=1", "data.num_workers=1", "model.activation_checkpointing=true",
+                       "optim.lr=0.1", "schedule.warmup_steps=3", "train.max_steps=7", "ema.enabled=true",
+                       "report.plots=false", "faults.nan_at_step=2", "lab.break=no_rng_restore"]
+    assert {key.split(".")[0] for key in one_per_section} == set(to_dict(Config()))
+    hashes = {config_hash(load_config(DEFAULT, [item])) for item in ["run.seed=1337", *one_per_section]}
+    assert len(hashes) == 1 + len(one_per_section)
+
+
 # ------------------------------------------------------------------------------- train.py exit 2
 def run_train(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "train.py", *args], cwd=ROOT, capture_output=True,
