@@ -536,6 +536,11 @@ def test_a_global_batch_sets_the_accumulation_or_names_what_would_divide_it(tmp_
         with pytest.raises(BadInput) as e:
             follow_global_batch(load_config(DEFAULT, ["train.global_batch=60", "data.batch_size=8"]), world)
         assert "train.global_batch=60" in str(e.value) and fix in str(e.value)
+    # 64 samples are 8 micro-batches of 8, but not a whole number of them on each of 3 processes:
+    # refused, not trained as 2 x 3 x 8 = 48 samples a step.
+    with pytest.raises(BadInput) as e:
+        follow_global_batch(load_config(DEFAULT, ["train.global_batch=64", "data.batch_size=8"]), 3)
+    assert "data.batch_size=8 x 3 process(es) = 24" in str(e.value)
     # Bad input: exit 2 with the key named, before anything is written.
     proc = train_here(tmp_path / "run", cache, "train.global_batch=6", check=False)
     assert proc.returncode == 2 and "train.global_batch=6" in proc.stderr and not (tmp_path / "run").exists()
