@@ -581,8 +581,9 @@ def test_a_key_typed_x_or_none_takes_none_and_x_and_its_config_yaml_reruns(tmp_p
     assert (load({}).model.layers, load({}).model.tag) == (None, None)
     cfg = load({}, "model.layers=3", "model.tag=007")
     assert (cfg.model.layers, cfg.model.tag) == (3, "007")  # text stays text: 007, not 7
-    for empty in ("", "none", "null", "~"):
-        assert load({}, "model.layers=3", f"model.layers={empty}", f"model.tag={empty}").model.tag is None
+    for empty in ("", "none", "null", "~", "None", "NULL"):  # in any case: None as Python writes it
+        cfg = load({}, "model.layers=3", "model.tag=x", f"model.layers={empty}", f"model.tag={empty}")
+        assert (cfg.model.layers, cfg.model.tag) == (None, None), empty
     save(load({}), tmp_path / "config.yaml")  # layers: null, as a run's config.yaml holds it
     assert load(read(tmp_path / "config.yaml")).model.layers is None
     assert load(read(tmp_path / "config.yaml"), "model.layers=2").model.layers == 2
