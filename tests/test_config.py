@@ -609,6 +609,31 @@ def test_a_key_of_a_type_no_config_takes_is_refused_naming_it():
         build({}, "test", ["data.name=text", "model.name=gpt", "model.n_layr=3"], DATASETS, models)
 
 
+@dataclasses.dataclass
+class Unrelated:  # a dataclass, but not a ModelSection: the loop's model keys would be missing
+    width: int = 4
+
+
+def build_unrelated(cfg: Unrelated, data):
+    return None
+
+
+def test_options_that_do_not_extend_the_section_are_refused_naming_the_base():
+    with pytest.raises(BadInput) as e:
+        build({}, "test", ["data.name=text", "model.name=odd"], DATASETS, {**MODELS, "odd": build_unrelated})
+    assert str(e.value).startswith("config key model.name=odd: its builder build_unrelated takes ")
+    assert "expected a dataclass that extends loop.config.schema.ModelSection" in str(e.value)
+
+
+def test_another_builder_s_key_names_the_chosen_builder_s_own_keys_and_the_builders_that_read_it():
+    # The loop's keys (data.batch_size, ...) are every builder's: not listed as the chosen one's.
+    msg = bad(["data.url=x"])
+    reads = msg.split("data.name=text reads ")[1].split(", not this one")[0].split(", ")
+    assert sorted(reads) == ["data.cache_dir", "data.path", "data.seq_len", "data.val_fraction"], msg
+    readers = msg.split("data.url is for data.name=")[1].split(".")[0].split(", ")
+    assert sorted(readers) == ["mnist", "shakespeare"], msg
+
+
 def test_a_builder_that_cannot_be_called_as_the_loop_calls_it_is_refused_naming_it():
     with pytest.raises(BadInput, match=r"model\.name=one: .*build_without_data\(options, data\)"):
         build({}, "test", ["data.name=text", "model.name=one"], DATASETS, {**MODELS, "one": build_without_data})
