@@ -286,6 +286,26 @@ def test_adamw_param_groups():
     assert id(model.wpe.weight) not in {id(p) for g in opt.param_groups for p in g["params"]}
 
 
+def test_a_resumed_adamw_takes_its_settings_from_the_config_and_its_moments_from_the_checkpoint():
+    # Every setting, betas and eps included, is this run's (a resume with optim.betas.1=0.99 uses
+    # it); the moments and step counts are the checkpoint's, bit for bit.
+    model = gpt(V=16, T=8, L=1, H=2, C=16, bias=True)
+    cpu = torch.device("cpu")
+    saved = build_optimizer(model, OptimConfig(lr=1e-3, weight_decay=0.1), cpu)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    saved.step()
+    state = saved.state_dict()
+    new = OptimConfig(lr=4e-3, weight_decay=0.25, betas=[0.8, 0.99], eps=1e-6)
+    resumed = build_optimizer(model, new, cpu)
+    resumed.load_state_dict(state)
+    for group, wd in zip(resumed.param_groups, (0.25, 0.0)):
+        assert (group["lr"], group["weight_decay"], group["betas"], group["eps"]) == (4e-3, wd, (0.8, 0.99), 1e-6)
+    for p in model.parameters():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(resumed.state[p][key], saved.state[p][key]), key
+
+
 # ------------------------------------------------------------------------------- it can learn
 def test_overfits_one_batch():
     B, T, V = 4, 16, 16
