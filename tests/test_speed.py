@@ -124,6 +124,15 @@ def test_the_attention_kernel_asked_for_is_tried_first_and_determinism_mode_fall
         use_attention_kernel("auto", torch.device("cpu"))
 
 
+def test_the_cudnn_attention_note_is_said_only_in_determinism_mode():
+    # Without run.deterministic cuDNN's kernel is tried first (the test above): no note says otherwise.
+    fp32 = Precision("fp32", torch.device("cpu"))
+    assert idle_settings(load_config(ROOT / "configs" / "default.yaml", ["train.attention_kernel=cudnn"]), fp32) == []
+    det = load_config(ROOT / "configs" / "default.yaml", ["train.attention_kernel=cudnn", "run.deterministic=true"])
+    assert [n.split(":")[0] for n in idle_settings(det, fp32)] == [
+        "train.attention_kernel=cudnn has no effect with run.deterministic=true"]
+
+
 def test_torch_compile_gets_the_mode_asked_for(monkeypatch):
     modes = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: modes.append(kw["mode"]))
