@@ -327,6 +327,20 @@ def test_a_metadata_json_that_is_no_object_reads_as_missing(runs, tmp_path):
     assert rows(write_report([run], tmp_path / "out").read_text())["odd"]["device"] == "cpu x1"
 
 
+def test_a_price_or_intensity_option_takes_zero_and_refuses_infinity():
+    # --price-per-hour 0 is the config's "not reported" and must pass; inf passes ">= 0" but would
+    # make an infinite cost, so it is refused as nan is.
+    import argparse
+
+    from loop.config.arguments import non_negative, positive
+
+    assert (non_negative("0"), non_negative("1.5"), positive("0.5")) == (0.0, 1.5, 0.5)
+    for check, text in ((non_negative, "inf"), (non_negative, "-1"), (non_negative, "nan"), (positive, "inf"),
+                        (positive, "0")):
+        with pytest.raises(argparse.ArgumentTypeError):
+            check(text)
+
+
 @pytest.mark.slow
 def test_cli_bad_input_exits_2_and_rewrites_nothing(runs, tmp_path, capsys):
     # In this process (interpreters take seconds to start). Refused: a negative price or a nan
