@@ -423,6 +423,37 @@ def test_a_command_naming_the_best_checkpoint_reruns_from_what_it_saved_since(tm
     assert [r["step"] for r in metrics(out)] == list(range(1, 31))
 
 
+def test_a_command_naming_run_resume_continues_from_the_newest_whole_checkpoint_it_saved_after_the_start(tmp_path):
+    # run.resume=.../best: the run saved steps 15 and 20 after starting at 10, best moved to 20,
+    # then step 30 was damaged. A rerun takes 20: never 30 (it does not verify), never 15 (older
+    # than the checkpoint best names now).
+    import hashlib
+    import json
+
+    from loop.checkpoint.resume import continued
+
+    root = tmp_path / "checkpoints"
+    best = root / "best"
+
+    def checkpoint(step: int, resumed_from: str | None, whole: bool = True) -> None:
+        d = root / f"step_{step:08d}"
+        d.mkdir(parents=True)
+        (d / "state.pt").write_bytes(b"state")
+        digest = hashlib.sha256(b"state" if whole else b"other").hexdigest()
+        (d / "manifest.json").write_text(json.dumps({"step": step, "resumed_from": resumed_from,
+                                                     "files": {"state.pt": {"size": 5, "sha256": digest}}}))
+
+    start = str(best.resolve())
+    checkpoint(10, None)
+    for step in (15, 20):
+        checkpoint(step, start)
+    checkpoint(30, start, whole=False)
+    said = []
+    assert continued(root, best, root / "step_00000010", said.append) == root / "step_00000020"
+    assert len(said) == 1 and f"continuing from {root / 'step_00000020'}" in said[0]
+    assert continued(root, best, root / "step_00000020", said.append) is None  # best names the newest
+
+
 def test_a_resume_from_another_run_directory_says_where_the_best_so_far_is(tmp_path):
     # Its best checkpoint stays in the other directory: this run's checkpoints/ has no best to name
     # until it makes one, while summary.json and report.md name the best so far by its step.
