@@ -482,6 +482,46 @@ def test_a_resume_from_another_run_directory_says_where_the_best_so_far_is(tmp_p
                                                       f"{src / 'step_00000005'}; the best: {src / 'step_00000005'}."
     (src / "best").write_text("step_00000010")
     assert checkpoints_near(src / "step_00000010") == f" {src} holds checkpoints: the newest is {src / 'step_00000005'}."
+    # Fetched from the mirror into this run's checkpoints/ (the source is in it): its best stays in
+    # the mirror, which keeps it; nothing to say. Newer checkpoints than the one resumed are said for
+    # run.resume=PATH only: under auto they are ones that do not verify, and auto passed them over.
+    (here / "step_00000010").mkdir(parents=True)
+    assert after_resume(10, state, cfg, here, here / "step_00000010") == []
+    auto = load_config(DEFAULT_CONFIG, [f"run.out_dir={tmp_path / 'a'}"])
+    assert after_resume(5, MonitorState(), auto, src, src / "step_00000005") == []
+    assert after_resume(5, MonitorState(), cfg, src, src / "step_00000005")[0].startswith(
+        f"step_00000010 in {src} are from before this resume")
+
+
+def test_what_a_resume_says_differs_names_the_keys_and_the_process_count_s_masks():
+    from conftest import load_config
+    from loop.checkpoint.notes import what_changed
+    from loop.config.load import DEFAULT_CONFIG, to_dict
+
+    def state(*overrides: str, world: int = 1, metadata: dict | None = None) -> dict:
+        return {"config": to_dict(load_config(DEFAULT_CONFIG, list(overrides))), "metadata": metadata or {},
+                "world_size": world, "progress": {"step": 10}, "scheduler": {"last_epoch": 10}}
+
+    now = load_config(DEFAULT_CONFIG, [])
+    differs = "config differs from the checkpoint's in: {}; this run's values apply from here on"
+    # A warm start resumed without run.init_from: a changed key, not "run.init_from= is not used".
+    assert what_changed(state("run.init_from=/x/step_00000010"), now, 1, {}) == [differs.format("run.init_from")]
+    # train.grad_accum follows train.global_batch: left out of the keys only where that is unchanged.
+    g16 = ["train.global_batch=16", "data.batch_size=4"]
+    assert what_changed(state(*g16, "train.grad_accum=4"), load_config(DEFAULT_CONFIG, [*g16, "train.grad_accum=2"]),
+                        2, {}) == []
+    notes = what_changed(state(*g16, "train.grad_accum=4"),
+                         load_config(DEFAULT_CONFIG, ["train.global_batch=32", "data.batch_size=4", "train.grad_accum=8"]),
+                         1, {})
+    assert notes[0] == differs.format("train.global_batch, train.grad_accum"), notes
+    # Another machine: rounding differs; other dropout masks only with another process count.
+    here = {"versions": {"torch": "2.13.0", "numpy": "2.4.6", "cuda": None}, "hardware": {"cpu": "Xeon", "gpus": []}}
+    there = {**here, "hardware": {"cpu": "EPYC", "gpus": []}}
+    masks = "draws other masks from here on"
+    same = what_changed(state(metadata=here), now, 1, there)
+    assert len(same) == 1 and "(CPU Xeon -> EPYC)" in same[0] and masks not in same[0], same
+    more = what_changed(state("data.batch_size=8", world=2, metadata=here), now, 1, here)
+    assert "(processes 2 -> 1)" in more[1] and masks in more[1], more
 
 
 @pytest.mark.slow
