@@ -188,6 +188,16 @@ def test_ctrl_c_before_the_first_checkpoint_says_a_rerun_starts_over(tmp_path, c
             "over") in printed, printed
 
 
+def test_a_stop_before_the_config_is_read_does_not_guess_from_the_working_directory(tmp_path, monkeypatch):
+    # No out_dir known: the general advice, not "starts over" because ./checkpoints is empty (the
+    # run's own run.out_dir may hold checkpoints the rerun continues from).
+    from loop.checkpoint.resume import after_a_stop
+
+    monkeypatch.chdir(tmp_path)
+    assert after_a_stop(None).startswith("the steps since the newest checkpoint are lost")
+    assert after_a_stop(str(tmp_path)).startswith("no checkpoint was written yet")
+
+
 def test_a_console_is_gone_when_its_pipe_or_socket_has_no_reader():
     # Linux reports a pipe without a reader as POLLERR and a socket whose peer closed as POLLHUP
     # (seen): a console through a socket (a process manager's) is gone too, not only a pipe.
