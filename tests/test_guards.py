@@ -548,6 +548,21 @@ def test_a_resume_with_another_batch_size_cuts_it_to_the_micro_batch_known_to_fi
         assert (said in proc.stdout) is (batch != 8), proc.stdout
 
 
+def test_a_rollback_keeps_the_split_its_run_found_and_says_no_other(tmp_path, cache):
+    # Resumed at 16 from 8 split in 4s (so in 4s), out of memory again at step 6 (in 2s), then a
+    # rollback to that checkpoint: the run keeps its 2s, and the resume's note is not said again
+    # with the 4s the checkpoint alone would give.
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=5", "train.ckpt_every=5", "data.batch_size=8",
+               "train.grad_accum=1", "faults.oom_at_step=3")
+    proc = train_here(out, cache, "train.max_steps=8", "train.ckpt_every=100", "data.batch_size=16",
+                      "train.grad_accum=1", "faults.oom_at_step=6", "faults.nan_at_step=7",
+                      "train.nan_policy=rollback")
+    assert "rolled back to step 5" in proc.stderr, proc.stderr
+    assert [r["micro_batch"] for r in metrics(out)] == [8, 8, 4, 4, 4, 2, 2, 2]
+    assert proc.stdout.count("data.batch_size=16 now trains in micro-batches of 4") == 1, proc.stdout
+
+
 def test_a_cuda_library_s_failure_to_allocate_is_an_out_of_memory_and_other_errors_are_not():
     # cuBLAS creates the backward thread's handle at the first backward pass; with the forward's
     # activations filling the card that fails as a RuntimeError (on an H100, GPT-2 124M retried at

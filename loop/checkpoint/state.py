@@ -38,11 +38,13 @@ def files(parts: dict, rank: int, sharded: bool, run_facts: dict) -> dict[str, o
     return {"state.pt": {**shared, **run_facts, "sharded": sharded, "format": FORMAT}, **mine}
 
 
-def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
+def restore(path: Path, parts: dict, cfg, dist, metadata: dict, split: int | None = None) -> str | None:
     """Checkpoint `path` into every part, saying what differs from the run that saved it (`metadata`:
     this run's; loop/checkpoint/notes.py). The weights are checked to fit before anything is
-    loaded; the RNG streams come last, since loading the others may draw from them. Returns the
-    origin the checkpoints this run saves record (loop/checkpoint/resume.py::origin)."""
+    loaded; the RNG streams come last, since loading the others may draw from them. `split`: a
+    rollback's micro_split, this run's own for its data.batch_size, which it keeps (a resume fits
+    the checkpoint's to data.batch_size instead). Returns the origin the checkpoints this run saves
+    record (loop/checkpoint/resume.py::origin)."""
     dist.say(f"loading checkpoint {path} ...")
     model, ema, rank, lab = parts["model"], parts["ema"], dist.rank, cfg.lab.break_
     state = load_model_state(path, model, cfg, parts["optimizer"], fmt=FORMAT)  # FSDP: the shards of both
@@ -70,8 +72,10 @@ def restore(path: Path, parts: dict, cfg, dist, metadata: dict) -> str | None:
     with plain_data(path / "state.pt", "config and metadata"):
         changed = notes.what_changed(state, cfg, dist.world, metadata)
         # An out-of-memory split is for the micro-batch it split: the checkpoint's data.batch_size.
-        if split := resplit(parts["progress"], state["config"]["data"]["batch_size"], cfg.data.batch_size):
-            changed.append(split)
+        if split is not None:
+            parts["progress"].micro_split = split
+        elif note := resplit(parts["progress"], state["config"]["data"]["batch_size"], cfg.data.batch_size):
+            changed.append(note)
     for note in changed:
         dist.say(f"note: {note}")
     step = parts["progress"].step

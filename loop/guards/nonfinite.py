@@ -95,14 +95,14 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     p = parts["progress"]
     bad = p.samples
     p.pass_over(feed.width())  # the bad step's global samples
-    carry = (p.rollbacks + 1, p.skip_windows, p.micro_split, p.bad_streak, p.last_bad)
+    carry = (p.rollbacks + 1, p.skip_windows, p.bad_streak, p.last_bad)
     parts["optimizer"].zero_grad(set_to_none=True)
     parts["scaler"].update()  # consume this step's inf checks before the scaler state is replaced
     checkpoints.wait()  # the newest checkpoint may still be being written
     # Not past this step: a run resumed back in time has the newer checkpoints of the run before.
     path = dist.on_main(lambda: store.newest_valid(checkpoints.root, upto=p.step))
-    checkpoints.origin = state.restore(path, parts, cfg, dist, metadata)
-    p.rollbacks, p.skip_windows, p.micro_split, p.bad_streak, p.last_bad = carry
+    checkpoints.origin = state.restore(path, parts, cfg, dist, metadata, split=p.micro_split)
+    p.rollbacks, p.skip_windows, p.bad_streak, p.last_bad = carry
     log.rewind(p.step, p.tokens, p.samples)
     feed.start()
     dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
