@@ -314,6 +314,8 @@ def restate(ckpt: Path, edit, name: str = "state.pt") -> None:
     ("state.pt", lambda s: s["progress"].update(step=-3), "progress step = -3"),  # trained steps -2..20
     ("state.pt", lambda s: s["progress"].update(micro_split=0), "progress micro_split = 0"),  # after the files
     ("state.pt", lambda s: s["progress"].update(skip_windows=[[0]]), "skip_windows"),
+    ("state.pt", lambda s: (s["progress"].update(micro_split=2), s["config"]["data"].update(batch_size=0)),
+     "data.batch_size is 0"),  # split for another size: it cuts this run's (it never ended)
     ("state.pt", lambda s: s["progress"].pop("samples"), "KeyError"),
     ("state.pt", lambda s: s.update(scheduler={}), "cannot load its scheduler"),  # the LR started over
     ("state.pt", lambda s: s["monitor"].update(foo=1), "cannot load its monitor"),

@@ -74,6 +74,8 @@ def resplit(progress: Progress, was: int, now: int) -> str | None:
     note; None where there was no split or the size is the same."""
     if was == now or progress.micro_split == 1:
         return None
+    if type(was) is not int or was < 1:  # an edited checkpoint's: no split would ever make it fit
+        raise ValueError(f"its config's data.batch_size is {was!r}; expected a positive integer")
     fits, split = -(-was // progress.micro_split), 1
     while -(-now // split) > fits:
         split *= 2
