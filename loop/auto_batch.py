@@ -34,6 +34,7 @@ from loop.guards.oom import out_of_memory, release_memory
 from loop.precision import Precision
 
 KEY = "config key data.batch_size=auto"
+HELD = "held back for the optimizer state (and DDP's buckets, the EMA, where used)"  # held_beside
 
 
 def check(cfg, world: int) -> None:
@@ -69,10 +70,10 @@ def micro_batch(cfg, model: nn.Module, data: Data, device: torch.device, precisi
     fits = dist.from_main(None if not everyone or None in everyone else min(everyone))
     if fits is None:
         raise BadInput(f"{KEY}: not even a micro-batch of {sizes[-1]} sample(s) fits on {device} with "
-                       f"{reserve / 1e9:.2f} GB kept for the optimizer; expected a smaller model "
+                       f"{reserve / 1e9:.2f} GB {HELD}; expected a smaller model "
                        f"(or model.activation_checkpointing=true where the model has it).")
     return fits, (f"the largest of {', '.join(map(str, sizes))} whose forward and backward fit on every "
-                  f"process's GPU with {reserve / 1e9:.2f} GB kept for the optimizer")
+                  f"process's GPU with {reserve / 1e9:.2f} GB {HELD}")
 
 
 def held_beside(model: nn.Module, ddp: bool, ema: bool) -> int:
