@@ -20,6 +20,7 @@ from loop.config.runtime import (
     check_with_world,
     follow_global_batch,
     idle_settings,
+    step_over_the_data,
 )
 from loop.data.bundle import Data, check_samples
 from loop.device import use_attention_kernel, use_tf32
@@ -67,8 +68,9 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
                  f"steps include compilation")
     # Before wrapping: an FSDP module cannot be deep-copied.
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup, shapes_only=deferred) if cfg.ema.enabled else None
-    for note in idle_settings(cfg, precision):
-        dist.say(f"note: {note}")
+    for note in [*idle_settings(cfg, precision), step_over_the_data(cfg, dist.world, len(data.train))]:
+        if note:
+            dist.say(f"note: {note}")
     model = wrap(model, device, cfg, precision.dtype, ema)
     optimizer = build_optimizer(model, cfg.optim, device)
     scheduler = build_scheduler(optimizer, cfg.schedule, cfg.train.max_steps)

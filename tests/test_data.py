@@ -805,3 +805,18 @@ def test_a_prepared_cache_this_user_cannot_write_is_read(tmp_path, monkeypatch):
     assert r.returncode == 2 and r.stderr == (f"error: config key data.cache_dir={cache}: cannot write "
                                               f"in {cache}; expected a directory this user can write to.\n")
     assert sorted(cache.rglob("*")) == before and not (tmp_path / "markov").exists()
+
+
+def test_a_step_larger_than_the_training_split_is_said(tmp_path):
+    # 900 training tokens in windows of 32: 28 samples. A step of 4 x 8 = 32 holds some twice,
+    # which a loss curve does not show; a step of 4 x 7 = 28 holds each once and is not noted.
+    from conftest import TINY, train_here
+
+    data = [*TINY, "data.name=random", "data.synthetic.tokens=1000", "data.synthetic.vocab_size=50",
+            f"data.cache_dir={tmp_path / 'cache'}", "train.max_steps=1", "train.sample_tokens=0"]
+    said = {}
+    for accum in (7, 8):
+        proc = train_here(tmp_path / str(accum), *data, f"train.grad_accum={accum}")
+        said[accum] = [line for line in proc.stdout.splitlines() if "more than the" in line]
+    assert said[7] == [] and len(said[8]) == 1, said
+    assert said[8][0].startswith("note: a step takes 32 samples") and "28 of the training split" in said[8][0]

@@ -48,6 +48,17 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
     return notes
 
 
+def step_over_the_data(cfg, world: int, n_train: int) -> str | None:
+    """A step of more samples than the training split holds some of them more than once: said, not
+    refused (an overfitting check on a handful of samples may want it)."""
+    step = world * cfg.data.batch_size * cfg.train.grad_accum
+    if step > n_train:
+        return (f"a step takes {step} samples ({world} process(es) x data.batch_size {cfg.data.batch_size} "
+                f"x train.grad_accum {cfg.train.grad_accum}), more than the {n_train} of the training split: "
+                f"each step holds some samples more than once")
+    return None
+
+
 def check_same_config(cfg, dist: Dist) -> None:
     """One config on every process: each node reads its own files, overrides and .env, and a
     train.max_steps apart would hang the run at its end, an optim.lr apart would train replicas
