@@ -119,6 +119,26 @@ def test_energy_is_the_run_s_over_every_start_of_train_py(tmp_path):
     assert load_run(tmp_path)["kwh"] == 8700.0 / 3.6e6
 
 
+def test_a_resumed_log_shows_each_step_once_in_tensorboard_too(tmp_path):
+    # Resumed at step 2 after a start that logged to step 4: TensorBoard purges the old 3 and 4
+    # (purge_step 3), so it shows one run, the resumed start's values from step 3 on.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def start(at: int, upto: int, loss: float) -> None:
+        log = metrics.MetricsLog(tmp_path, at, 8 * at, at, max_steps=4)
+        for n in range(at + 1, upto + 1):
+            log.record({"step": n, "lr": 1e-3, "tokens": 8 * n, "samples": n, "data_ms": 0.0},
+                       torch.tensor(loss + n), torch.tensor(1.0))
+            log.flush(console=False)
+        log.close()
+
+    start(0, 4, 0.0)
+    start(2, 4, 10.0)
+    tb = EventAccumulator(str(tmp_path / "tb"))
+    tb.Reload()
+    assert [(e.step, e.value) for e in tb.Scalars("train/loss")] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
 def test_the_newest_record_with_a_key_is_found_past_records_and_texts_without_it(tmp_path):
     from loop.observe.jsonl import last_with
 
