@@ -296,3 +296,18 @@ def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkey
 
     trainer.step = drawing
     assert trainer.run()["energy_j"] == 2.5
+
+
+def test_cuda_memory_is_read_in_gb_of_1e9_bytes(monkeypatch):
+    # cuda_*_gb are GB as NVML's mem_used_gb are (1e9 bytes), not GiB: the report and the console
+    # put them beside each other. CUDA faked: a Telemetry of a CPU model told it runs on cuda:0.
+    import torch
+
+    from loop.observe.telemetry import Telemetry
+
+    tel = Telemetry(torch.nn.Linear(2, 2), torch.device("cpu"), "fp32", world=1)
+    tel.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: 3_000_000_000)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 4_500_000_000)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d: 3_500_000_000)
+    assert tel.read() == {"cuda_alloc_gb": 3.0, "cuda_reserved_gb": 4.5, "cuda_max_alloc_gb": 3.5}
