@@ -281,6 +281,7 @@ def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkey
     from conftest import TINY, build_trainer, load_config
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
+    from loop.observe.telemetry import Telemetry
 
     fake = FakeNvml(n=1)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
@@ -295,7 +296,13 @@ def test_the_summary_counts_energy_to_the_end_of_the_run(tmp_path, cache, monkey
         return step()
 
     trainer.step = drawing
-    assert trainer.run()["energy_j"] == 2.5
+    # And its peak CUDA memory, alone of the memory readings (CUDA faked: readings a GPU run adds).
+    read = Telemetry.read
+    monkeypatch.setattr(Telemetry, "read", lambda self, now=False: {
+        **read(self, now), "cuda_alloc_gb": 1.0, "cuda_reserved_gb": 2.0, "cuda_max_alloc_gb": 1.5})
+    s = trainer.run()
+    assert s["energy_j"] == 2.5 and s["cuda_max_alloc_gb"] == 1.5
+    assert "cuda_alloc_gb" not in s and "cuda_reserved_gb" not in s
 
 
 def test_cuda_memory_is_read_in_gb_of_1e9_bytes(monkeypatch):
