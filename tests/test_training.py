@@ -165,3 +165,6 @@ def test_the_start_line_s_global_batch_counts_every_process(monkeypatch):
     assert "| 2 process(es)," in line and line.endswith("| global batch 16 samples of 32 target(s)"), line
     one = start_line(m, m, False, torch.device("cpu"), "fp32", world=1, batch=8, seq_len=32)
     assert one.endswith("global batch 8 samples of 32 target(s)"), one
+    m.bias.requires_grad_(False)  # a frozen part is counted apart: 8 parameters, 2 of them not trained
+    assert start_line(m, m, False, torch.device("cpu"), "fp32", world=1, batch=8, seq_len=32) \
+        .startswith("8 parameters (2 frozen) | cpu | fp32 | 1 process(es), no process group |")
