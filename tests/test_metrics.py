@@ -144,7 +144,7 @@ def test_the_newest_record_with_a_key_is_found_past_records_and_texts_without_it
 
     path = tmp_path / "metrics.jsonl"
     recs = [{"step": 1, "energy_j": 5.0}, {"step": 2, "energy_j": 7.0}, {"step": 3, "sample": 'say "energy_j": 9'},
-            {"step": 4, "gpu0/energy_j": 1.0}, {"step": 5}]
+            {"step": 4, "gpu0/energy_j": 1.0}, {"step": 5, "nested": {"energy_j": 2.0}}]
     path.write_text("".join(json.dumps(r) + "\n" for r in recs) + '{"step": 6, "energy_j": 3')  # cut short
     assert last_with(path, "energy_j") == {"step": 2, "energy_j": 7.0}
     assert last_with(path, "loss") is None and last_with(tmp_path / "none.jsonl", "energy_j") is None
