@@ -864,6 +864,27 @@ def test_determinism_mode_ends_with_its_run(tmp_path, cache, monkeypatch):
         torch.backends.cudnn.benchmark = False
 
 
+@pytest.mark.parametrize("workspace", [":4096:8", ":16:8"])
+def test_determinism_mode_takes_either_cublas_workspace_and_turns_cudnn_s_choices_off(monkeypatch, workspace):
+    # Both workspaces cuBLAS documents as deterministic are taken (:16:8 uses less memory), and
+    # cuDNN's autotuner is off in the mode: it may pick another kernel from one run to the next.
+    from loop import determinism
+
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", workspace)
+    torch.backends.cudnn.benchmark = True  # the caller's, put back after
+    try:
+        restore = determinism.enable()
+        try:
+            assert (torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic) == (False, True)
+            assert torch.are_deterministic_algorithms_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+            assert determinism.in_effect()["cublas_workspace_config"] == workspace
+        finally:
+            restore()
+        assert torch.backends.cudnn.benchmark and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.backends.cudnn.benchmark = False
+
+
 def test_faults_are_recorded_in_metadata(tmp_path, cache):
     out = tmp_path / "run"
     train_here(out, cache, "train.max_steps=3", "faults.nan_at_step=2")
