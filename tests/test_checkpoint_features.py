@@ -699,6 +699,17 @@ def test_init_from_weights_the_model_lacks_names_each_of_them_and_the_key(tmp_pa
     listed = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
     assert extra and listed == [f"{k}: in checkpoint, not in the model" for k in extra], proc.stderr
     assert f"({len(extra)} tensor(s))" in proc.stderr and "model.bias=True" in proc.stderr, proc.stderr
+    # The other way, weights without the biases this model has: each named as missing from them,
+    # not load_state_dict's "Missing key(s)" traceback.
+    plain = tmp_path / "plain"
+    train_here(plain, cache, "train.max_steps=0", "model.bias=false")
+    out = tmp_path / "run_biased"
+    proc = train_here(out, cache, "train.max_steps=0", "model.bias=true", f"run.init_from={plain / 'model.pt'}",
+                      check=False)
+    assert proc.returncode == 2 and not out.exists() and "Traceback" not in proc.stderr, proc.stderr
+    listed = [ln.strip() for ln in proc.stderr.splitlines() if ln.startswith("  ")]
+    assert listed == [f"{k}: missing from checkpoint" for k in extra], proc.stderr
+    assert "model.bias=False" in proc.stderr, proc.stderr
 
 
 @pytest.mark.slow
