@@ -75,6 +75,18 @@ def test_the_console_eta_counts_hours_past_a_day(tmp_path, monkeypatch, capsys, 
     assert capsys.readouterr().out.rstrip().endswith(f"| ETA {eta}")
 
 
+def test_the_console_s_eval_line_shows_every_validation_metric(tmp_path, capsys):
+    # A classifier's val_acc beside val_loss: the eval line is where a run shows it as it trains.
+    log = metrics.MetricsLog(tmp_path, 0, 0, 0, max_steps=5, tensorboard=False)
+    log.record({"step": 1, "lr": 1e-3, "tokens": 8, "samples": 8, "data_ms": 0.0},
+               torch.tensor(2.0), torch.tensor(1.0))
+    log.scalar(1, "val_loss", 1.5)
+    log.scalar(1, "val_acc", 0.25)
+    log.close()
+    evals = [line for line in capsys.readouterr().out.splitlines() if line.startswith("eval ")]
+    assert [e.split(" | ")[1:] for e in evals] == [["val_loss 1.5000", "val_acc 0.2500"]], evals
+
+
 def test_energy_is_the_run_s_over_every_start_of_train_py(tmp_path):
     # NVML's count starts again with each start of train.py (GpuSampler): the log adds the earlier
     # starts' (its last record kept at the resume), so the report takes the run's newest value.
