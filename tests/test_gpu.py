@@ -125,7 +125,7 @@ def test_devices_picks_gpus_by_uuid_under_their_labels():
     ({}, "cuda:1", {1: "GPU-ab"}),
     ({}, "cuda", {0: "GPU-aa"}),  # the current device
     ({"LOCAL_WORLD_SIZE": "2"}, "cuda:0", {0: "GPU-aa", 1: "GPU-ab"}),  # torchrun: the node's processes'
-    ({}, "cpu", None)])
+    ({}, "cpu", None), ({}, "mps", None)])
 def test_a_run_samples_the_gpus_its_processes_train_on(monkeypatch, env, device, want):
     # Only the run's own GPUs: summing every GPU NVML sees would count, on a shared machine
     # (CUDA_VISIBLE_DEVICES=3), the other jobs' energy too. CUDA faked: its device i has the UUID
