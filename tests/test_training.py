@@ -111,6 +111,14 @@ def test_sample_tokens_0_draws_no_sample(tmp_path, cache):
     assert summary(out)["sample"] is None and not any("sample" in r for r in metrics(out))
 
 
+def test_a_run_of_no_steps_has_no_rate(tmp_path, cache):
+    # No training time: tokens_per_s is null (no rate was measured), not a measured 0 tokens/s.
+    out = tmp_path / "run"
+    train_here(out, cache, "train.max_steps=0")
+    s = summary(out)
+    assert (s["steps"], s["tokens"], s["wall_s"], s["tokens_per_s"]) == (0, 0, 0.0, None)
+
+
 def test_rerunning_a_finished_run_logs_its_sample_once(tmp_path, cache):
     # The rerun resumes at the last step and validates for summary.json; the sample of that step
     # is in TensorBoard already (TensorBoard keeps the resumed step's events), so not again.
