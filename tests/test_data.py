@@ -218,6 +218,16 @@ def test_val_batches_give_every_rank_as_many_batches(markov):
             val_batches(markov.val, 8, 1, 1337, rank, 30)
 
 
+
+def test_a_last_validation_batch_of_one_sample_is_evaluated(markov):
+    # The validation set's last batch may hold one sample (a batch size of 1, or a split that ends
+    # one past a whole batch): it is evaluated like any other, not dropped.
+    assert [len(b["idx"]) for b in val_batches(markov.val, 1, 3, seed=1337)] == [1, 1, 1]
+    last = val_batches(markov.val, 23, 2, seed=1337)  # 24 samples: 23, then 1
+    assert [len(b["idx"]) for b in last] == [23, 1]
+    assert sorted(i for b in last for i in b["idx"].tolist()) == list(range(24))
+
+
 def sample(i: int) -> dict:
     return {"x": torch.zeros(2), "y": 1, "idx": i}
 
