@@ -548,6 +548,17 @@ def test_a_resume_with_another_batch_size_cuts_it_to_the_micro_batch_known_to_fi
         assert (said in proc.stdout) is (batch != 8), proc.stdout
 
 
+
+def test_a_resplit_counts_an_uneven_split_by_its_largest_micro_batch():
+    # data.batch_size 6 split 4 ways trained in micro-batches of 2, 2, 1, 1: 2 is known to fit, so a
+    # resume at 4 trains in 2s (split 2), not in 1s.
+    from loop.progress import Progress
+
+    p = Progress(micro_split=4)
+    note = oom.resplit(p, 6, 4)
+    assert p.micro_split == 2 and "micro-batches of 2" in note and note.endswith("micro-batches of 2")
+
+
 def test_a_rollback_keeps_the_split_its_run_found_and_says_no_other(tmp_path, cache):
     # Resumed at 16 from 8 split in 4s (so in 4s), out of memory again at step 6 (in 2s), then a
     # rollback to that checkpoint: the run keeps its 2s, and the resume's note is not said again
@@ -760,6 +771,7 @@ def test_a_resumed_run_gives_up_at_the_same_bad_step_as_the_uninterrupted_one(tm
     p = Progress()  # a checkpoint without the count: no row under way
     p.load_state_dict({k: v for k, v in Progress(bad_streak=2).state_dict().items() if k != "bad_streak"})
     assert p.bad_streak == 0
+
 
 
 def test_out_of_memory_outside_the_forward_and_backward_gives_up_with_exit_3(tmp_path, cache, monkeypatch):
