@@ -774,6 +774,16 @@ def test_a_resumed_run_gives_up_at_the_same_bad_step_as_the_uninterrupted_one(tm
 
 
 
+def test_a_checkpoint_without_the_row_of_bad_steps_loads_with_none_under_way():
+    # Checkpoints written before the row was counted hold neither bad_streak nor last_bad.
+    from loop.progress import Progress
+
+    p = Progress()
+    p.load_state_dict({k: v for k, v in Progress(bad_streak=2, last_bad=7).state_dict().items()
+                       if k not in ("bad_streak", "last_bad")})
+    assert (p.bad_streak, p.last_bad) == (0, 0)
+
+
 def test_out_of_memory_outside_the_forward_and_backward_gives_up_with_exit_3(tmp_path, cache, monkeypatch):
     # AdamW's first step makes its two moments (twice the weights): a model whose forward and
     # backward fit can run out there, where no smaller micro-batch retries it. Exit 3 in one line
