@@ -955,6 +955,22 @@ def test_a_kill_in_a_checkpoint_at_a_step_that_writes_none_says_so(step, every, 
         f"checkpoint only if{when} the run stops there (early stopping, a preemption signal)"])
 
 
+def test_a_kill_in_a_checkpoint_fires_in_that_step_s_checkpoint_only(monkeypatch):
+    # faults.kill_in_ckpt_at_step=7 in a run that saves at 4 and 8: no kill at 8, as the note says.
+    import signal
+
+    from loop.guards import faults
+
+    sent = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: sent.append(sig))
+    kill = faults.kill_midway(7)
+    for step in (4, 8, 12):
+        kill(step)
+    assert sent == []
+    kill(7)
+    assert sent == [signal.SIGKILL] and faults.kill_midway(-1) is None
+
+
 def test_allocator_gets_expandable_segments_in_both_spellings(monkeypatch):
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
     monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
