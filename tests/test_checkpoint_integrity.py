@@ -335,6 +335,16 @@ def test_plain_data_no_run_writes_is_exit_2_naming_the_file_and_changes_nothing(
     assert_unchanged(before, out)
 
 
+@pytest.mark.parametrize("key, value", [("step", -1), ("samples", 2.5), ("micro_split", 0), ("train_s", -1.0),
+                                        ("skip_windows", [[8, 16, 24]])])
+def test_a_progress_value_no_run_writes_is_refused_naming_it(key, value):
+    # A negative training time made tokens_per_s and the report's cost negative, without a word.
+    from loop.progress import Progress
+
+    with pytest.raises(ValueError, match=f"progress {key} = "):
+        Progress().load_state_dict({**Progress().state_dict(), key: value})
+
+
 def test_optimizer_state_that_does_not_fit_the_parameters_is_exit_2_and_changes_nothing(tmp_path, cache, base10):
     # torch maps the moments to the parameters by position: a model whose parameters come in another
     # order or shape (here, as edited) ran the fused AdamW over a moment of 9 numbers for a matrix,
