@@ -491,8 +491,8 @@ def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
     # run's seed, its rank and the step (loop/checkpoint/state.py): with the step left out, rank 1
     # resumed at step 20 would replay the dropout masks every rank 1 draws from step 1, which no
     # end-to-end test notices.
-    seeds = {rank_seed(1337, r, s) for r in range(4) for s in (0, 20, 40)}
-    assert len(seeds) == 12 and 1337 not in seeds
+    seeds = {rank_seed(1337, r, s) for r in range(4) for s in (0, 1, 20, 40)}  # rank 1 at step 0, rank 0 at 1
+    assert len(seeds) == 16 and 1337 not in seeds
 
 
 @pytest.mark.slow
