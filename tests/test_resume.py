@@ -90,6 +90,9 @@ def test_validation_s_own_streams_leave_every_training_stream_as_it_was():
     with rng.own_rng(torch.device("cpu"), 9):
         assert draw() == inside
     assert draw() == want
+    rng.seed_everything(6)  # training's streams elsewhere: validation draws the same all the same
+    with rng.own_rng(torch.device("cpu"), 9):
+        assert draw() == inside
 
 
 def test_streams_of_a_device_this_machine_lacks_are_passed_over():
