@@ -2,6 +2,7 @@
 bit-identical (params_sha256, every per-step loss, grad norm and lr) to a run never interrupted."""
 from __future__ import annotations
 
+import errno
 import os
 import random
 import re
@@ -214,6 +215,20 @@ def test_a_console_is_gone_when_its_pipe_or_socket_has_no_reader():
     finally:
         os.close(w)
         a.close()
+
+
+def test_an_io_error_on_a_console_still_there_is_raised_not_muted():
+    # Only a console that is gone (a hung-up terminal) is muted on EIO; an I/O error while it is
+    # there is the caller's to see.
+    from loop.guards.console import HangupProof
+
+    class Failing:
+        def write(self, text):
+            raise OSError(errno.EIO, "Input/output error")
+
+    with pytest.raises(OSError) as e:
+        HangupProof(Failing()).write("x")
+    assert e.value.errno == errno.EIO
 
 
 @pytest.mark.slow
