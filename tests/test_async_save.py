@@ -143,3 +143,20 @@ def test_saves_land_in_order_and_retention_applies(tmp_path):
         assert torch.all(state["model"]["lm_head.weight"] == step)  # still tied in the file
     with pytest.raises(RuntimeError, match="after close"):
         saver.save(root, 5, files, 2, META)
+
+
+def test_a_run_whose_last_background_write_fails_fails_too(tmp_path, cache, monkeypatch):
+    # train.async_save: the end-of-run checkpoint is written after the last step; a write that fails
+    # there is raised by the run's close, not lost with its thread (exit 0 and no last checkpoint).
+    from conftest import TINY, build_trainer, load_config
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+
+    def refused(root, step, *args):
+        raise GaveUp(f"checkpoint step {step}: disk full")
+
+    monkeypatch.setattr(store, "save", refused)  # looked up at call time by the writer thread
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2",
+                                       "train.ckpt_every=0", "train.eval_every=0", "train.async_save=true"])
+    with pytest.raises(GaveUp, match="checkpoint step 2: disk full"):
+        build_trainer(cfg, Dist(), torch.device("cpu")).run()
