@@ -689,3 +689,27 @@ def test_a_longer_horizon_says_what_it_does_to_the_learning_rate_and_how_to_go_o
     on = load_config(DEFAULT_CONFIG, ["train.max_steps=60", "schedule.name=constant", "schedule.warmup_steps=0",
                                       f"optim.lr={before:.3g}"])
     assert f"{on.optim.lr:.3g}" == f"{before:.3g}"
+
+
+def test_an_fp16_run_resumes_with_the_loss_scale_it_saved(tmp_path, cache):
+    # The GradScaler's scale is part of the state: a resume that started it over (2**16) would
+    # scale the next steps' losses otherwise than the run that never stopped. Started at 2**20,
+    # this model overflows at step 1 on the CPU and the scale halves.
+    import torch
+
+    from conftest import TINY, build_trainer, load_config
+    from loop.checkpoint import store
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+
+    out = tmp_path / "run"
+    args = [*TINY, cache, f"run.out_dir={out}", "train.precision=fp16", "train.max_steps=2", "train.eval_every=0"]
+    t = build_trainer(load_config(DEFAULT_CONFIG, args), Dist(), torch.device("cpu"))
+    t.scaler = t.precision.scaler = t.parts["scaler"] = torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)
+    t.run()
+    saved = store.load(out / "checkpoints" / "step_00000002", "state.pt")["scaler"]
+    assert saved["scale"] == 2.0 ** 19
+
+    again = build_trainer(load_config(DEFAULT_CONFIG, args), Dist(), torch.device("cpu"))
+    again.run()  # resumed at its last step: nothing more to train
+    assert again.parts["scaler"].state_dict() == saved
