@@ -638,3 +638,20 @@ def test_a_checkpoint_directory_that_cannot_be_made_is_exit_3_not_a_traceback(tm
     # Not a full disk: the advice is not to free space (nor, with several nodes, where run.out_dir
     # is not on storage they all see, and a rank's part finds no directory).
     assert "Make it a directory this user can write to (with several nodes" in proc.stderr, proc.stderr
+
+
+def test_the_shards_a_save_writes_are_in_its_manifest_and_verified(tmp_path):
+    # train.strategy=fsdp: each rank's shard files are written by `shards`, beside state.pt; the
+    # manifest lists them like every other file, so a shard cut short fails verification.
+    from loop.checkpoint import store
+
+    def shards(d):
+        (d / "__0_0.distcp").write_bytes(b"shard bytes")
+        return ["__0_0.distcp"]
+
+    final = store.save(tmp_path, 3, {"state.pt": {"step": 3}}, 2, {"world_size": 1}, shards=shards)
+    listed = json.loads((final / "manifest.json").read_text())["files"]
+    assert listed["__0_0.distcp"] == {"size": 11, "sha256": hashlib.sha256(b"shard bytes").hexdigest()}
+    assert store.verify(final) is None
+    (final / "__0_0.distcp").write_bytes(b"shard")
+    assert "__0_0.distcp" in store.verify(final)
