@@ -655,3 +655,16 @@ def test_the_shards_a_save_writes_are_in_its_manifest_and_verified(tmp_path):
     assert store.verify(final) is None
     (final / "__0_0.distcp").write_bytes(b"shard")
     assert "__0_0.distcp" in store.verify(final)
+
+
+def test_sharded_metadata_naming_anything_but_dcp_s_own_classes_is_refused_before_it_runs(tmp_path):
+    # .metadata is unpickled by loop/checkpoint/sharded.py allowing only what DCP writes there: a
+    # name DCP's metadata module merely imports (dataclasses.field, reached through it) is no class
+    # of DCP's, and calling it is what a tampered pickle would do.
+    from loop.checkpoint import sharded
+    from loop.errors import BadInput
+
+    (tmp_path / ".metadata").write_bytes(b"\x80\x02ctorch.distributed.checkpoint.metadata\nfield\n)R.")
+    with pytest.raises(BadInput, match=r"refused to load .*Unsupported global: "
+                                       r"torch\.distributed\.checkpoint\.metadata\.field"):
+        sharded.metadata(tmp_path)
