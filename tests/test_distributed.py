@@ -495,6 +495,31 @@ def test_a_rank_that_starts_fresh_at_a_resume_draws_a_stream_no_rank_drew():
     assert len(seeds) == 16 and 1337 not in seeds
 
 
+def test_a_rank_the_checkpoint_has_no_streams_for_is_seeded_for_its_rank_and_step(tmp_path, cache):
+    # In one process: the checkpoint of a one-process run restored as rank 1 of 2 (no rng_rank1.pt).
+    # Its streams must start from rank_seed(seed, 1, step), not go on from wherever this process is.
+    import random
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from conftest import build_trainer, load_config
+    from loop.checkpoint import state
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.rng import seed_everything
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=2",
+                                       "train.eval_every=0"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    t.run()
+    rank1 = SimpleNamespace(rank=1, world=2, say=lambda *a, **k: None)
+    state.restore(tmp_path / "run" / "checkpoints" / "step_00000002", t.parts, cfg, rank1, t.metadata)
+    drawn = (torch.rand(4), random.random(), np.random.rand(2))
+    seed_everything(rank_seed(cfg.run.seed, 1, 2))
+    expected = (torch.rand(4), random.random(), np.random.rand(2))
+    assert torch.equal(drawn[0], expected[0]) and drawn[1] == expected[1] and (drawn[2] == expected[2]).all()
+
+
 @pytest.mark.slow
 def test_processes_with_different_configs_exit_2_naming_the_keys(tmp_path, cache):
     # Each node reads its own config file, overrides and .env: with optim.lr apart the replicas
