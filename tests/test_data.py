@@ -166,6 +166,26 @@ def test_val_batches_fixed_and_rng_free(markov):
     assert not same(a, val_batches(ds, 4, 3, seed=1))
 
 
+def test_the_validation_set_is_eval_batches_micro_batches_whatever_grad_accum(markov):
+    # Without train.global_batch the set is train.eval_batches x data.batch_size samples (x the
+    # processes): train.grad_accum leaves it alone, so runs that accumulate differently report
+    # val_loss on one set. With train.global_batch it is eval_batches steps' samples.
+    from types import SimpleNamespace
+
+    from loop.distributed.group import Dist
+    from loop.evaluate import Evaluator
+
+    def batches(*overrides):
+        cfg = load_config(DEFAULT_CONFIG, ["data.batch_size=2", "train.eval_batches=3", *overrides])
+        ev = Evaluator(None, SimpleNamespace(val=markov.val), cfg, None, torch.device("cpu"), Dist(),
+                       False, None)
+        return ev.batches
+
+    one = batches("train.grad_accum=1")
+    assert len(one) == 3 and same(one, batches("train.grad_accum=4"))
+    assert len(batches("train.grad_accum=4", "train.global_batch=8")) == 12
+
+
 def test_preparing_never_touches_another_process_s_temp_dir(tmp_path):
     # The same PID in another PID namespace (a container sharing the cache): a temp dir named by
     # the PID alone was deleted by one process while the other wrote into it.
