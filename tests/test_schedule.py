@@ -59,6 +59,19 @@ def test_warmup_cosine_scales_with_lr_and_no_warmup():
     assert got[40] == 0.0
 
 
+def test_warmup_cosine_whose_warmup_is_the_whole_run_steps_past_its_last_step():
+    # schedule.warmup_steps = train.max_steps is allowed (only longer is noted): the scheduler's
+    # step after the last optimizer step computes the factor at max_steps, where the cosine has
+    # no steps left (0 / 0 without the max(1, ...)): the run's last step must not crash.
+    cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=4, min_lr_ratio=0.1)
+    opt, sched = make(cfg, 1.0, 4)
+    for _ in range(4):
+        opt.step()
+        sched.step()
+    assert sched.last_epoch == 4 and opt.param_groups[0]["lr"] == 1.0
+    assert lrs(cfg, 1.0, 4, 4) == [0.25, 0.5, 0.75, 1.0]
+
+
 def test_cosine_restarts_fixed_period():
     cfg = ScheduleConfig(name="cosine_restarts", warmup_steps=0, restart_period=10,
                          restart_mult=1, min_lr_ratio=0.0)
