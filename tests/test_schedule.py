@@ -176,6 +176,27 @@ def test_state_dict_resumes_identical_lrs(name):
     assert a == reference
 
 
+def test_a_resumed_schedule_sets_the_resumed_step_s_lr_into_the_loop_s_adamw():
+    # The loop's AdamW keeps this run's settings on load (optim.lr, the lr LambdaLR set at step
+    # 0), so the schedule's load must set the resumed step's lr, or that step runs at step 0's.
+    from loop.optim import AdamW
+
+    cfg = ScheduleConfig(name="warmup_cosine", warmup_steps=3, min_lr_ratio=0.1)
+
+    def adamw():
+        opt = AdamW([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+        return opt, build_scheduler(opt, cfg, 20)
+
+    opt, sched = adamw()
+    for _ in range(7):
+        opt.step()
+        sched.step()
+    opt2, sched2 = adamw()
+    opt2.load_state_dict(opt.state_dict())
+    sched2.load_state_dict(sched.state_dict())
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == lrs(cfg, 0.5, 20, 8)[7]
+
+
 def test_the_trainer_steps_with_the_lr_it_logs(tmp_path, cache):
     # The LR the optimizer holds as it applies each step (a step pre-hook) is the schedule's and the
     # one metrics.jsonl shows. Only this test catches a scheduler stepped before the optimizer,
