@@ -405,6 +405,19 @@ def test_a_half_set_launch_environment_exits_2_naming_the_variables(tmp_path, en
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+def test_a_negative_local_rank_is_refused_before_any_process_group(monkeypatch):
+    # LOCAL_RANK=-1 (torch.distributed.launch's unset value) names no GPU of this process's own:
+    # refused by name, before a process group exists (the slow launch test runs train.py).
+    from loop.distributed import group
+
+    for k, v in {**LAUNCH, "LOCAL_RANK": "-1"}.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(BadInput) as e:
+        group.init("cpu")
+    assert "LOCAL_RANK=-1, WORLD_SIZE=1: expected 0 <= RANK < WORLD_SIZE and LOCAL_RANK >= 0" in str(e.value)
+    assert not torch.distributed.is_initialized()
+
+
 @pytest.mark.slow
 def test_ddp_names_parameters_without_gradient_and_trains_them_with_find_unused(tmp_path, cache):
     # DDP without find_unused_parameters leaves the bucket of a parameter that got no gradient
