@@ -316,6 +316,17 @@ def test_cpu_offload_is_refused_off_cuda():
     check_supported(cfg, torch.device("cuda", 0))  # only names the device: no CUDA needed
 
 
+def test_fsdp_without_torchrun_trains_unsharded_and_says_so(capsys):
+    # python train.py with train.strategy=fsdp has no process group to shard over: the model is
+    # returned as it is, and the run says its setting has no effect rather than appearing sharded.
+    from loop.distributed.wrap import wrap
+
+    cfg = load_config(DEFAULT_CONFIG, ["train.strategy=fsdp"])
+    model = torch.nn.Linear(2, 2)
+    assert wrap(model, torch.device("cpu"), cfg) is model
+    assert "train.strategy=fsdp has no effect without torchrun" in capsys.readouterr().out
+
+
 def test_train_py_refuses_it_with_exit_2_before_writing(tmp_path, cache):
     out = tmp_path / "run"
     proc = run_train(out, cache, "train.strategy=fsdp", "train.fsdp_cpu_offload=true", check=False)
