@@ -106,7 +106,7 @@ class Trainer:
                     profiler.close()
                 self.close(ended)  # the last async checkpoint write finishes under the stop handlers
             finally:
-                preemption.close()
+                preemption.close(self.preempted)
         if not self.preempted and preemption.agreed(self.dist):
             self.preempted = True  # a stop signal while the last checkpoint was written: it is on disk
         return self.finish()

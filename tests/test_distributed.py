@@ -556,3 +556,26 @@ def test_processes_with_different_configs_exit_2_naming_the_keys(tmp_path, cache
     assert errs[1].endswith("error: the config differs between processes: rank 1 has optim.lr=0.005 where "
                             "rank 0 has optim.lr=0.001" + tail), errs[1]
     assert not out.exists()
+
+
+def test_a_torchrun_worker_that_stopped_ignores_stop_signals_until_it_exits(monkeypatch):
+    # torchrun sends SIGTERM to every worker once one exits 143: a worker whose checkpoint is
+    # written and that is still closing must end 143 too, not -15. Not under plain python (a
+    # notebook's next run keeps its handlers), nor for a run that did not stop.
+    from loop.guards.preemption import STOP_SIGNALS, Preemption
+
+    before = {s: signal.getsignal(s) for s in STOP_SIGNALS}
+    try:
+        for rank, stopped in ((None, True), ("1", False), ("1", True)):
+            if rank is None:
+                monkeypatch.delenv("RANK", raising=False)
+            else:
+                monkeypatch.setenv("RANK", rank)
+            Preemption().close(stopped)
+            ignored = rank is not None and stopped
+            assert all((signal.getsignal(s) is signal.SIG_IGN) is ignored for s in STOP_SIGNALS), (rank, stopped)
+            for s, handler in before.items():
+                signal.signal(s, handler)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)

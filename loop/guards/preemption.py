@@ -57,6 +57,9 @@ class Preemption:
         """Whether a stop came to any rank (a collective: every rank stops at the same step)."""
         return dist.sum_host([float(self.requested())])[0] > 0
 
-    def close(self) -> None:
+    def close(self, stopped: bool = False) -> None:
+        """The handlers as they were. A torchrun worker whose run `stopped` here (its checkpoint
+        written) ignores stop signals instead until it exits: torchrun sends SIGTERM to every
+        worker once one exits 143, and a worker still closing would end as -15, not 143."""
         for s, handler in self._previous.items():
-            signal.signal(s, handler)
+            signal.signal(s, signal.SIG_IGN if stopped and self._launcher is not None else handler)
