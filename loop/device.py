@@ -43,6 +43,12 @@ def use_tf32(device: torch.device, on: bool) -> None:
     """CUDA (Ampere and later): float32 matmuls and convolutions on TF32 tensor cores, several
     times the plain FP32 rate, with products rounded to a 10-bit mantissa (sums stay float32)."""
     if device.type == "cuda":
+        # The global setting too: inductor's autotuning (train.compile_mode=max-autotune...) reads it,
+        # and reading it raises where it disagrees with the CUDA one (pytorch/pytorch#196728). It
+        # sets the CPU's (mkldnn) matmuls as well, which keep theirs.
+        cpu = torch.backends.mkldnn.matmul.fp32_precision
+        torch.set_float32_matmul_precision("high" if on else "highest")
+        torch.backends.mkldnn.matmul.fp32_precision = cpu
         torch.backends.cuda.matmul.fp32_precision = torch.backends.cudnn.conv.fp32_precision = \
             "tf32" if on else "ieee"
 

@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from conftest import ROOT, build_trainer, load_config, metrics, run_train, summary, token_data, train_cmd, train_here
 from loop.config.runtime import idle_settings
 from loop.data.bundle import IGNORE_INDEX
-from loop.device import use_attention_kernel
+from loop.device import use_attention_kernel, use_tf32
 from loop.distributed.group import Dist
 from loop.errors import BadInput
 from loop.precision import Precision
@@ -131,6 +131,28 @@ def test_the_cudnn_attention_note_is_said_only_in_determinism_mode():
     det = load_config(ROOT / "configs" / "default.yaml", ["train.attention_kernel=cudnn", "run.deterministic=true"])
     assert [n.split(":")[0] for n in idle_settings(det, fp32)] == [
         "train.attention_kernel=cudnn has no effect with run.deterministic=true"]
+
+
+def test_tf32_leaves_the_global_matmul_precision_readable():
+    """Inductor's autotuning (compile_mode max-autotune...) reads torch's global precision, which
+    raises where it disagrees with the CUDA one: such a run could not compile on a GPU. The flags
+    are process state, set the same with no GPU; the CPU's own matmul precision stays as it was."""
+    cuda, flags = torch.device("cuda"), torch.backends.cuda.matmul
+    before = torch.get_float32_matmul_precision(), flags.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    cpu = torch.backends.mkldnn.matmul.fp32_precision
+    try:
+        use_tf32(cuda, True)
+        assert (torch.get_float32_matmul_precision(), flags.fp32_precision) == ("high", "tf32")
+        assert torch.backends.cudnn.conv.fp32_precision == "tf32"
+        assert torch.backends.mkldnn.matmul.fp32_precision == cpu
+        use_tf32(cuda, False)
+        assert (torch.get_float32_matmul_precision(), flags.fp32_precision) == ("highest", "ieee")
+        assert torch.backends.cudnn.conv.fp32_precision == "ieee"
+        assert torch.backends.mkldnn.matmul.fp32_precision == cpu
+    finally:
+        torch.set_float32_matmul_precision(before[0])
+        torch.backends.mkldnn.matmul.fp32_precision = cpu
+        flags.fp32_precision, torch.backends.cudnn.conv.fp32_precision = before[1], before[2]
 
 
 def test_torch_compile_gets_the_mode_asked_for(monkeypatch):
