@@ -99,3 +99,36 @@ def test_the_profiler_s_own_shutdown_is_not_step_time(tmp_path, monkeypatch):
         time.sleep(0.02)  # a step
         p.step()
     assert len(walls) == 1 and 0.03e6 < walls[0] < 0.3e6, walls  # two steps of 20 ms, not the 500 ms after
+
+
+def test_the_gpu_side_is_kernel_time_a_step_by_kind_and_the_busy_share(capsys):
+    # Kernel names as one H200 run of configs/gpt2_124m.yaml traced them (torch 2.11, compiled).
+    from loop.observe.profile import StepProfiler, gpu_time
+
+    def kernel(name, ts, dur, cat="kernel"):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {"traceEvents": [
+        kernel("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT", 0, 400),
+        kernel("cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", 400, 100),
+        kernel("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26", 500, 200),
+        kernel("void cudnn::fusion::compute_dot_do_o_specialized<true, 64>(void const*)", 700, 40),
+        kernel("triton_red_fused__log_softmax__to_copy_prepare_softmax_online_15", 740, 60),
+        kernel("triton_per_fused__to_copy_add_native_layer_norm_backward_view_5", 800, 50),
+        kernel("triton_poi_fused__unsafe_view_gelu_gelu_backward_view_4", 850, 30),
+        kernel("void at::native::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata<4>>", 1000, 80),
+        kernel("Memcpy HtoD (Pageable -> Device)", 1060, 40, cat="gpu_memcpy"),  # beside the optimizer
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 2000},  # host time: not the GPU's
+    ]}
+    gpu = gpu_time(trace, steps=2)
+    assert gpu["ms_per_step"] == pytest.approx({  # microseconds summed, / 1000 / 2 steps
+        "matmul": 0.25, "attention": 0.12, "softmax, loss": 0.03, "norm": 0.025, "optimizer": 0.04,
+        "other fused (torch.compile)": 0.015, "copy": 0.02})
+    assert list(gpu["ms_per_step"])[:2] == ["matmul", "attention"]  # largest first
+    assert gpu["span_ms_per_step"] == pytest.approx(0.55)  # 0 to 1,100 us over 2 steps
+    assert gpu["busy"] == pytest.approx(980 / 1100)  # idle 880-1,000 us; the copy overlaps the optimizer's kernel
+    assert gpu_time({"traceEvents": trace["traceEvents"][-1:]}, steps=2) is None  # a CPU run's trace
+
+    StepProfiler.print_gpu(gpu)
+    out = capsys.readouterr().out
+    assert "89.1% of it busy" in out and "matmul" in out and "0.25 ms" in out

@@ -10,7 +10,9 @@ steps 4-8). After the profiled steps this prints the fraction of their time in e
 as "other" (logging, Python overhead, idle),
 and writes to <out_dir>/profile/: `breakdown.json` and `trace.json`, a Chrome trace that opens in
 Perfetto (ui.perfetto.dev) or chrome://tracing. Times are host wall times of the regions; on a GPU,
-kernels run asynchronously, so the trace's device lanes show where the GPU itself is busy.
+kernels run asynchronously (the host waits where it first reads a result: the optimizer's finite
+check), so on CUDA it also prints the GPU's side from the trace: how busy the GPU was, and its
+kernel time a step by kind of kernel.
 """
 from __future__ import annotations
 
@@ -39,11 +41,45 @@ def breakdown(prof: profile, wall_us: float) -> dict[str, float]:
     return out
 
 
+# Kinds of GPU kernel, by words in their names (first match; lower case): cuBLAS's and cuDNN's
+# kernel names, and torch.compile's fused Triton kernels named for the ops they fuse.
+KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "compute_dot_do_o", "convert_dq")),
+         ("convolution", ("convolution", "convolve", "implicit_gemm", "winograd", "dgrad", "wgrad")),
+         ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
+         ("softmax, loss", ("softmax", "nll_loss", "cross_entropy")),
+         ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
+         ("norm", ("layer_norm", "rms_norm", "batch_norm")))
+
+
+def gpu_time(trace: dict, steps: int) -> dict | None:
+    """The GPU's side of a Chrome trace of `steps` steps: kernel (and copy) ms a step by kind, and
+    the share of the time from the first kernel to the last that some kernel ran (what is left is
+    the GPU waiting for the host). None for a trace with no GPU activity."""
+    events = [e for e in trace["traceEvents"]
+              if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not events:
+        return None
+    per_kind: dict[str, float] = collections.defaultdict(float)
+    for e in events:
+        name = e["name"].lower()
+        kind = "copy" if e["cat"] != "kernel" else next(
+            (k for k, words in KINDS if any(w in name for w in words)),
+            "other fused (torch.compile)" if name.startswith("triton_") else "other")
+        per_kind[kind] += e["dur"] / 1e3 / steps
+    busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (streams overlap)
+    for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
+        busy, end = busy + max(0.0, stop - max(start, end)), max(end, stop)
+    span = end - min(e["ts"] for e in events)
+    return {"ms_per_step": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
+            "busy": busy / span if span > 0 else 1.0, "span_ms_per_step": span / 1e3 / steps}
+
+
 class StepProfiler:
     def __init__(self, out_dir: Path, warmup: int = 3, active: int = 5):
         self.out_dir = out_dir
-        cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
-        self.prof = profile(activities=[ProfilerActivity.CPU, *cuda], on_trace_ready=self._ready,
+        self.cuda = torch.cuda.is_available()
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
+        self.prof = profile(activities=activities, on_trace_ready=self._ready,
                             schedule=schedule(wait=0, warmup=warmup, active=active, repeat=1))
         self.prof.start()
         self.result: dict[str, float] | None = None
@@ -70,6 +106,17 @@ class StepProfiler:
         for name, frac in self.result.items():
             print(f"  {name:<10} {100 * frac:5.1f}%")
         print(f"  trace: {self.out_dir / 'trace.json'} (open in ui.perfetto.dev)")
+        if self.cuda:
+            self.print_gpu(gpu_time(json.loads((self.out_dir / "trace.json").read_text()),
+                                    self.window[1] - self.window[0] + 1))
+
+    @staticmethod
+    def print_gpu(gpu: dict | None) -> None:
+        if gpu:
+            print(f"GPU (profiled steps): {gpu['span_ms_per_step']:.1f} ms a step from the first kernel to the "
+                  f"last, {100 * gpu['busy']:.1f}% of it busy; kernel time a step by kind:")
+            for kind, ms in gpu["ms_per_step"].items():
+                print(f"  {kind:<28}{ms:8.2f} ms")
 
     def close(self) -> None:
         if self.result is None:  # the run ended before the profiled steps did: nothing whole to show
