@@ -68,9 +68,11 @@ for s in "${stages[@]}"; do
         # gcc: train.compile (the bench's GPT-2 config) needs a C compiler for Triton's launchers
         stage env bash -c "nvidia-smi; { command -v gcc >/dev/null && gcc --version | head -1; } || echo 'no gcc: train.compile=true will fail'; $PYTHON -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())'" ;;
     tests)
-        stage tests "$PYTHON" -m pytest tests/test_cuda.py -v -rsP -k "not out_of_memory" $xdist ;;
+        # -vv: pyproject's -q takes one -v, and each test's name as it ends shows which one a time
+        # limit stopped
+        stage tests "$PYTHON" -m pytest tests/test_cuda.py -vv -rsP -k "not out_of_memory" $xdist ;;
     oom)
-        stage oom "$PYTHON" -m pytest tests/test_cuda.py -v -s -rs -k out_of_memory ;;
+        stage oom "$PYTHON" -m pytest tests/test_cuda.py -vv -s -rs -k out_of_memory ;;
     verify)
         # The audit runs stay out of $OUT (kept on failure: many files); the logs name them.
         stage verify_bf16 "$PYTHON" -m tools.verify --out runs/verify_bf16 train.device=cuda train.precision=bf16
