@@ -127,6 +127,9 @@ def readme(name: str, examples: bool) -> str:
     more = ("\nThe scaffold's examples are here too (data/examples.py, model/examples.py name them; "
             "configs/text.yaml is its default run): `python train.py --config configs/mnist.yaml`.\n"
             if examples else "")
+    kept = "tests and measurements (`bench/results/`)" if examples else \
+        "tests, measurements (`bench/results/`) and examples (`configs/mnist.yaml`, also in the Makefile's and " \
+        "`tools/verify.py`'s examples)"
     return f"""# {name}
 
 Made from the honest loop: a plain-PyTorch training loop whose every promise (exact resume,
@@ -139,8 +142,8 @@ accumulation, determinism, NaN and out-of-memory handling) is proved by a test.
 Yours: `data/mine.py` (the data set), `model/mine.py` (the model), `configs/default.yaml` (the run);
 register more in `data/__init__.py` and `model/__init__.py`, and run another with its own
 directory: `make train ARGS="model.name=X run.out_dir=runs/X"`. The loop is `loop/`, read from
-`loop/trainer.py`; `docs/` says what each part does and promises, and names the scaffold's tests
-and examples, which stay in the scaffold's repository. Put the project under git (`git init`):
+`loop/trainer.py`; `docs/` says what each part does and promises, and names the scaffold's
+{kept}, which stay in the scaffold's repository. Put the project under git (`git init`):
 each run's metadata.json records the commit it ran.
 {more}"""
 
