@@ -19,8 +19,11 @@ each repetition's own ratio: its arms run back to back, so the machine's drift b
 over 20% on a shared 2-core VM, cancels), the micro-batch each arm trained at (data.batch_size=auto's
 pick, or what an out-of-memory split left), peak memory (CUDA: max allocated; CPU: the process's
 max RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
-goes to bench/results/loop_vs_bare.jsonl. A benchmark, not a test: figures depend on the machine
-and on what else runs on it.
+goes to bench/results/loop_vs_bare.jsonl. A variant arm that fails (its process exits non-zero) is
+reported with its log's last lines and left out of the later repetitions; the others run on, the
+record names it under "failed", its log stays under runs/, and the command exits 1. Without the
+scaffold or the bare arm there is no ratio: the run stops there, with no record.
+A benchmark, not a test: figures depend on the machine and on what else runs on it.
 """
 from __future__ import annotations
 
@@ -54,6 +57,15 @@ from loop.schedule import build_scheduler
 from model import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
+TAIL = 30  # lines of a failed arm's log shown: a traceback's end and the error it ends in
+
+
+class ArmFailed(Exception):
+    """An arm's process exited non-zero: its exit code, its log and the command that ran it."""
+
+    def __init__(self, arm: str, code: int, log: Path, cmd: list[str]):
+        super().__init__(f"{arm} failed (exit {code})")
+        self.arm, self.code, self.log, self.cmd = arm, code, log, cmd
 
 
 class Bare:
@@ -141,7 +153,7 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
 
 
 def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
-    """One arm in a fresh process; adds its max RSS (GB)."""
+    """One arm in a fresh process; adds its max RSS (GB). ArmFailed if it exits non-zero."""
     every = math.gcd(args.warmup, args.steps)
     if arm == "bare":
         cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", args.config,
@@ -164,7 +176,7 @@ def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
         _, status, usage = os.wait4(proc.pid, 0)
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
-        raise SystemExit(f"{arm} failed (exit {proc.returncode}): {' '.join(cmd)}\n{log.read_text()}")
+        raise ArmFailed(arm, proc.returncode, log, cmd)
     if arm == "bare":
         figures = json.loads(log.read_text().strip().splitlines()[-1])
     else:
@@ -197,14 +209,33 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))
+    failed: dict[str, int] = {}  # arm: exit code
     try:
         for rep in range(args.reps):
             order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
-            for arm in order:
-                runs[arm].append(run_arm(arm, arms[arm], args, workdir))
+            for arm in (a for a in order if a not in failed):  # a failure repeats: its time for nothing
+                try:
+                    runs[arm].append(run_arm(arm, arms[arm], args, workdir))
+                except ArmFailed as e:
+                    failed[arm] = e.code
+                    tail = "\n".join(e.log.read_text(errors="replace").splitlines()[-TAIL:])
+                    print(f"rep {rep + 1}/{args.reps} {arm}: failed (exit {e.code}): {' '.join(e.cmd)}\n"
+                          f"{tail}\n(the whole log: {e.log})", file=sys.stderr, flush=True)
+                    if arm in ("scaffold", "bare"):
+                        print(f"error: the {arm} arm failed: no ratio to bare without it, so no table and no "
+                              f"record. Fix what its log says, then run again.", file=sys.stderr)
+                        return 1
+                    continue
                 print(f"rep {rep + 1}/{args.reps} {arm}: {runs[arm][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
+    finally:  # the runs' files go; the failed arms' logs stay, to be read after the run
+        for path in workdir.iterdir():
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            elif path.name not in {f"{arm}.log" for arm in failed}:
+                path.unlink()
+        if not failed:
+            workdir.rmdir()
+    runs = {arm: rs for arm, rs in runs.items() if rs}  # an arm that failed at its first run has none
     med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     bare_tps = med["bare"]["tokens_per_s"]
     paired = {arm: statistics.median(r["tokens_per_s"] / b["tokens_per_s"] for r, b in zip(rs, runs["bare"]))
@@ -221,12 +252,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{paired[arm]:>8.3f}"
               f"{m['micro_batch']:>7g}{peak:>9}"
               f"{m['max_rss_gb']:>11.2f}{m['data_wait_pct']:>9.2f}%{mfu:>7}")
+    for arm, code in failed.items():
+        print(f"failed: {arm} (exit {code}), {len(runs.get(arm, []))} of its {args.reps} runs in the table; "
+              f"its log: {workdir / f'{arm}.log'}")
     append_result(args.results, "bench.loop_vs_bare", argv, {
         "device": device, "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "warmup": args.warmup, "reps": args.reps, "median": med,
         "ratio_to_bare": {arm: m["tokens_per_s"] / bare_tps for arm, m in med.items()},
-        "paired_ratio_to_bare": paired, "runs": runs})
-    return 0
+        "paired_ratio_to_bare": paired, "runs": runs, "failed": failed})
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

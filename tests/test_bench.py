@@ -2,6 +2,7 @@
 the figures themselves are machine-dependent and are not asserted, only their consistency."""
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import subprocess
@@ -48,6 +49,65 @@ def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
     assert med["bare"]["data_wait_pct"] == 0 and 0 <= med["scaffold"]["data_wait_pct"] < 100
     # The micro-batch each arm trained at: TINY's 4, and the variant's own 2.
     assert [m["micro_batch"] for m in med.values()] == [4, 4, 2]
+
+
+FIGURES = {"tokens_per_s": 100.0, "data_wait_pct": 0.0, "micro_batch": 4, "max_rss_gb": 0.1}
+
+
+def fail_one_arm(monkeypatch, failing: str) -> None:
+    """Every arm gives FIGURES at once but `failing`, which runs for real on a config that is not
+    there: its process exits 2, as a run that fails after the bench's own checks passed."""
+    real = loop_vs_bare.run_arm
+
+    def run_arm(arm, extra, args, workdir):
+        if arm == failing:
+            return real(arm, extra, argparse.Namespace(**{**vars(args), "config": "gone.yaml"}), workdir)
+        return dict(FIGURES)
+
+    monkeypatch.setattr(loop_vs_bare, "run_arm", run_arm)
+
+
+def test_a_failed_variant_is_reported_and_the_other_arms_run_on(tmp_path, monkeypatch, capsys, cache):
+    # One variant's exit 2 must not lose the figures of the arms that ran, nor the arms still to run:
+    # on a rented GPU both cost minutes.
+    monkeypatch.chdir(tmp_path)  # the work directory goes under ./runs
+    fail_one_arm(monkeypatch, "model.dropout=0")
+    results = tmp_path / "r.jsonl"
+    code = loop_vs_bare.main(["--reps", "2", "--config", str(ROOT / DEFAULT_CONFIG), "--results", str(results),
+                              "--variant", "model.dropout=0", "--variant", "train.clip_grad=0.5", *TINY, cache])
+    out, err = capsys.readouterr()
+    assert code == 1
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert record["failed"] == {"model.dropout=0": 2}
+    assert set(record["median"]) == set(record["runs"]) == {"scaffold", "bare", "train.clip_grad=0.5"}
+    # Not run again in the second repetition; the arm after it ran in both.
+    assert re.findall(r"^rep (\d)/2 (.+?):", out, re.M) == [
+        ("1", "scaffold"), ("1", "bare"), ("1", "train.clip_grad=0.5"),
+        ("2", "train.clip_grad=0.5"), ("2", "bare"), ("2", "scaffold")]
+    # Named with its exit code and its log's end (the error it stopped at).
+    assert "model.dropout=0: failed (exit 2)" in err and "cannot read it" in err
+    (log,) = (tmp_path / "runs").glob("*/*")  # its log stays, nothing else
+    assert log.name == "model.dropout=0.log" and "cannot read it" in log.read_text()
+    (below,) = [line for line in out.splitlines() if line.startswith("failed: ")]  # under the table
+    assert "model.dropout=0 (exit 2)" in below and str(log.relative_to(tmp_path)) in below
+
+
+@pytest.mark.parametrize("failing", ["scaffold", "bare"])
+def test_a_failed_scaffold_or_bare_arm_stops_the_run_without_a_record(tmp_path, monkeypatch, capsys, cache,
+                                                                      failing):
+    # Every ratio is to the bare arm, and the scaffold's is the one measured: without either there
+    # are no figures to record, and the arms still to run would be time for nothing.
+    monkeypatch.chdir(tmp_path)
+    fail_one_arm(monkeypatch, failing)
+    results = tmp_path / "r.jsonl"
+    code = loop_vs_bare.main(["--reps", "2", "--config", str(ROOT / DEFAULT_CONFIG), "--results", str(results),
+                              "--variant", "model.dropout=0", *TINY, cache])
+    out, err = capsys.readouterr()
+    assert code == 1 and not results.exists()
+    assert re.findall(r"^rep (\d)/2 (.+?):", out, re.M) == ([] if failing == "scaffold" else [("1", "scaffold")])
+    assert f"{failing}: failed (exit 2)" in err and "cannot read it" in err
+    (log,) = (tmp_path / "runs").glob("*/*")
+    assert log.name == f"{failing}.log" and str(log.relative_to(tmp_path)) in err
 
 
 def test_scaffold_figures_use_only_the_timed_window():
