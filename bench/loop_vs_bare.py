@@ -155,11 +155,12 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
 def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
     """One arm in a fresh process; adds its max RSS (GB). ArmFailed if it exits non-zero."""
     every = math.gcd(args.warmup, args.steps)
+    name = arm.replace("/", "_")  # its files' name: an override's value may be a path
     if arm == "bare":
         cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", args.config,
                "--warmup", str(args.warmup), "--steps", str(args.steps), *args.overrides]
     else:
-        out = workdir / arm
+        out = workdir / name
         shutil.rmtree(out, ignore_errors=True)
         # One interval past the window: a run's last step evaluates (one batch: it is not measured)
         # and checkpoints, which the timed window must not hold (the bare loop does neither).
@@ -168,7 +169,7 @@ def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
                f"train.log_every={every}", "train.eval_every=0", "train.eval_batches=1", "train.ckpt_every=0",
                "train.sample_tokens=0", "report.plots=false",
                "run.mirror="]  # the config's mirror holds a real run's checkpoints: never pruned here
-    log = workdir / f"{arm}.log"
+    log = workdir / f"{name}.log"
     with open(log, "w") as f:  # files, not pipes, so wait4 can reap it and report its memory
         # In the user's directory, as the config and its paths were checked there; ROOT importable.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
@@ -209,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))
-    failed: dict[str, int] = {}  # arm: exit code
+    failed: dict[str, ArmFailed] = {}
     try:
         for rep in range(args.reps):
             order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
@@ -217,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
                 try:
                     runs[arm].append(run_arm(arm, arms[arm], args, workdir))
                 except ArmFailed as e:
-                    failed[arm] = e.code
+                    failed[arm] = e
                     tail = "\n".join(e.log.read_text(errors="replace").splitlines()[-TAIL:])
                     print(f"rep {rep + 1}/{args.reps} {arm}: failed (exit {e.code}): {' '.join(e.cmd)}\n"
                           f"{tail}\n(the whole log: {e.log})", file=sys.stderr, flush=True)
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in workdir.iterdir():
             if path.is_dir():
                 shutil.rmtree(path, ignore_errors=True)
-            elif path.name not in {f"{arm}.log" for arm in failed}:
+            elif path not in {e.log for e in failed.values()}:
                 path.unlink()
         if not failed:
             workdir.rmdir()
@@ -252,14 +253,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{paired[arm]:>8.3f}"
               f"{m['micro_batch']:>7g}{peak:>9}"
               f"{m['max_rss_gb']:>11.2f}{m['data_wait_pct']:>9.2f}%{mfu:>7}")
-    for arm, code in failed.items():
-        print(f"failed: {arm} (exit {code}), {len(runs.get(arm, []))} of its {args.reps} runs in the table; "
-              f"its log: {workdir / f'{arm}.log'}")
+    for arm, e in failed.items():
+        print(f"failed: {arm} (exit {e.code}), {len(runs.get(arm, []))} of its {args.reps} runs in the table; "
+              f"its log: {e.log}")
     append_result(args.results, "bench.loop_vs_bare", argv, {
         "device": device, "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "warmup": args.warmup, "reps": args.reps, "median": med,
         "ratio_to_bare": {arm: m["tokens_per_s"] / bare_tps for arm, m in med.items()},
-        "paired_ratio_to_bare": paired, "runs": runs, "failed": failed})
+        "paired_ratio_to_bare": paired, "runs": runs,
+        "failed": {arm: e.code for arm, e in failed.items()}})
     return 1 if failed else 0
 
 

@@ -110,6 +110,20 @@ def test_a_failed_scaffold_or_bare_arm_stops_the_run_without_a_record(tmp_path, 
     assert log.name == f"{failing}.log" and str(log.relative_to(tmp_path)) in err
 
 
+def test_a_variant_with_a_path_in_it_has_a_log_file_of_its_own(tmp_path, monkeypatch, capsys, cache):
+    # The arm's name is its files' name: a '/' in it made the log's path a directory that is not
+    # there, a FileNotFoundError after the other arms had run.
+    monkeypatch.chdir(tmp_path)
+    variant = f"data.cache_dir={tmp_path}"
+    fail_one_arm(monkeypatch, variant)
+    results = tmp_path / "r.jsonl"
+    assert loop_vs_bare.main(["--reps", "1", "--config", str(ROOT / DEFAULT_CONFIG), "--results", str(results),
+                              "--variant", variant, *TINY, cache]) == 1
+    (log,) = (tmp_path / "runs").glob("*/*")
+    assert "cannot read it" in log.read_text() and str(log.relative_to(tmp_path)) in capsys.readouterr().out
+    assert json.loads(results.read_text())["failed"] == {variant: 2}
+
+
 def test_scaffold_figures_use_only_the_timed_window():
     # Intervals of 2 steps: 10 ms/step while warming up, then 20 ms/step; 100 tokens a step.
     # On a GPU the interval's last record also has MFU (of that interval) and the peak memory so far.
