@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,41 @@ def held_out(n: int, val_fraction: float) -> int:
                        f"least 2 in each (every run validates, at its end at least): {fix}, or "
                        f"give more data.")
     return n_val
+
+
+def sized(n: float) -> str:
+    """A byte count for a message: 20.0 TB, 512.0 MB."""
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:,.1f} {unit}"
+        n /= 1000
+
+
+def room_for(key: str, tokens: int, out_dir: Path) -> None:
+    """Refuse `tokens` generated tokens (config key `key`) whose token files the free space of
+    data.cache_dir cannot hold, before generating them: the write would fail only after the
+    generation, and a count far past any disk (2**63) is NumPy's ValueError, a traceback."""
+    there = out_dir.parent.absolute()
+    while not there.exists():  # the nearest part of data.cache_dir that exists: made when written
+        there = there.parent
+    need, free = 2 * tokens, shutil.disk_usage(there).free  # train.bin + val.bin: uint16 ids
+    if need > free:
+        raise BadInput(f"config key {key}={tokens}: its token files take {sized(need)} (2 bytes a "
+                       f"token), and {there} has {sized(free)} free; expected fewer tokens: lower it, "
+                       f"or free space in data.cache_dir.")
+
+
+@contextmanager
+def generating(key: str, tokens: int):
+    """Generating `tokens` tokens (config key `key`) into arrays this machine cannot allocate is exit 2
+    naming the key, not NumPy's MemoryError traceback; nothing is in the cache yet (write_tokens
+    allocates before it writes, and removes its temp dir on any error)."""
+    try:
+        yield
+    except MemoryError as e:  # NumPy's names the size of the array it could not allocate
+        raise BadInput(f"config key {key}={tokens}: more tokens than this machine can hold in memory to "
+                       f"generate ({e}; their token files alone take {sized(2 * tokens)}); expected "
+                       f"fewer tokens: lower it.") from None
 
 
 def write_tokens(out_dir: Path, ids: np.ndarray, val_fraction: float, meta: dict) -> Path:

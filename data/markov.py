@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CorpusOptions, write_tokens
+from data.corpus import CorpusOptions, generating, room_for, write_tokens
 from data.tokens import token_data
 from loop.config.fields import opt
 from loop.data.bundle import Data
@@ -43,6 +43,7 @@ def prepare_markov(vocab: int, branching: int, tokens: int, seed: int, cache_dir
     out = Path(cache_dir) / f"markov-v{vocab}-b{branching}-n{tokens}-s{seed}-val{val_fraction!r}"
     if (out / "meta.json").exists():
         return out
+    room_for("data.markov.tokens", tokens, out)
     P = transition_matrix(vocab, min(branching, vocab), seed)
     cum, rng = np.cumsum(P, axis=1), np.random.default_rng(seed + 1)
     u, ids, s = rng.random(tokens), np.empty(tokens, dtype=np.uint16), 0
@@ -72,5 +73,6 @@ class MarkovOptions(CorpusOptions):
 
 def build_markov(cfg: MarkovOptions) -> Data:
     m = cfg.markov
-    root = prepare_markov(m.vocab_size, m.branching, m.tokens, m.seed, cfg.cache_dir, cfg.val_fraction)
+    with generating("data.markov.tokens", m.tokens):  # its draws and ids: 10 bytes a token
+        root = prepare_markov(m.vocab_size, m.branching, m.tokens, m.seed, cfg.cache_dir, cfg.val_fraction)
     return token_data(root, cfg.seq_len)

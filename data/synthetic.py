@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CorpusOptions, write_tokens
+from data.corpus import CorpusOptions, generating, room_for, write_tokens
 from data.tokens import token_data
 from loop.config.fields import opt
 from loop.data.bundle import Data
@@ -36,8 +36,10 @@ def build_random(cfg: RandomOptions) -> Data:
         raise BadInput(f"config key data.synthetic.vocab_size: expected at most 65536; got {s.vocab_size}.")
     out = Path(cfg.cache_dir) / f"random-v{s.vocab_size}-n{s.tokens}-s{s.seed}-val{cfg.val_fraction!r}"
     if not (out / "meta.json").exists():
-        ids = np.random.default_rng(s.seed).integers(0, s.vocab_size, s.tokens, dtype=np.uint16)
-        meta = {"kind": "random", "source": f"random(vocab={s.vocab_size}, seed={s.seed})",
-                "vocab_size": s.vocab_size, "optimal_loss": math.log(s.vocab_size)}
-        write_tokens(out, ids, cfg.val_fraction, meta)
+        room_for("data.synthetic.tokens", s.tokens, out)
+        with generating("data.synthetic.tokens", s.tokens):
+            ids = np.random.default_rng(s.seed).integers(0, s.vocab_size, s.tokens, dtype=np.uint16)
+            meta = {"kind": "random", "source": f"random(vocab={s.vocab_size}, seed={s.seed})",
+                    "vocab_size": s.vocab_size, "optimal_loss": math.log(s.vocab_size)}
+            write_tokens(out, ids, cfg.val_fraction, meta)
     return token_data(out, cfg.seq_len)

@@ -579,6 +579,27 @@ def test_random_tokens_and_a_token_directory(tmp_path):
         build_data(cfg.data)
 
 
+@pytest.mark.parametrize("name, key", [("random", "data.synthetic.tokens"), ("markov", "data.markov.tokens")])
+def test_more_generated_tokens_than_the_disk_or_memory_holds_is_exit_2_naming_the_key(tmp_path, monkeypatch,
+                                                                                       name, key):
+    # 1e14 tokens: token files of 200 TB, past the free space of a test machine's disk, and arrays
+    # past the 128 TiB a process can map, so NumPy's MemoryError whatever the kernel's overcommit
+    # (asked for on a disk said to hold them). Each was a traceback; nothing may be in the cache.
+    from types import SimpleNamespace
+
+    from conftest import train_here
+
+    cache, out, n = tmp_path / "cache", tmp_path / "run", 10**14
+    for disk in ("real", "said to hold them"):
+        if disk != "real":
+            monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=2**70, used=0, free=2**70))
+        r = train_here(out, f"data.name={name}", f"data.cache_dir={cache}", f"{key}={n}", check=False)
+        assert r.returncode == 2 and r.stderr.startswith(f"error: config key {key}={n}: "), (disk, r.stderr)
+        assert "200.0 TB" in r.stderr and r.stderr.count("\n") == 1, (disk, r.stderr)
+    assert "memory" in r.stderr, r.stderr
+    assert not out.exists() and not cache.exists()
+
+
 @pytest.mark.parametrize("name, key", [("random", "data.val_fraction"), ("random", "data.synthetic.seed"),
                                        ("markov", "data.val_fraction"), ("markov", "data.markov.seed"),
                                        ("text", "data.val_fraction")])
