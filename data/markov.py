@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from data.corpus import CorpusOptions, generating, room_for, write_tokens
+from data.corpus import CorpusOptions, generating, held_out, room_for, write_tokens
 from data.tokens import token_data
 from loop.config.fields import opt
 from loop.data.bundle import Data
@@ -43,6 +43,7 @@ def prepare_markov(vocab: int, branching: int, tokens: int, seed: int, cache_dir
     out = Path(cache_dir) / f"markov-v{vocab}-b{branching}-n{tokens}-s{seed}-val{val_fraction!r}"
     if (out / "meta.json").exists():
         return out
+    held_out(tokens, val_fraction)  # a split that cannot work is refused before the chain is made
     room_for("data.markov.tokens", tokens, out)
     P = transition_matrix(vocab, min(branching, vocab), seed)
     cum, rng = np.cumsum(P, axis=1), np.random.default_rng(seed + 1)

@@ -562,6 +562,18 @@ def test_markov_stream_follows_P(tmp_path):
     assert nll == pytest.approx(entropy_rate(P), abs=0.02)
 
 
+@pytest.mark.parametrize("fraction", [0.0, 1.0])
+def test_a_markov_split_that_cannot_work_is_refused_before_the_chain_is_made(tmp_path, monkeypatch, fraction):
+    # The chain takes about 1.6 s a million tokens (a Python loop): a bad data.val_fraction costs none of it.
+    from data import markov as markov_module
+
+    made = []
+    monkeypatch.setattr(markov_module, "transition_matrix", lambda *a: made.append(a) or transition_matrix(*a))
+    with pytest.raises(BadInput, match=r"data\.val_fraction="):
+        prepare_markov(4, 2, 5000, 0, str(tmp_path / "cache"), fraction)
+    assert made == [] and not (tmp_path / "cache").exists()
+
+
 def test_random_tokens_and_a_token_directory(tmp_path):
     cfg = load_config(DEFAULT_CONFIG, ["data.name=random", "data.synthetic.vocab_size=50304",
                                        "data.synthetic.tokens=5000", f"data.cache_dir={tmp_path}", "data.seq_len=16"])
