@@ -25,10 +25,12 @@ from data.corpus import held_out, prepare_text
 from data.markov import MarkovConfig, entropy_rate, prepare_markov, transition_matrix
 from data.tokens import TokenWindows
 from loop.config.load import DEFAULT_CONFIG
+from loop.config.runtime import idle_settings
 from loop.data.bundle import Data, check_samples
 from loop.data.sampler import StreamSampler, collate, epoch_order, split_batch, train_loader, val_batches
 from loop.data.seeded import SeededSamples
 from loop.errors import BadInput
+from loop.precision import Precision
 
 SEQ, BS = 16, 8
 
@@ -868,6 +870,23 @@ def test_a_prepared_cache_this_user_cannot_write_is_read(tmp_path, monkeypatch):
     assert r.returncode == 2 and r.stderr == (f"error: config key data.cache_dir={cache}: cannot write "
                                               f"in {cache}; expected a directory this user can write to.\n")
     assert sorted(cache.rglob("*")) == before and not (tmp_path / "markov").exists()
+
+
+def test_a_prefetch_factor_without_workers_is_said(tmp_path, cache):
+    # torch's DataLoader takes prefetch_factor with workers only: data.prefetch_factor=4 with
+    # data.num_workers=0 would otherwise be dropped without a word. Its default, given or not, and
+    # a value with workers are not noted.
+    from conftest import train_here
+
+    def said(*overrides: str) -> list[str]:
+        notes = idle_settings(load_config(DEFAULT_CONFIG, list(overrides)), Precision("fp32", torch.device("cpu")))
+        return [n for n in notes if "data.prefetch_factor" in n]
+
+    assert said() == said("data.prefetch_factor=2") == said("data.prefetch_factor=4", "data.num_workers=2") == []
+    run = train_here(tmp_path / "run", cache, "data.prefetch_factor=4", "train.max_steps=1")
+    notes = [line for line in run.stdout.splitlines() if "data.prefetch_factor" in line]
+    assert len(notes) == 1 and notes[0].startswith("note: data.prefetch_factor=4 has no effect with "
+                                                   "data.num_workers=0"), run.stdout
 
 
 def test_a_step_larger_than_the_training_split_is_said(tmp_path):

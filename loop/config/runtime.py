@@ -28,6 +28,12 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
                      f"{t.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
     if t.compile_mode != "default" and not t.compile:
         notes.append(f"train.compile_mode={t.compile_mode} has no effect with train.compile=false")
+    d = cfg.data
+    if d.num_workers == 0 and d.prefetch_factor != type(d).prefetch_factor:  # its default says nothing
+        # torch's DataLoader takes prefetch_factor with workers only (loop/data/sampler.py)
+        notes.append(f"data.prefetch_factor={d.prefetch_factor} has no effect with data.num_workers=0: it "
+                     f"counts the batches each worker loads ahead, and without workers the training "
+                     f"process loads each batch when a step asks for it (raise data.num_workers to load ahead)")
     if t.attention_kernel == "cudnn" and cfg.run.deterministic:
         notes.append("train.attention_kernel=cudnn has no effect with run.deterministic=true: cuDNN's "
                      "attention has no deterministic backward, so torch runs the next kernel in its "
