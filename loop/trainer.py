@@ -21,7 +21,7 @@ from torch.nn.utils import clip_grad_norm_, get_total_norm
 from torch.profiler import record_function
 
 from loop import probe
-from loop.checkpoint import resume, runlock, state, store
+from loop.checkpoint import resume, store
 from loop.checkpoint.saver import Saver
 from loop.contract import loss_and_sums
 from loop.data.feed import Feed
@@ -122,15 +122,8 @@ class Trainer:
             self.metadata = run_metadata.collect(cfg, self.device, self.precision.name, self.dist.world,
                                                  {**self.data.meta, "unit": self.data.unit}, path)
         self.run_facts = run_metadata.run_facts(cfg, self.dist.world, self.metadata)
-        if path:
-            self.checkpoints.origin = state.restore(path, self.parts, cfg, self.dist, self.metadata)
-        elif cfg.run.init_from:
-            taken = state.warm_start(Path(cfg.run.init_from), self.raw, self.ema, cfg)
-            self.dist.say(f"initialised model weights from {taken}")
-        if cfg.run.mirror:  # opened before any write: a bad URL is bad input (said on every rank)
-            self.dist.on_main(lambda: self.checkpoints.open_mirror(cfg.run.mirror))
-        self.dist.on_main(lambda: runlock.claim(self.out))
-        if self.dist.main:  # from here on, files are written
+        resume.start_from(path, self.parts, cfg, self.dist, self.metadata, self.checkpoints)  # or run.init_from
+        if self.dist.main:  # from here on, files are written (out_dir is the run's)
             run_metadata.write(self.out, cfg, self.metadata)
             # Metrics from rank 0 (the values are global), from the resumed step on.
             self.log = MetricsLog(self.out, p.step, p.tokens, p.samples, tc.max_steps, unit=self.data.unit,

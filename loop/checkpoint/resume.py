@@ -1,4 +1,5 @@
-"""Which checkpoint a run starts from, decided before anything in out_dir is written.
+"""Which checkpoint a run starts from, decided before anything in out_dir is written; `start_from`
+puts it into the run's parts (or run.init_from's weights, on a fresh start), then claims out_dir.
 
     run.resume=auto   newest valid checkpoint in out_dir/checkpoints (or, if that dir holds none or
                       none there verifies, the newest valid one in run.mirror); none at all -> a
@@ -26,6 +27,23 @@ def choose_locked(out: Path, run, say=print) -> Path | None:
     writing. A fetch from the mirror makes (and claims) `out`."""
     runlock.hold(out)
     return choose(run.resume, out / "checkpoints", run.mirror, lambda: runlock.claim(out), say)
+
+
+def start_from(path: Path | None, parts: dict, cfg, dist, metadata: dict, saver) -> None:
+    """Before the first step: `parts` (Trainer.parts) restored from checkpoint `path` (`choose`'s;
+    `metadata`: this run's, which the restore compares with the checkpoint's), or on a fresh start
+    the model's weights from run.init_from; then, still before anything is written, the mirror of
+    `saver` (loop/checkpoint/saver.py) opened and out_dir claimed (loop/checkpoint/runlock.py)."""
+    from loop.checkpoint import state  # here, not above: state.py imports this module's helpers
+
+    if path:
+        saver.origin = state.restore(path, parts, cfg, dist, metadata)
+    elif cfg.run.init_from:
+        taken = state.warm_start(Path(cfg.run.init_from), parts["model"], parts["ema"], cfg)
+        dist.say(f"initialised model weights from {taken}")
+    if cfg.run.mirror:  # opened before any write: a bad URL is bad input (said on every rank)
+        dist.on_main(lambda: saver.open_mirror(cfg.run.mirror))
+    dist.on_main(lambda: runlock.claim(Path(cfg.run.out_dir)))
 
 
 def choose(resume: str, ckpt_root: Path, mirror: str, before_fetch=lambda: None, say=print) -> Path | None:
