@@ -11,7 +11,6 @@ A checkpoint is `self.parts`. Lines marked `lab:` break one concern on purpose (
 from __future__ import annotations
 
 import contextlib
-import gc
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ from loop.data.feed import Feed
 from loop.data.sampler import split_batch, to_device
 from loop.distributed import fsdp
 from loop.distributed.group import Dist
-from loop.distributed.wrap import check_all_used, ddp, grad_sync, is_ddp
+from loop.distributed.wrap import check_all_used, grad_sync, is_ddp
 from loop.evaluate import Evaluator
 from loop.guards.nonfinite import NonFinite, rollback, watched_buffers
 from loop.guards.oom import OutOfMemory
@@ -63,7 +62,7 @@ class Trainer:
                                  self.sharded)
         self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist, watched)
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded,
-                               self.raw, bool(tc.global_batch))
+                               model, bool(tc.global_batch))
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
                                    self.sharded, self.progress)
         self.log, self.metadata, self.run_facts, self.preempted = NullLog(), {}, {}, False
@@ -173,8 +172,10 @@ class Trainer:
                             scaled.backward()
             if not attempt.failed:
                 break
-            loss = scaled = None  # the failed try's graph, freed before the split hands memory back
-            self.recover_from_oom()
+            # Freed before the split hands memory back: the failed try's graph, and the model as wrapped
+            # (a DDP's reducer waits for a backward that never comes); the split gives the model back.
+            loss = scaled = self.model = None
+            self.model = self.oom.split(self.optimizer, self.device)
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
@@ -232,14 +233,6 @@ class Trainer:
                       f"sample position {p.samples}); nothing to learn from, step skipped", file=sys.stderr)
         self.count(batches, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
         return True
-
-    def recover_from_oom(self) -> None:
-        """Halve the micro-batch to retry the same samples, or give up (train.oom_policy)."""
-        self.oom.split(self.optimizer, self.device)
-        if is_ddp(self.model):  # its reducer waits for a backward that never comes: a fresh DDP
-            self.model = None
-            gc.collect()  # the old reducer and its hooks on the parameters first (DDP is a cycle)
-            self.model = ddp(self.raw, self.device, self.cfg.train.find_unused_parameters)
 
     def save(self) -> None:
         """Checkpoint this step (every rank takes part); metrics up to it are on disk first (the

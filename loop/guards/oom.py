@@ -21,6 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from loop.distributed.group import Dist
+from loop.distributed.wrap import ddp, is_ddp
 from loop.errors import GaveUp
 from loop.progress import Progress
 
@@ -104,11 +105,15 @@ class Attempt:
 class OutOfMemory:
     def __init__(self, policy: str, batch_size: int, progress: Progress, dist: Dist, sharded: bool,
                  model: torch.nn.Module | None = None, global_batch: bool = False):
-        """`model`: its own way to use less memory, if it has one, is named in the messages.
-        `global_batch`: train.global_batch is set, so the accumulation follows data.batch_size."""
+        """`model`: as wrapped for the run. The guard keeps the module inside, never a DDP around it (one
+        held here would outlive the split that replaces it), and names the module's own way to use less
+        memory, if it has one, in the messages. `global_batch`: train.global_batch is set, so the
+        accumulation follows data.batch_size."""
         self.policy, self.batch_size, self.progress = policy, batch_size, progress
         self.dist, self.sharded = dist, sharded
-        switch = hasattr(model, "set_activation_checkpointing")
+        self.model = model.module if is_ddp(model) else model
+        self.find_unused = model.find_unused_parameters if is_ddp(model) else None  # None: not in DDP
+        switch = hasattr(self.model, "set_activation_checkpointing")
         self.hint = ", or model.activation_checkpointing=true" if switch else ""
         self.smaller = ("a smaller data.batch_size (train.global_batch keeps the step), or "
                         "data.batch_size=auto" if global_batch else
@@ -130,7 +135,7 @@ class OutOfMemory:
                 raise
             if self.sharded:
                 self.in_collectives(UNDER_FSDP)
-            if a.at_last_backward and self.dist.world > 1:  # alone, a fresh DDP starts clean (recover)
+            if a.at_last_backward and self.dist.world > 1:  # alone, a fresh DDP starts clean (split)
                 self.in_collectives(LAST_BACKWARD)
             if not a.at_last_backward:
                 self.dist.sum_host([1.0])  # what the others' agree() waits for
@@ -144,9 +149,12 @@ class OutOfMemory:
                      f"{self.micro_batch()}). Collectives over the ranks were under way, so it cannot "
                      f"be retried in place. Rerun with {self.smaller}{self.hint}.")
 
-    def split(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
-        """train.oom_policy: halve the micro-batch (the same samples are retried), or give up. Under
-        DDP the trainer then wraps the model anew (loop/trainer.py::recover_from_oom)."""
+    def split(self, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.nn.Module | None:
+        """train.oom_policy: halve the micro-batch (the same samples are retried), or give up. Returns
+        the model to retry with: under DDP a fresh DDP, since the old one's reducer waits for a
+        backward that never comes. The caller drops its old one first: the collection here frees
+        it (DDP is a reference cycle) with the failed try, its reducer's hooks on the parameters
+        gone before the new one's. A collective under DDP: every rank splits together."""
         p, size = self.progress, self.micro_batch()
         optimizer.zero_grad(set_to_none=True)
         release_memory(device)
@@ -159,3 +167,4 @@ class OutOfMemory:
                       f"accumulation x{p.micro_split} (same global batch), retrying; the samples and maths "
                       f"stay, random draws in the model (dropout) differ from an unsplit run's",
                       file=sys.stderr)
+        return self.model if self.find_unused is None else ddp(self.model, device, self.find_unused)
