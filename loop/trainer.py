@@ -172,10 +172,11 @@ class Trainer:
                             scaled.backward()
             if not attempt.failed:
                 break
-            # Freed before the split hands memory back: the failed try's graph, and the model as wrapped
-            # (a DDP's reducer waits for a backward that never comes); the split gives the model back.
-            loss = scaled = self.model = None
-            self.model = self.oom.split(self.optimizer, self.device)
+            loss = scaled = None  # the failed try's graph, freed before the split hands memory back
+            self.oom.split(self.optimizer, self.device)  # or gives up (train.oom_policy)
+            if is_ddp(self.model):  # its reducer waits for a backward that never comes: a fresh DDP,
+                self.model = None  # once the old one is collected
+                self.model = self.oom.rewrap(self.device)
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]

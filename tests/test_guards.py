@@ -737,6 +737,20 @@ def test_a_card_that_fits_one_sample_trains_at_micro_batch_1(tmp_path, cache, ba
     assert sizes[:len(probe) + 4] == probe + [1] * 4, sizes
 
 
+def test_a_trainer_that_gives_up_on_out_of_memory_keeps_its_model(tmp_path, cache):
+    # A notebook that catches GaveUp still has the model to save or look at: the model is dropped
+    # for a fresh DDP only once the split goes on.
+    from conftest import TINY, build_trainer
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=4",
+                                "train.oom_policy=abort", "faults.oom_at_step=2"])
+    t = build_trainer(cfg, Dist(), torch.device("cpu"))
+    model = t.model
+    with pytest.raises(GaveUp, match="train.oom_policy=abort"):
+        t.run()
+    assert t.model is model
+
+
 def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
     out = tmp_path / "run"
     proc = train_here(out, cache, *STEPS, "data.batch_size=1", "faults.oom_at_step=3", check=False)

@@ -112,7 +112,7 @@ class OutOfMemory:
         self.policy, self.batch_size, self.progress = policy, batch_size, progress
         self.dist, self.sharded = dist, sharded
         self.model = model.module if is_ddp(model) else model
-        self.find_unused = model.find_unused_parameters if is_ddp(model) else None  # None: not in DDP
+        self.find_unused = is_ddp(model) and model.find_unused_parameters  # for rewrap()
         switch = hasattr(self.model, "set_activation_checkpointing")
         self.hint = ", or model.activation_checkpointing=true" if switch else ""
         self.smaller = ("a smaller data.batch_size (train.global_batch keeps the step), or "
@@ -149,12 +149,9 @@ class OutOfMemory:
                      f"{self.micro_batch()}). Collectives over the ranks were under way, so it cannot "
                      f"be retried in place. Rerun with {self.smaller}{self.hint}.")
 
-    def split(self, optimizer: torch.optim.Optimizer, device: torch.device) -> torch.nn.Module | None:
-        """train.oom_policy: halve the micro-batch (the same samples are retried), or give up. Returns
-        the model to retry with: under DDP a fresh DDP, since the old one's reducer waits for a
-        backward that never comes. The caller drops its old one first: the collection here frees
-        it (DDP is a reference cycle) with the failed try, its reducer's hooks on the parameters
-        gone before the new one's. A collective under DDP: every rank splits together."""
+    def split(self, optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+        """train.oom_policy: halve the micro-batch (the same samples are retried), or give up. Under
+        DDP the caller then drops its model and takes rewrap()'s."""
         p, size = self.progress, self.micro_batch()
         optimizer.zero_grad(set_to_none=True)
         release_memory(device)
@@ -167,4 +164,10 @@ class OutOfMemory:
                       f"accumulation x{p.micro_split} (same global batch), retrying; the samples and maths "
                       f"stay, random draws in the model (dropout) differ from an unsplit run's",
                       file=sys.stderr)
-        return self.model if self.find_unused is None else ddp(self.model, device, self.find_unused)
+
+    def rewrap(self, device: torch.device) -> torch.nn.Module:
+        """A fresh DDP around the module after a split: the old one's reducer waits for a backward
+        that never comes. The caller drops the old one first; the collection here frees it (DDP is a
+        reference cycle), its reducer's hooks on the parameters gone before the new one's."""
+        gc.collect()
+        return ddp(self.model, device, self.find_unused)
