@@ -21,8 +21,9 @@ pick, or what an out-of-memory split left), peak memory (CUDA: max allocated; CP
 max RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
 goes to bench/results/loop_vs_bare.jsonl. A variant arm that fails (its process exits non-zero) is
 reported with its log's last lines and left out of the later repetitions; the others run on, the
-record names it under "failed", its log stays under runs/, and the command exits 1. Without the
-scaffold or the bare arm there is no ratio: the run stops there, with no record.
+record names it under "failed", its log is kept in runs/, and the command exits 1. A failed scaffold
+or bare arm stops the run: the repetitions before it make the table and the record, and with none
+there is no record.
 A benchmark, not a test: figures depend on the machine and on what else runs on it.
 """
 from __future__ import annotations
@@ -152,10 +153,10 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
     return out
 
 
-def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
-    """One arm in a fresh process; adds its max RSS (GB). ArmFailed if it exits non-zero."""
+def run_arm(arm: str, name: str, extra: list[str], args, workdir: Path) -> dict:
+    """One arm in a fresh process, its files under `name` in workdir; adds its max RSS (GB).
+    ArmFailed if it exits non-zero."""
     every = math.gcd(args.warmup, args.steps)
-    name = arm.replace("/", "_")  # its files' name: an override's value may be a path
     if arm == "bare":
         cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", args.config,
                "--warmup", str(args.warmup), "--steps", str(args.steps), *args.overrides]
@@ -174,7 +175,12 @@ def run_arm(arm: str, extra: list[str], args, workdir: Path) -> dict:
         # In the user's directory, as the config and its paths were checked there; ROOT importable.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
+        try:
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # Ctrl-C, or a signal to the bench: the arm (a GPU's run) stops with it
+            proc.kill()
+            proc.wait()
+            raise
         proc.returncode = os.waitstatus_to_exitcode(status)
     if proc.returncode != 0:
         raise ArmFailed(arm, proc.returncode, log, cmd)
@@ -207,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
         pick_device(load_config(args.config, [*args.overrides, *v.split()], DATASETS, MODELS).train.device)
     check_results(args.results)
     arms = {"scaffold": [], "bare": [], **{v: v.split() for v in args.variant}}
+    # Files named by place, not by overrides, whose values may be paths or longer than a file name
+    names = {arm: arm if i < 2 else f"variant{i - 1}" for i, arm in enumerate(arms)}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     Path("runs").mkdir(exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))
@@ -216,26 +224,26 @@ def main(argv: list[str] | None = None) -> int:
             order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
             for arm in (a for a in order if a not in failed):  # a failure repeats: its time for nothing
                 try:
-                    runs[arm].append(run_arm(arm, arms[arm], args, workdir))
+                    runs[arm].append(run_arm(arm, names[arm], arms[arm], args, workdir))
                 except ArmFailed as e:
                     failed[arm] = e
+                    e.log = e.log.replace(workdir.parent / f"{workdir.name}-{e.log.name}")  # kept after the run
                     tail = "\n".join(e.log.read_text(errors="replace").splitlines()[-TAIL:])
                     print(f"rep {rep + 1}/{args.reps} {arm}: failed (exit {e.code}): {' '.join(e.cmd)}\n"
                           f"{tail}\n(the whole log: {e.log})", file=sys.stderr, flush=True)
-                    if arm in ("scaffold", "bare"):
-                        print(f"error: the {arm} arm failed: no ratio to bare without it, so no table and no "
-                              f"record. Fix what its log says, then run again.", file=sys.stderr)
-                        return 1
+                    if arm in ("scaffold", "bare"):  # every figure is a ratio of the two: stop here
+                        break
                     continue
                 print(f"rep {rep + 1}/{args.reps} {arm}: {runs[arm][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
-    finally:  # the runs' files go; the failed arms' logs stay, to be read after the run
-        for path in workdir.iterdir():
-            if path.is_dir():
-                shutil.rmtree(path, ignore_errors=True)
-            elif path not in {e.log for e in failed.values()}:
-                path.unlink()
-        if not failed:
-            workdir.rmdir()
+            if "scaffold" in failed or "bare" in failed:
+                break
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if not (runs["scaffold"] and runs["bare"]):
+        print(f"error: the {' and '.join(a for a in ('scaffold', 'bare') if not runs[a])} arm failed at its first "
+              f"run: no ratio to bare without it, so no table and no record. Fix what its log says, then run "
+              f"again.", file=sys.stderr)
+        return 1
     runs = {arm: rs for arm, rs in runs.items() if rs}  # an arm that failed at its first run has none
     med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     bare_tps = med["bare"]["tokens_per_s"]

@@ -59,9 +59,9 @@ def fail_one_arm(monkeypatch, failing: str) -> None:
     there: its process exits 2, as a run that fails after the bench's own checks passed."""
     real = loop_vs_bare.run_arm
 
-    def run_arm(arm, extra, args, workdir):
+    def run_arm(arm, name, extra, args, workdir):
         if arm == failing:
-            return real(arm, extra, argparse.Namespace(**{**vars(args), "config": "gone.yaml"}), workdir)
+            return real(arm, name, extra, argparse.Namespace(**{**vars(args), "config": "gone.yaml"}), workdir)
         return dict(FIGURES)
 
     monkeypatch.setattr(loop_vs_bare, "run_arm", run_arm)
@@ -86,8 +86,8 @@ def test_a_failed_variant_is_reported_and_the_other_arms_run_on(tmp_path, monkey
         ("2", "train.clip_grad=0.5"), ("2", "bare"), ("2", "scaffold")]
     # Named with its exit code and its log's end (the error it stopped at).
     assert "model.dropout=0: failed (exit 2)" in err and "cannot read it" in err
-    (log,) = (tmp_path / "runs").glob("*/*")  # its log stays, nothing else
-    assert log.name == "model.dropout=0.log" and "cannot read it" in log.read_text()
+    (log,) = (tmp_path / "runs").iterdir()  # its log stays, nothing else
+    assert log.name.endswith("-variant1.log") and "cannot read it" in log.read_text()
     (below,) = [line for line in out.splitlines() if line.startswith("failed: ")]  # under the table
     assert "model.dropout=0 (exit 2)" in below and str(log.relative_to(tmp_path)) in below
 
@@ -106,20 +106,66 @@ def test_a_failed_scaffold_or_bare_arm_stops_the_run_without_a_record(tmp_path, 
     assert code == 1 and not results.exists()
     assert re.findall(r"^rep (\d)/2 (.+?):", out, re.M) == ([] if failing == "scaffold" else [("1", "scaffold")])
     assert f"{failing}: failed (exit 2)" in err and "cannot read it" in err
-    (log,) = (tmp_path / "runs").glob("*/*")
-    assert log.name == f"{failing}.log" and str(log.relative_to(tmp_path)) in err
+    (log,) = (tmp_path / "runs").iterdir()
+    assert log.name.endswith(f"-{failing}.log") and str(log.relative_to(tmp_path)) in err
+
+
+def test_a_bare_arm_that_fails_in_a_later_repetition_keeps_the_ones_before(tmp_path, monkeypatch, capsys):
+    # A whole repetition of every arm is figures paid for (minutes on a GPU): they make the table
+    # and the record; the run stops at the failure, whose arm the record names.
+    monkeypatch.chdir(tmp_path)
+    calls = []
+
+    def run_arm(arm, name, extra, args, workdir):
+        calls.append(arm)
+        if calls.count("bare") == 2:
+            log = workdir / f"{name}.log"
+            log.write_text("Traceback ...\nRuntimeError: CUDA error: an illegal memory access\n")
+            raise loop_vs_bare.ArmFailed(arm, 1, log, ["python", "-m", "bench.loop_vs_bare", "--bare"])
+        return dict(FIGURES)
+
+    monkeypatch.setattr(loop_vs_bare, "run_arm", run_arm)
+    results = tmp_path / "r.jsonl"
+    code = loop_vs_bare.main(["--reps", "3", "--config", str(ROOT / DEFAULT_CONFIG), "--results", str(results),
+                              "--variant", "model.dropout=0"])
+    assert code == 1
+    assert calls == ["scaffold", "bare", "model.dropout=0", "model.dropout=0", "bare"]  # rep 2 reversed
+    record = json.loads(results.read_text())
+    assert record["failed"] == {"bare": 1}
+    assert [len(record["runs"][a]) for a in ("scaffold", "bare", "model.dropout=0")] == [1, 1, 2]
+    assert "illegal memory access" in capsys.readouterr().err
+
+
+def test_an_interrupted_bench_stops_the_arm_it_was_running(tmp_path, monkeypatch):
+    # Ctrl-C (or a time limit's signal) reaches the bench: the arm's process, a GPU run, must not
+    # train on behind it.
+    started, real = [], subprocess.Popen
+
+    def popen(cmd, **kw):
+        started.append(real([sys.executable, "-c", "import time; time.sleep(60)"], **kw))
+        return started[-1]
+
+    def interrupted(pid, options):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop_vs_bare.subprocess, "Popen", popen)
+    monkeypatch.setattr(loop_vs_bare.os, "wait4", interrupted)
+    args = argparse.Namespace(warmup=1, steps=1, config="c.yaml", overrides=[])
+    with pytest.raises(KeyboardInterrupt):
+        loop_vs_bare.run_arm("bare", "bare", [], args, tmp_path)
+    assert started[0].poll() is not None  # killed and reaped
 
 
 def test_a_variant_with_a_path_in_it_has_a_log_file_of_its_own(tmp_path, monkeypatch, capsys, cache):
-    # The arm's name is its files' name: a '/' in it made the log's path a directory that is not
-    # there, a FileNotFoundError after the other arms had run.
+    # An arm's files are named by its place among the arms: an override's value may be a path, whose
+    # '/' would make the log's path a directory that is not there.
     monkeypatch.chdir(tmp_path)
     variant = f"data.cache_dir={tmp_path}"
     fail_one_arm(monkeypatch, variant)
     results = tmp_path / "r.jsonl"
     assert loop_vs_bare.main(["--reps", "1", "--config", str(ROOT / DEFAULT_CONFIG), "--results", str(results),
                               "--variant", variant, *TINY, cache]) == 1
-    (log,) = (tmp_path / "runs").glob("*/*")
+    (log,) = (tmp_path / "runs").iterdir()
     assert "cannot read it" in log.read_text() and str(log.relative_to(tmp_path)) in capsys.readouterr().out
     assert json.loads(results.read_text())["failed"] == {variant: 2}
 
@@ -290,7 +336,7 @@ def test_the_scaffold_s_end_of_run_work_is_outside_the_timed_window(tmp_path, ca
 
     args = Namespace(warmup=2, steps=4, config=DEFAULT_CONFIG,
                      overrides=[*[t for t in TINY if "log_every" not in t], cache])
-    loop_vs_bare.run_arm("scaffold", [], args, tmp_path)
+    loop_vs_bare.run_arm("scaffold", "scaffold", [], args, tmp_path)
     records = [json.loads(line) for line in (tmp_path / "scaffold" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "val_loss" in r] == [8] and records[-1]["step"] == 8
 
