@@ -598,7 +598,7 @@ def test_more_generated_tokens_than_the_disk_or_memory_holds_is_exit_2_naming_th
                                                                                        name, key):
     # 1e14 tokens: token files of 200 TB, past the free space of a test machine's disk, and arrays
     # past the 128 TiB a process can map, so NumPy's MemoryError whatever the kernel's overcommit
-    # (asked for on a disk said to hold them). Each was a traceback; nothing may be in the cache.
+    # (asked for on a disk said to hold them). Either is exit 2, not a traceback; nothing may be in the cache.
     from types import SimpleNamespace
 
     from conftest import train_here

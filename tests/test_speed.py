@@ -135,7 +135,7 @@ def test_the_cudnn_attention_note_is_said_only_in_determinism_mode():
 
 def test_tf32_leaves_the_global_matmul_precision_readable():
     """Inductor's autotuning (compile_mode max-autotune...) reads torch's global precision, which
-    raises where it disagrees with the CUDA one: such a run could not compile on a GPU. The flags
+    raises where it disagrees with the CUDA one, and the compile with it. The flags
     are process state, set the same with no GPU; the CPU's own matmul precision stays as it was."""
     cuda, flags = torch.device("cuda"), torch.backends.cuda.matmul
     before = torch.get_float32_matmul_precision(), flags.fp32_precision, torch.backends.cudnn.conv.fp32_precision

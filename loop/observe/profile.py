@@ -11,8 +11,8 @@ as "other" (logging, Python overhead, idle),
 and writes to <out_dir>/profile/: `breakdown.json` and `trace.json`, a Chrome trace that opens in
 Perfetto (ui.perfetto.dev) or chrome://tracing. Times are host wall times of the regions; on a GPU,
 kernels run asynchronously (the host waits where it first reads a result: the optimizer's finite
-check), so on CUDA it also prints the GPU's side from the trace: how busy the GPU was, and its
-kernel time a step by kind of kernel.
+check), so on CUDA it also prints the GPU's side from the trace, and writes it to `gpu.json`: how
+busy the GPU was, and its kernel time a step by kind of kernel.
 """
 from __future__ import annotations
 
@@ -42,10 +42,11 @@ def breakdown(prof: profile, wall_us: float) -> dict[str, float]:
 
 
 # Kinds of GPU kernel, by words in their names (first match; lower case): cuBLAS's and cuDNN's
-# kernel names, and torch.compile's fused Triton kernels named for the ops they fuse.
+# kernel names, and torch.compile's Triton kernels named for the ops they fuse (triton_tem_: its
+# autotuned matmul templates, max-autotune's).
 KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "compute_dot_do_o", "convert_dq")),
          ("convolution", ("convolution", "convolve", "implicit_gemm", "winograd", "dgrad", "wgrad")),
-         ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce")),
+         ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "triton_tem")),
          ("softmax, loss", ("softmax", "nll_loss", "cross_entropy")),
          ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
          ("norm", ("layer_norm", "rms_norm", "batch_norm")))
@@ -106,17 +107,19 @@ class StepProfiler:
         for name, frac in self.result.items():
             print(f"  {name:<10} {100 * frac:5.1f}%")
         print(f"  trace: {self.out_dir / 'trace.json'} (open in ui.perfetto.dev)")
-        if self.cuda:
-            self.print_gpu(gpu_time(json.loads((self.out_dir / "trace.json").read_text()),
-                                    self.window[1] - self.window[0] + 1))
+        # The trace as written: the kernels' names and times as a viewer shows them.
+        gpu = self.cuda and gpu_time(json.loads((self.out_dir / "trace.json").read_text()),
+                                     self.window[1] - self.window[0] + 1)
+        if gpu:
+            (self.out_dir / "gpu.json").write_text(json.dumps(gpu, indent=1))
+            self.print_gpu(gpu)
 
     @staticmethod
-    def print_gpu(gpu: dict | None) -> None:
-        if gpu:
-            print(f"GPU (profiled steps): {gpu['span_ms_per_step']:.1f} ms a step from the first kernel to the "
-                  f"last, {100 * gpu['busy']:.1f}% of it busy; kernel time a step by kind:")
-            for kind, ms in gpu["ms_per_step"].items():
-                print(f"  {kind:<28}{ms:8.2f} ms")
+    def print_gpu(gpu: dict) -> None:
+        print(f"GPU (profiled steps): {gpu['span_ms_per_step']:.1f} ms a step from the first kernel to the "
+              f"last, {100 * gpu['busy']:.1f}% of it busy; kernel time a step by kind:")
+        for kind, ms in gpu["ms_per_step"].items():
+            print(f"  {kind:<28}{ms:8.2f} ms")
 
     def close(self) -> None:
         if self.result is None:  # the run ended before the profiled steps did: nothing whole to show
