@@ -45,7 +45,38 @@ def chosen_options(section: str, name: str, builder: Callable) -> type:
         if unsupported(hint):
             raise BadInput(f"config key {section}.{key} ({section}.name={name}): typed {hint!r} in "
                            f"{cls.__name__}, which no config key takes; expected {TYPES}.")
+    if missing := without_default(cls):  # cls() would be a TypeError traceback as the config is read
+        raise BadInput(f"config key {section}.{missing[0]} ({section}.name={name}): no default in "
+                       f"{cls.__name__}; expected a default on every option (the value a run uses "
+                       f"where its config does not set the key).")
     return cls
+
+
+def without_default(cls: type, prefix: str = "") -> list[str]:
+    """The dotted keys of a section class whose fields have neither a default nor a default_factory
+    (a kw_only dataclass's may not), nested sections spelled out."""
+    out, hints = [], typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            out.append(f"{prefix}{key_of(f.name)}")
+        elif dataclasses.is_dataclass(hints[f.name]):
+            out += without_default(hints[f.name], f"{prefix}{key_of(f.name)}.")
+    return out
+
+
+def readable(section: str, registry: dict) -> dict[str, type]:
+    """name -> options class of each builder whose options can be read: those the run did not
+    choose are listed (`--help`) and searched (a key's did-you-mean) where they can be, and a
+    broken one fails only the run that chooses it (`chosen_options` says why)."""
+    out = {}
+    for name, builder in registry.items():
+        try:
+            cls = options_of(section, name, builder)
+        except BadInput:
+            continue
+        if not without_default(cls):
+            out[name] = cls
+    return out
 
 
 def options_of(section: str, name: str, builder: Callable) -> type:
@@ -101,7 +132,7 @@ def unknown(key: str, names: dict[str, str], registries: dict[str, dict]) -> str
         mine = ", ".join(f"{section}.{k}" for k in own(cls, section)) or "none of its own"
         reads = f"{section}.name={name} reads {mine}"
         first = rest.split(".")[0]
-        others = [n for n, b in registry.items() if first in own(options_of(section, n, b), section)]
+        others = [n for n, c in readable(section, registry).items() if first in own(c, section)]
         if others and first not in [key_of(f.name) for f in dataclasses.fields(cls)]:
             return (f"config key {key}: {reads}, not this one; {section}.{first} is for {section}.name="
                     f"{', '.join(others)}. Set {section}.name to the one it is for, or leave the key out "

@@ -22,7 +22,7 @@ from pathlib import Path
 import yaml
 
 from loop.checkpoint.atomic import atomic_write
-from loop.config.builders import BASES, chosen_options, options_of, unknown
+from loop.config.builders import BASES, chosen_options, readable, unknown
 from loop.config.decimal_yaml import DecimalLoader
 from loop.config.fields import UnknownKey, check, from_dict, override, shown, to_dict
 from loop.config.paths import check_paths
@@ -129,9 +129,10 @@ def keys_help(datasets: dict, models: dict) -> str:
              f" and the defaults):"]
     for section, values in to_dict(cfg).items():
         lines += line(section, values)
-        for name, builder in {"data": datasets, "model": models}.get(section, {}).items():
+        registry = {"data": datasets, "model": models}.get(section, {})
+        for name, cls in readable(section, registry).items():  # a broken builder: its own run says why
             if name != values["name"]:
-                opts = to_dict(options_of(section, name, builder)())
+                opts = to_dict(cls())
                 lines += line(f"  or {section}.name={name}", {k: v for k, v in opts.items() if k not in
                                                                to_dict(BASES[section]())})
     return "\n".join(lines)
