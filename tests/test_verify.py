@@ -117,6 +117,22 @@ def test_ctrl_c_stops_verify_and_its_run_with_exit_130(tmp_path, cache):
     assert not left, f"a run outlived verify: {left}"
 
 
+def test_ctrl_c_before_any_run_leaves_no_empty_directory_and_claims_no_runs_kept(tmp_path, capsys,
+                                                                                  monkeypatch):
+    # Ctrl-C in the in-process gradient audits, which come before the first run: nothing was run,
+    # so the --out verify made goes, and the message names no runs kept.
+    import tools.verify as verify_tool
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(verify_tool, "gradient_audits", interrupted)
+    out = tmp_path / "new" / "verify"
+    code, err = verify_tool.main(["--out", str(out), *TINY]), capsys.readouterr().err
+    assert code == 130 and "interrupted" in err and "kept" not in err, err
+    assert not (tmp_path / "new").exists()
+
+
 def test_ctrl_c_while_a_job_is_watched_for_its_step_ends_it_and_its_watchdog_at_once(tmp_path):
     # The resume check's run R (jobs.run_until): the job trained on, and the watchdog thread kept
     # verify alive, until --timeout.

@@ -159,12 +159,12 @@ def main(argv: list[str] | None = None) -> int:
             remove_if_empty(made)
         return EXIT_BAD_INPUT
     except KeyboardInterrupt:  # the run under way is stopped with it; what ran so far stays to read
-        print(f"\ninterrupted{f': runs so far kept in {root}' if 'root' in locals() else ''}", file=sys.stderr)
+        kept = "root" in locals() and not drop_if_empty(root, made)  # Ctrl-C in the gradient audits: no runs yet
+        print(f"\ninterrupted{f': runs so far kept in {root}' if kept else ''}", file=sys.stderr)
         return EXIT_INTERRUPTED
     except Exception:  # a bug in the model or data: its traceback, as train.py gives, and no empty dirs
-        if "root" in locals() and not any(root.iterdir()):
-            root.rmdir()
-            remove_if_empty(made)
+        if "root" in locals():
+            drop_if_empty(root, made)
         raise
     print(table(results), flush=True)
     (root / "verify.json").write_text(json.dumps(
@@ -176,6 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root)
         remove_if_empty(made)
     return 1 if failed else 0
+
+
+def drop_if_empty(root: Path, made: list[Path]) -> bool:
+    """Remove `root` if nothing was written in it, and the directories main made for --out with it;
+    whether it went."""
+    if any(root.iterdir()):
+        return False
+    root.rmdir()
+    remove_if_empty(made)
+    return True
 
 
 def remove_if_empty(made: list[Path]) -> None:
