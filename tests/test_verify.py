@@ -94,6 +94,17 @@ def test_bad_input_exits_2_and_runs_nothing(tmp_path, capsys):
     assert (tmp_path / "file").read_text() == "mine"
 
 
+def test_config_given_twice_is_refused_as_train_py_refuses_it(tmp_path, capsys):
+    # Not the last one audited without a word: which config the table is about would be a guess.
+    from tools.verify import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--out", str(tmp_path / "verify"), "--config", "configs/mnist.yaml", "--config",
+              "configs/default.yaml"])
+    assert e.value.code == 2 and "--config: given twice" in capsys.readouterr().err
+    assert not (tmp_path / "verify").exists()
+
+
 def test_a_config_its_first_run_refuses_is_bad_input_not_a_fail(tmp_path, cache, capsys):
     # Exit 2 as the in-process checks give it (--checks accumulation), not a FAIL row and exit 1.
     from tools.verify import main
