@@ -341,6 +341,12 @@ def test_a_key_with_nothing_after_the_equals_sign_says_so():
     assert load_config(DEFAULT, ["data.path="]).data.path == ""
 
 
+def test_an_empty_config_path_is_named_as_empty_not_as_the_working_directory():
+    # `--config $UNSET`: Path("") is ".", which read() called a directory.
+    msg = bad(path="")
+    assert msg.startswith("config file '' (--config): an empty path"), msg
+
+
 def test_help_lists_every_key_with_what_python_train_py_uses(capsys):
     # --help lists every key, not only --config and "overrides", with the value `python train.py`
     # uses: the default config file's where it sets one, not the dataclasses' default.

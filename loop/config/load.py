@@ -36,6 +36,9 @@ DEFAULT_CONFIG = str(Path(__file__).resolve().parents[2] / "configs" / "default.
 
 def load_config(path: str | Path, overrides: list[str], datasets: dict, models: dict) -> Config:
     """YAML file + dotted overrides -> a checked Config. Raises BadInput on any problem."""
+    if not str(path):  # Path("") is "." (here): "config file .: Is a directory" would name no file given
+        raise BadInput("config file '' (--config): an empty path; expected a YAML file, or no --config "
+                       "for the default.")
     return build(read(Path(path)), str(path), overrides, datasets, models)
 
 
