@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -84,12 +85,13 @@ def test_a_failed_variant_is_reported_and_the_other_arms_run_on(tmp_path, monkey
     assert re.findall(r"^rep (\d)/2 (.+?):", out, re.M) == [
         ("1", "scaffold"), ("1", "bare"), ("1", "train.clip_grad=0.5"),
         ("2", "train.clip_grad=0.5"), ("2", "bare"), ("2", "scaffold")]
-    # Named with its exit code and its log's end (the error it stopped at).
-    assert "model.dropout=0: failed (exit 2)" in err and "cannot read it" in err
+    # Named with its exit code and its log's end (the error it stopped at), once: a failure repeats.
+    assert err.count("model.dropout=0: failed (exit 2)") == 1 and "cannot read it" in err
     (log,) = (tmp_path / "runs").iterdir()  # its log stays, nothing else
     assert log.name.endswith("-variant1.log") and "cannot read it" in log.read_text()
     (below,) = [line for line in out.splitlines() if line.startswith("failed: ")]  # under the table
     assert "model.dropout=0 (exit 2)" in below and str(log.relative_to(tmp_path)) in below
+    assert "0 of its 2 runs" in below  # none of its figures are in the table
 
 
 @pytest.mark.parametrize("failing", ["scaffold", "bare"])
@@ -120,7 +122,9 @@ def test_a_bare_arm_that_fails_in_a_later_repetition_keeps_the_ones_before(tmp_p
         calls.append(arm)
         if calls.count("bare") == 2:
             log = workdir / f"{name}.log"
-            log.write_text("Traceback ...\nRuntimeError: CUDA error: an illegal memory access\n")
+            # A long log: the error it ended at is its last lines, not its first.
+            log.write_text("".join(f"step {n}\n" for n in range(100)) +
+                           "Traceback ...\nRuntimeError: CUDA error: an illegal memory access\n")
             raise loop_vs_bare.ArmFailed(arm, 1, log, ["python", "-m", "bench.loop_vs_bare", "--bare"])
         return dict(FIGURES)
 
@@ -133,7 +137,8 @@ def test_a_bare_arm_that_fails_in_a_later_repetition_keeps_the_ones_before(tmp_p
     record = json.loads(results.read_text())
     assert record["failed"] == {"bare": 1}
     assert [len(record["runs"][a]) for a in ("scaffold", "bare", "model.dropout=0")] == [1, 1, 2]
-    assert "illegal memory access" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "illegal memory access" in err and "step 0\n" not in err
 
 
 def test_an_interrupted_bench_stops_the_arm_it_was_running(tmp_path, monkeypatch):
@@ -153,7 +158,24 @@ def test_an_interrupted_bench_stops_the_arm_it_was_running(tmp_path, monkeypatch
     args = argparse.Namespace(warmup=1, steps=1, config="c.yaml", overrides=[])
     with pytest.raises(KeyboardInterrupt):
         loop_vs_bare.run_arm("bare", "bare", [], args, tmp_path)
-    assert started[0].poll() is not None  # killed and reaped
+    assert started[0].poll() == -signal.SIGKILL  # killed, not left to run its course, and reaped
+
+
+def test_an_arm_killed_by_a_signal_is_a_failed_arm(tmp_path, monkeypatch):
+    # The kernel's out-of-memory killer or a crash in a CUDA library ends an arm by a signal (a
+    # negative exit code): a failure like any other, reported with its log, not figures read from
+    # a run that never finished.
+    real = subprocess.Popen
+
+    def popen(cmd, **kw):
+        return real([sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"], **kw)
+
+    monkeypatch.setattr(loop_vs_bare.subprocess, "Popen", popen)
+    args = argparse.Namespace(warmup=1, steps=1, config="c.yaml", overrides=[])
+    for arm in ("bare", "scaffold"):
+        with pytest.raises(loop_vs_bare.ArmFailed) as e:
+            loop_vs_bare.run_arm(arm, arm, [], args, tmp_path)
+        assert e.value.code == -signal.SIGKILL and e.value.log == tmp_path / f"{arm}.log"
 
 
 def test_a_variant_with_a_path_in_it_has_a_log_file_of_its_own(tmp_path, monkeypatch, capsys, cache):
