@@ -133,3 +133,67 @@ def test_the_gpu_side_is_kernel_time_a_step_by_kind_and_the_busy_share(capsys):
     StepProfiler.print_gpu(gpu)
     out = capsys.readouterr().out
     assert "90.9% of it busy" in out and "matmul" in out and "0.26 ms" in out
+
+
+def kernel(name, ts, dur, cat="kernel"):
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+
+@pytest.mark.parametrize("name, kind", [
+    ("sm80_xmma_fprop_implicit_gemm_tf32f32_tf32f32_f32_nhwckrsc_nchw", "convolution"),  # not a matmul
+    ("void cudnn::winograd_nonfused::winogradForwardFilter4x4<float, float>", "convolution"),
+    ("void cudnn::cnn::wgrad_alg0_engine<float, 128, 6, 8, 3, 3, 5, false, 512>", "convolution"),
+    ("fmha_cutlassF_f32_aligned_64x64_rf_sm80", "attention"),  # cutlass, but attention's
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128, 128, 4>>", "attention"),
+    ("ampere_sgemm_128x64_nn", "matmul"),
+    ("void at::native::cunn_SoftMaxForward<4, float, float, float, SoftMaxForwardEpilogue>", "softmax, loss"),
+    ("void at::native::nll_loss_forward_reduce_cuda_kernel_2d<float, float, long>", "softmax, loss"),
+    ("cross_entropy_fwd_kernel", "softmax, loss"),
+    ("triton_for_fused__foreach_add__0", "optimizer"),
+    ("void at::native::vectorized_layer_norm_kernel<float, float>", "norm"),
+    ("triton_per_fused__fused_rms_norm_mul_0", "norm"),
+    ("void at::native::batch_norm_collect_statistics_kernel<float, float, float>", "norm"),
+    ("triton_poi_fused_add_0", "other fused (torch.compile)"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other")])
+def test_each_kind_of_gpu_kernel_is_told_by_its_name(name, kind):
+    # The kinds say where a GPU step goes (docs/performance.md's table): a kernel of a kind read
+    # as another, or as "other", puts its time in the wrong row.
+    from loop.observe.profile import gpu_time
+
+    assert gpu_time({"traceEvents": [kernel(name, 0, 10)]}, steps=1)["ms_per_step"] == {kind: 0.01}
+
+
+def test_the_gpu_s_busy_share_counts_overlapping_kernels_once_and_memsets_as_copies():
+    # Streams overlap: a kernel (or a copy) inside another's time adds no busy time and does not
+    # end the span early. Memsets are copy-engine work, as memcpys are, not kernels.
+    from loop.observe.profile import gpu_time
+
+    trace = {"traceEvents": [
+        kernel("ampere_sgemm_128x64_nn", 0, 400),
+        kernel("flash_fwd_kernel", 100, 100),  # on another stream, inside the matmul
+        kernel("vectorized_layer_norm_kernel", 300, 200),
+        kernel("multi_tensor_apply_kernel", 600, 100),  # after 100 us idle
+        kernel("Memset (Device)", 620, 30, cat="gpu_memset")]}  # last to start, inside the optimizer's
+    gpu = gpu_time(trace, steps=1)
+    assert gpu["span_ms_per_step"] == pytest.approx(0.7)
+    assert gpu["busy"] == pytest.approx(600 / 700)
+    assert gpu["ms_per_step"]["copy"] == pytest.approx(0.03) and "other" not in gpu["ms_per_step"]
+    assert gpu_time({"traceEvents": trace["traceEvents"][-1:]}, steps=1) is not None  # memsets alone
+
+
+def test_the_gpu_side_of_the_profiled_steps_is_written_and_printed(tmp_path, monkeypatch, capsys):
+    # On a GPU the kernel times per step go to profile/gpu.json beside breakdown.json, and are
+    # printed, over the profiled steps only. This machine's trace has no kernels: its reading is
+    # stubbed, the profiler's own steps and files are real.
+    from loop.observe import profile
+
+    gpu, steps = {"ms_per_step": {"matmul": 1.5}, "busy": 0.5, "span_ms_per_step": 3.0}, []
+    monkeypatch.setattr(profile, "gpu_time", lambda trace, n: steps.append(n) or gpu)
+    p = profile.StepProfiler(tmp_path / "profile", warmup=1, active=2)
+    p.cuda = True  # as on a GPU
+    for _ in range(3):
+        p.step()
+    assert steps == [2]  # the two profiled steps, not the warm-up's
+    assert json.loads((tmp_path / "profile" / "gpu.json").read_text()) == gpu
+    out = capsys.readouterr().out
+    assert "50.0% of it busy" in out and "matmul" in out and "1.50 ms" in out
