@@ -614,6 +614,48 @@ def test_more_generated_tokens_than_the_disk_or_memory_holds_is_exit_2_naming_th
     assert not out.exists() and not cache.exists()
 
 
+def free_space(monkeypatch, free: int) -> None:
+    """Every disk a terabyte in size with `free` bytes of it free."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: SimpleNamespace(total=10**12, used=10**12 - free, free=free))
+
+
+def test_generated_tokens_are_refused_past_the_disk_s_free_space_not_its_size(tmp_path, monkeypatch):
+    # train.bin and val.bin take 2 bytes a token, and only the free part of a disk can hold them:
+    # past it, the write would fail after the whole generation.
+    free_space(monkeypatch, 10_000)
+    out = tmp_path / "cache" / "random-v50"  # not there yet: the nearest folder that is is asked
+    corpus.room_for("data.synthetic.tokens", 5000, out)  # 10,000 bytes: just fits
+    with pytest.raises(BadInput) as e:
+        corpus.room_for("data.synthetic.tokens", 5001, out)
+    assert "data.synthetic.tokens=5001" in str(e.value) and f"{tmp_path} has 10.0 kB free" in str(e.value)
+
+
+def test_a_size_in_a_message_is_in_the_largest_unit_it_reaches():
+    # Up to terabytes, however large: a token count past any disk (2**63) is still a size to read.
+    assert [corpus.sized(n) for n in (999, 1000, 2 * 10**14, 2**64)] == [
+        "999.0 B", "1.0 kB", "200.0 TB", "18,446,744.1 TB"]
+
+
+@pytest.mark.parametrize("name, key", [("random", "data.synthetic.tokens"), ("markov", "data.markov.tokens")])
+def test_generated_tokens_past_the_free_space_are_refused_and_a_prepared_set_needs_none(tmp_path, monkeypatch,
+                                                                                      name, key):
+    # A data set already in the cache is read, not written: a disk that has filled since must not
+    # refuse it. One still to generate is refused by its key before any of it is generated.
+    def cfg(tokens):
+        return load_config(DEFAULT_CONFIG, [f"data.name={name}", f"data.cache_dir={tmp_path}", f"{key}={tokens}",
+                                            "data.seq_len=16"]).data
+
+    prepared = build_data(cfg(5000))
+    before = sorted(tmp_path.iterdir())
+    free_space(monkeypatch, 1000)
+    assert len(build_data(cfg(5000)).train) == len(prepared.train)
+    with pytest.raises(BadInput, match=f"config key {key}=6000: .* 1.0 kB free"):
+        build_data(cfg(6000))
+    assert sorted(tmp_path.iterdir()) == before
+
+
 @pytest.mark.parametrize("name, key", [("random", "data.val_fraction"), ("random", "data.synthetic.seed"),
                                        ("markov", "data.val_fraction"), ("markov", "data.markov.seed"),
                                        ("text", "data.val_fraction")])
