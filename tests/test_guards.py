@@ -751,6 +751,58 @@ def test_a_trainer_that_gives_up_on_out_of_memory_keeps_its_model(tmp_path, cach
     assert t.model is model
 
 
+def test_a_split_under_ddp_retries_in_a_fresh_ddp_like_the_run_s_with_the_failed_try_freed(tmp_path, cache):
+    # DDP over a one-process gloo group. The retry's DDP wraps the module itself (not the failed
+    # try's DDP) with the run's train.find_unused_parameters: without it a model with unused
+    # parameters stops at the next step. The failed try's graph is freed before the split hands
+    # memory back, and the old DDP (its buckets a gradient's worth of memory, its hooks on every
+    # parameter) before the new one is made: on a card that ran out, the retry needs that memory.
+    import torch.distributed as dist
+
+    from conftest import TINY, build_trainer
+    from loop.distributed.wrap import is_ddp
+    from loop.progress import Progress
+
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "train.max_steps=3",
+                                "train.grad_accum=1", "train.find_unused_parameters=true",
+                                "faults.oom_at_step=2", "faults.oom_in=backward"])
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    gc.disable()  # no collection but the guard's own
+    try:
+        t = build_trainer(cfg, Dist(), torch.device("cpu"))
+        old, losses, freed = weakref.ref(t.model), [], {}
+        forward, release, rewrap = t.forward, oom.release_memory, t.oom.rewrap
+
+        def recorded(batch):
+            loss = forward(batch)
+            losses.append(weakref.ref(loss))
+            return loss
+
+        def released(device):
+            release(device)
+            freed["graph"] = losses[-1]() is None
+
+        def rewrapped(device):
+            model = rewrap(device)
+            freed["old ddp"] = old() is None
+            return model
+
+        t.forward, t.oom.rewrap, oom.release_memory = recorded, rewrapped, released
+        try:
+            t.run()
+        finally:
+            oom.release_memory = release
+        assert freed == {"graph": True, "old ddp": True}
+        assert [r["micro_batch"] for r in metrics(tmp_path / "run")] == [4, 2, 2]
+        assert is_ddp(t.model) and t.model.module is t.raw and t.model.find_unused_parameters
+        # The messages name the module's own switch under DDP too.
+        with pytest.raises(GaveUp, match=r"model\.activation_checkpointing=true"):
+            oom.OutOfMemory("abort", 4, Progress(), Dist(), False, t.model).split(t.optimizer, torch.device("cpu"))
+    finally:
+        gc.enable()
+        dist.destroy_process_group()
+
+
 def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
     out = tmp_path / "run"
     proc = train_here(out, cache, *STEPS, "data.batch_size=1", "faults.oom_at_step=3", check=False)
