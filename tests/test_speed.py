@@ -149,6 +149,12 @@ def test_tf32_leaves_the_global_matmul_precision_readable():
         assert (torch.get_float32_matmul_precision(), flags.fp32_precision) == ("highest", "ieee")
         assert torch.backends.cudnn.conv.fp32_precision == "ieee"
         assert torch.backends.mkldnn.matmul.fp32_precision == cpu
+        # TF32 is CUDA's: on another device the process's precisions (a notebook's own) stay.
+        state = torch.get_float32_matmul_precision(), flags.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+        for other in ("cpu", "mps"):
+            use_tf32(torch.device(other), True)
+            assert (torch.get_float32_matmul_precision(), flags.fp32_precision,
+                    torch.backends.cudnn.conv.fp32_precision) == state, other
     finally:
         torch.set_float32_matmul_precision(before[0])
         torch.backends.mkldnn.matmul.fp32_precision = cpu
