@@ -167,7 +167,8 @@ class OutOfMemory:
 
     def rewrap(self, device: torch.device) -> torch.nn.Module:
         """A fresh DDP around the module after a split: the old one's reducer waits for a backward
-        that never comes. The caller drops the old one first; the collection here frees it (DDP is a
-        reference cycle), its reducer's hooks on the parameters gone before the new one's."""
+        that never comes. The caller drops the old one first; the collection here frees it where a
+        reference cycle still holds it (a DDP that never ran a forward is one; the failed try's
+        traceback can be another), its reducer's hooks on the parameters gone before the new one's."""
         gc.collect()
         return ddp(self.model, device, self.find_unused)
