@@ -109,10 +109,7 @@ class Evaluator:
                 log.scalar(step, name, value)
             if text := self.sample():
                 log.text(step, "sample", text)  # a no-op off rank 0
-        best = monitor.update(step, metrics[monitor.metric])
-        if monitor.state.stop_reason:  # set by this evaluation: the loop ends here
-            self.dist.say(f"stopped early at step {step}: {monitor.state.stop_reason}")
-        return best
+        return monitor.update(step, metrics[monitor.metric])
 
     def sample(self) -> str | None:
         """A short text from the model after the last validation, on rank 0 (on every rank with

@@ -339,6 +339,21 @@ def test_early_stopping_stops_at_the_right_evaluation(tmp_path, cache):
     assert summary(out)["steps"] == s["steps"] + 4 and not summary(out)["stopped_early"]
 
 
+# A min_delta no loss change reaches: the first evaluation (step 4) sets the reference, each after
+# it counts, and a patience of 2 runs out at the third (step 12), whatever the losses.
+NEVER_IMPROVES = ["train.eval_every=4", "train.early_stop_patience=2", "train.early_stop_min_delta=100"]
+
+
+def test_the_stop_line_follows_the_lines_of_the_step_that_stops(tmp_path, cache):
+    # The console reads in order: the stopping step's own step and eval lines, then why the run ends there.
+    proc = train_here(tmp_path / "run", cache, "train.max_steps=20", *NEVER_IMPROVES)
+    s, lines = summary(tmp_path / "run"), proc.stdout.splitlines()
+    assert s["stopped_early"] and s["steps"] == 12, s
+    step, evaluation, stop = (next(i for i, line in enumerate(lines) if line.startswith(start))
+                              for start in ("step     12/20", "eval     12/20", "stopped early at step 12"))
+    assert step < evaluation < stop, proc.stdout
+
+
 def test_a_non_finite_evaluation_is_never_the_best():
     # A NaN first evaluation must not become the best: no later value would compare below it, the
     # best checkpoint would stay that step and early stopping would count every later improvement
