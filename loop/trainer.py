@@ -92,7 +92,8 @@ class Trainer:
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()
-                if self.monitor.state.stop_reason:  # this step's evaluation set it: said after its lines
+                # This step's evaluation set it: said after its lines; at train.max_steps it ends nothing early.
+                if self.monitor.state.stop_reason and p.step < tc.max_steps:
                     self.dist.say(f"stopped early at step {p.step}: {self.monitor.state.stop_reason}")
                 p.train_s += time.perf_counter() - t0
                 if (tc.ckpt_every and p.step % tc.ckpt_every == 0) or done or best or preempt:

@@ -354,6 +354,21 @@ def test_the_stop_line_follows_the_lines_of_the_step_that_stops(tmp_path, cache)
     assert step < evaluation < stop, proc.stdout
 
 
+def test_a_patience_that_runs_out_at_the_last_step_reads_as_a_finished_run(tmp_path, cache):
+    # Step 12 is train.max_steps: the stop ends nothing early, so summary.json, the report and the
+    # console read as for any run that trained every step asked of it.
+    from loop.observe.report import load_run
+
+    out = tmp_path / "run"
+    proc = train_here(out, cache, "train.max_steps=12", *NEVER_IMPROVES)
+    s = summary(out)
+    assert s["steps"] == 12 and s["stopped_early"] is False and s["stop_reason"] is None, s
+    assert load_run(out)["status"] == "finished"
+    assert "stopped early" not in proc.stdout, proc.stdout
+    rerun = train_here(out, cache, "train.max_steps=12", *NEVER_IMPROVES)  # nothing to train, as for any finished run
+    assert "stopped early" not in rerun.stdout and summary(out)["stopped_early"] is False, rerun.stdout
+
+
 def test_a_non_finite_evaluation_is_never_the_best():
     # A NaN first evaluation must not become the best: no later value would compare below it, the
     # best checkpoint would stay that step and early stopping would count every later improvement

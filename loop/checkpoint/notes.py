@@ -129,7 +129,7 @@ def after_resume(step: int, monitor, cfg, ckpt_root: Path, source: Path) -> list
         where = f"its checkpoint is {there}" if there.is_dir() else "its checkpoint is gone"
         notes.append(f"the best so far is step {monitor.best_step} ({monitor.best:.6g}); {where}, not in "
                      f"{ckpt_root}, whose best names this run's own once it makes a new one")
-    if stop_reason:
+    if stop_reason and step < cfg.train.max_steps:  # at train.max_steps the run finished: nothing was early
         notes.append(f"this run stopped early ({stop_reason}), so nothing more is trained; to train "
                      f"on, rerun with a larger train.early_stop_patience, or 0")
     if step > cfg.train.max_steps:

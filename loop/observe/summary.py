@@ -51,13 +51,15 @@ def finish(out: Path, preempted: bool, parts: dict, evaluator, log, dist, cfg, d
     if not dist.main:
         return {"steps": p.step, "preempted": False}
     m = monitor.state
+    # Early only if it ended the run before train.max_steps: run out at the last step, it changed nothing.
+    stop_reason = m.stop_reason if p.step < cfg.train.max_steps else ""
     summary = {
         "steps": p.step, "final_loss": log.last_loss, **evaluator.last[1],  # val_loss, val_...
         "params_sha256": store.params_sha256(weights), "wall_s": p.train_s,
         "tokens": p.tokens, "tokens_per_s": p.tokens / p.train_s if p.train_s else None,
         "skipped_steps": p.skipped, "overflow_steps": p.overflows, "empty_steps": p.empty,
         "best": {"metric": monitor.metric, "value": m.best, "step": m.best_step},
-        "stopped_early": bool(m.stop_reason), "stop_reason": m.stop_reason or None,
+        "stopped_early": bool(stop_reason), "stop_reason": stop_reason or None,
         "rollbacks": p.rollbacks, "preempted": False, **facts, "sample": sample,
     }
     if averaged is not None:
