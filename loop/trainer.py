@@ -92,8 +92,7 @@ class Trainer:
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
                     self.log.flush()
-                # This step's evaluation set it: said after its lines; at train.max_steps it ends nothing early.
-                if self.monitor.state.stop_reason and p.step < tc.max_steps:
+                if self.monitor.state.stop_reason and p.step < tc.max_steps:  # set by this step's evaluation
                     self.dist.say(f"stopped early at step {p.step}: {self.monitor.state.stop_reason}")
                 p.train_s += time.perf_counter() - t0
                 if (tc.ckpt_every and p.step % tc.ckpt_every == 0) or done or best or preempt:
@@ -239,8 +238,7 @@ class Trainer:
         return True
 
     def save(self) -> None:
-        """Checkpoint this step (every rank takes part); metrics up to it are on disk first (the
-        console's step line stays at train.log_every)."""
+        """Checkpoint this step (every rank takes part), its metrics on disk first (not the console's)."""
         self.log.flush(console=False)
         with record_function("checkpoint"):  # a region of the profiler's breakdown
             self.checkpoints.save(self.progress.step, self.parts, self.run_facts, self.monitor.state.best_step)
