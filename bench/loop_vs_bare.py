@@ -14,6 +14,8 @@ Each repetition runs every arm once, in fresh processes, the order alternating:
             forward, backward, unscale, clip, step, zero_grad and nothing else.
   variant   the scaffold with more overrides (e.g. activation checkpointing, compile), one arm
             per --variant (its overrides separated by spaces); the bare loop runs without them.
+            A NAME=VALUE whose name is in capitals is set in that arm's environment instead: a
+            compiler setting with no config key, e.g. TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1.
 The table shows medians: tokens/s, the ratio to bare (of the medians; and "paired", the median of
 each repetition's own ratio: its arms run back to back, so the machine's drift between repetitions,
 over 20% on a shared 2-core VM, cancels), the micro-batch each arm trained at (data.batch_size=auto's
@@ -32,6 +34,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -59,6 +62,13 @@ from model import MODELS
 
 ROOT = Path(__file__).resolve().parents[1]
 TAIL = 30  # lines of a failed arm's log shown: a traceback's end and the error it ends in
+ENV_NAME = re.compile(r"[A-Z_][A-Z0-9_]*")  # config keys are dotted and in lower case
+
+
+def split_variant(tokens: list[str]) -> tuple[list[str], dict[str, str]]:
+    """A variant's tokens: its config overrides, and its environment (NAME=VALUE, NAME in capitals)."""
+    env = dict(t.split("=", 1) for t in tokens if "=" in t and ENV_NAME.fullmatch(t.split("=", 1)[0]))
+    return [t for t in tokens if t.split("=", 1)[0] not in env], env
 
 
 class ArmFailed(Exception):
@@ -157,6 +167,7 @@ def run_arm(arm: str, name: str, extra: list[str], args, workdir: Path) -> dict:
     """One arm in a fresh process, its files under `name` in workdir; adds its max RSS (GB).
     ArmFailed if it exits non-zero."""
     every = math.gcd(args.warmup, args.steps)
+    extra, arm_env = split_variant(extra)
     if arm == "bare":
         cmd = [sys.executable, "-m", "bench.loop_vs_bare", "--bare", "--config", args.config,
                "--warmup", str(args.warmup), "--steps", str(args.steps), *args.overrides]
@@ -173,7 +184,8 @@ def run_arm(arm: str, name: str, extra: list[str], args, workdir: Path) -> dict:
     log = workdir / f"{name}.log"
     with open(log, "w") as f:  # files, not pipes, so wait4 can reap it and report its memory
         # In the user's directory, as the config and its paths were checked there; ROOT importable.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, **arm_env,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             _, status, usage = os.wait4(proc.pid, 0)
@@ -199,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=at_least(0), default=10, help="untimed steps first (default: %(default)s)")
     p.add_argument("--reps", type=at_least(1), default=3, help="runs of each arm (default: %(default)s)")
     p.add_argument("--variant", action="append", default=[], metavar="'KEY=VALUE ...'",
-                   help="also run the scaffold with these overrides (repeatable: an arm each)")
+                   help="also run the scaffold with these overrides (repeatable: an arm each); NAME=VALUE "
+                        "with NAME in capitals: an environment variable of that arm")
     p.add_argument("--results", type=Path, default=RESULTS / "loop_vs_bare.jsonl")
     p.add_argument("--bare", action="store_true", help=argparse.SUPPRESS)  # one bare run (internal)
     p.add_argument("overrides", nargs="*", help="dotted overrides for every arm, e.g. data.batch_size=8")
@@ -210,7 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, args.overrides, DATASETS, MODELS)  # bad input fails here, before any run
     device = pick_device(cfg.train.device)  # no CUDA context yet: the runs' processes have the GPU
     for v in args.variant:
-        pick_device(load_config(args.config, [*args.overrides, *v.split()], DATASETS, MODELS).train.device)
+        pick_device(load_config(args.config, [*args.overrides, *split_variant(v.split())[0]], DATASETS,
+                                MODELS).train.device)
     check_results(args.results)
     arms = {"scaffold": [], "bare": [], **{v: v.split() for v in args.variant}}
     # Files named by place, not by overrides, whose values may be paths or longer than a file name

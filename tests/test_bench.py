@@ -178,6 +178,36 @@ def test_an_arm_killed_by_a_signal_is_a_failed_arm(tmp_path, monkeypatch):
         assert e.value.code == -signal.SIGKILL and e.value.log == tmp_path / f"{arm}.log"
 
 
+def test_a_variant_s_names_in_capitals_go_to_its_environment(tmp_path, monkeypatch, capsys, cache):
+    # A compiler setting with no config key (TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1) is a lever
+    # measured as an arm: NAME=VALUE with NAME in capitals is set in that arm's environment only,
+    # and is not a config override (which train.py would refuse as an unknown key).
+    monkeypatch.delenv("BENCH_KNOB", raising=False)
+    real = subprocess.Popen
+
+    def popen(cmd, **kw):  # the arm's process says what it got, then fails (no figures to read)
+        code = "import os, sys; print(os.environ.get('BENCH_KNOB'), sys.argv[1:]); sys.exit(3)"
+        return real([sys.executable, "-c", code, *cmd[1:]], **kw)
+
+    monkeypatch.setattr(loop_vs_bare.subprocess, "Popen", popen)
+    args = argparse.Namespace(warmup=1, steps=1, config="c.yaml", overrides=[])
+    for arm, extra, knob in (("variant", ["BENCH_KNOB=a=b", "model.dropout=0"], "a=b"),
+                             ("scaffold", [], "None"), ("bare", [], "None")):
+        with pytest.raises(loop_vs_bare.ArmFailed) as e:
+            loop_vs_bare.run_arm(arm, arm, extra, args, tmp_path)
+        said = e.value.log.read_text()
+        assert said.split()[0] == knob and "BENCH_KNOB" not in said.split(" ", 1)[1]
+        assert ("model.dropout=0" in said) == bool(extra)
+    monkeypatch.undo()
+    # The bench's own check of every arm's config before the runs takes the overrides alone.
+    monkeypatch.chdir(tmp_path)
+    fail_one_arm(monkeypatch, "no arm")
+    results = tmp_path / "r.jsonl"
+    variant = "BENCH_KNOB=1 model.dropout=0"
+    assert loop_vs_bare.main(["--reps", "1", "--results", str(results), "--variant", variant, *TINY, cache]) == 0
+    assert set(json.loads(results.read_text())["median"]) == {"scaffold", "bare", variant}
+
+
 def test_a_variant_with_a_path_in_it_has_a_log_file_of_its_own(tmp_path, monkeypatch, capsys, cache):
     # An arm's files are named by its place among the arms: an override's value may be a path, whose
     # '/' would make the log's path a directory that is not there.
