@@ -4,7 +4,7 @@
     make verify ARGS="lab.break=no_rng_restore"         # ... and the audit that catches it
 
 Off by default (`lab.break=""`). A run with one on prints a banner at the start and records the
-switch in metadata.json and summary.json. Each switch is one marked branch in the code it breaks
+switch in metadata.json and summary.json. Each switch is marked `lab:` in the code it breaks
 (grep for its name); the table below is what `make verify` reports for each (tests/test_lab.py
 proves it on the default config, with `needs` added where the concern exists only under fp16).
 """
@@ -31,8 +31,8 @@ SWITCHES = {
         "fp16: gradients are clipped while still multiplied by the loss scale, then unscaled",
         ("clipping",), ("train.precision=fp16",)),
     "mean_loss_per_microbatch": Switch(
-        "each micro-batch's loss is its own mean divided by grad_accum, so micro-batches with "
-        "fewer targets weigh more than they should", ("accumulation",)),
+        "each micro-batch's loss is its own mean divided by the step's micro-batch count, so "
+        "micro-batches with fewer targets weigh more than they should", ("accumulation",)),
     "no_scaler_state": Switch(
         "fp16: a resume starts a fresh GradScaler (loss scale and growth counter)",
         ("resume",), ("train.precision=fp16",)),

@@ -85,9 +85,10 @@ class Trainer:
                     continue  # rolled back to a checkpoint
                 if profiler:
                     profiler.step()
-                evaluate = (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps
-                # A new best of train.best_metric: checkpointed at this step, named by checkpoints/best.
-                best = bool(evaluate) and self.evaluator.evaluate(self.log, self.monitor)
+                due_eval = (tc.eval_every and p.step % tc.eval_every == 0) or p.step == tc.max_steps
+                # Evaluated, logged, and given to the monitor; a new best of train.best_metric is
+                # checkpointed at this step, named by checkpoints/best.
+                new_best = bool(due_eval) and self.evaluator.evaluate(self.log, self.monitor)
                 preempt = preemption.agreed(self.dist)
                 done = p.step == tc.max_steps or bool(self.monitor.state.stop_reason)
                 if p.step % tc.log_every == 0 or done:
@@ -95,7 +96,7 @@ class Trainer:
                 if self.monitor.state.stop_reason and p.step < tc.max_steps:  # set by this step's evaluation
                     self.dist.say(f"stopped early at step {p.step}: {self.monitor.state.stop_reason}")
                 p.train_s += time.perf_counter() - t0
-                if (tc.ckpt_every and p.step % tc.ckpt_every == 0) or done or best or preempt:
+                if (tc.ckpt_every and p.step % tc.ckpt_every == 0) or done or new_best or preempt:
                     self.save()
                 if preempt:
                     self.preempted = True
@@ -148,34 +149,16 @@ class Trainer:
                     self.log.close()
 
     def step(self) -> bool:
-        """One optimizer step: train.grad_accum loaded batches, p.micro_split micro-batches each. False: rolled back."""
+        """One optimizer step: train.grad_accum loaded batches, Progress.micro_split micro-batches each.
+        False: rolled back."""
         tc, p = self.cfg.train, self.progress
         batches, data_ms = self.feed.draw()  # this rank's train.grad_accum loaded batches; the wait
         # Targets in the step on every rank: counted by the collate, summed on the CPU (no GPU sync).
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in batches)])[0])
         if not n_targets:  # every y is -100 on every rank (e.g. prompts only): nothing to learn
             return self.skip_empty(batches, data_ms)
-        while True:  # out of memory: every rank retries the same samples in smaller micro-batches
-            losses = []
-            with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
-                pieces = [piece for m in batches for piece in split_batch(m, p.micro_split)]
-                for i, batch in enumerate(pieces):
-                    last = i == len(pieces) - 1
-                    with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
-                        loss = self.forward(batch)  # summed over the micro-batch's targets
-                        losses.append(loss.detach().float())
-                        divisor = n_targets  # the step's targets over all ranks; x world: DDP averages
-                        if self.lab == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
-                            divisor = batch["n_targets"] * len(pieces)
-                        scaled = self.scaler.scale(loss * (self.dist.world / divisor))  # one big batch's gradients
-                        if last:
-                            attempt.agree()  # before gradients cross ranks: did any rank run out?
-                        with record_function("backward"):
-                            scaled.backward()
-            if not attempt.failed:
-                break
-            loss = scaled = None  # the failed try's graph, freed before the split hands memory back
-            self.oom.split(self.optimizer, self.device)  # or gives up (train.oom_policy)
+        while (micro_losses := self.forward_backward(batches, n_targets)) is None:  # a rank ran out of memory
+            self.oom.split(self.optimizer, self.device)  # smaller micro-batches of the same samples, or give up
             if is_ddp(self.model):  # its reducer waits for a backward that never comes: a fresh DDP,
                 self.model = None  # once the old one is collected
                 self.model = self.oom.rewrap(self.device)
@@ -188,13 +171,13 @@ class Trainer:
                 get_total_norm([q.grad for q in params if q.grad is not None])
             if self.lab == "clip_before_unscale":  # lab: the unscale after the clip
                 self.scaler.unscale_(self.optimizer)
-            grad_norm = fsdp.whole(grad_norm).to(losses[0].device)  # FSDP: a DTensor; CPU if offloaded
-            losses = torch.stack(losses)
-            totals = self.dist.sum_(torch.stack([losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
+            grad_norm = fsdp.whole(grad_norm).to(micro_losses.device)  # FSDP: a DTensor; CPU if offloaded
+            totals = self.dist.sum_(torch.stack([micro_losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
             step_loss = totals[0] / n_targets  # the true loss: every target of every rank
             lr = self.optimizer.param_groups[0]["lr"]
             loss_ok, grad_ok = torch.stack([step_loss.isfinite(), totals[1] == 0]).tolist()  # one host read
-            if loss_ok and grad_ok:
+            taken = loss_ok and grad_ok
+            if taken:
                 self.scaler.step(self.optimizer)
                 self.scheduler.step()  # the LR advances only on steps actually taken
                 if self.ema:
@@ -202,12 +185,33 @@ class Trainer:
                 self.nonfinite.passed()
             elif self.scaler.is_enabled() and loss_ok and self.scaler.get_scale() > 1:
                 p.overflows += 1  # fp16 gradients overflowed under a scale > 1: not taken; update() backs the scale off
-            elif self.nonfinite.verdict(losses, grad_norm, self.raw) == "rollback":
+            elif self.nonfinite.verdict(micro_losses, grad_norm, self.raw) == "rollback":
                 return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
-        self.count(batches, n_targets, lr, not (loss_ok and grad_ok), data_ms, step_loss, grad_norm)
+        self.count(batches, n_targets, lr, data_ms, step_loss, grad_norm, skipped=not taken)
         return True
+
+    def forward_backward(self, batches: list[dict], n_targets: int) -> torch.Tensor | None:
+        """Forward and backward of the step's micro-batches, gradients accumulated: each one's loss
+        (summed over its targets), in one tensor; None if a rank ran out of memory (all then retry)."""
+        losses, pieces = [], [piece for m in batches for piece in split_batch(m, self.progress.micro_split)]
+        with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
+            for i, batch in enumerate(pieces):
+                last = i == len(pieces) - 1
+                with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
+                    loss = self.forward(batch)  # summed over its targets (faults may wrap it: loop/build.py)
+                    losses.append(loss.detach().float())
+                    divisor = n_targets  # the step's targets over all ranks
+                    if self.lab == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
+                        divisor = batch["n_targets"] * len(pieces)
+                    # One big batch's gradients; x world, as DDP averages over the ranks
+                    scaled = self.scaler.scale(loss * (self.dist.world / divisor))
+                    if last:
+                        attempt.agree()  # before gradients cross ranks: did any rank run out?
+                    with record_function("backward"):
+                        scaled.backward()
+        return None if attempt.failed else torch.stack(losses)
 
     def forward(self, batch: dict) -> torch.Tensor:
         """One micro-batch's loss, summed over its targets (the model's contract: loop/contract.py).
@@ -218,8 +222,8 @@ class Trainer:
         with self.precision.autocast(), record_function("forward"):
             return loss_and_sums(self.model(batch))[0]
 
-    def count(self, batches: list[dict], n_targets: int, lr: float, skipped: bool, data_ms: float,
-              loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def count(self, batches: list[dict], n_targets: int, lr: float, data_ms: float, loss: torch.Tensor,
+              grad_norm: torch.Tensor, skipped: bool) -> None:
         """Count the step and its data, and log it (the loss and norm stay on the device)."""
         p = self.progress
         p.advance(batches, n_targets, self.dist.world)
@@ -234,7 +238,7 @@ class Trainer:
         p.empty += 1
         self.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is -100, at "
                       f"sample position {p.samples}); nothing to learn from, step skipped", file=sys.stderr)
-        self.count(batches, 0, self.optimizer.param_groups[0]["lr"], True, data_ms, nan, nan)
+        self.count(batches, 0, self.optimizer.param_groups[0]["lr"], data_ms, nan, nan, skipped=True)
         return True
 
     def save(self) -> None:

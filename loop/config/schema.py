@@ -84,7 +84,7 @@ class TrainConfig:
     early_stop_min_delta: float = opt(0.0, min=0.0)  # what counts as an improvement
     sample_tokens: int = opt(200, min=0)  # length of the text sample in summary.json
     nan_policy: str = opt("skip", choices=("skip", "rollback", "abort"))  # on a non-finite loss/grad
-    max_bad_steps: int = opt(5, min=1)  # skip/rollback give up after this many bad steps in a row
+    max_bad_steps: int = opt(5, min=1)  # skip/rollback give up at more bad steps than this in a row
     oom_policy: str = opt("split", choices=("split", "abort"))  # split: halve the micro-batch, retry
     strategy: str = opt("ddp", choices=("ddp", "fsdp"))  # several processes: full copies or shards
     find_unused_parameters: bool = False  # ddp: let parameters go unused in a step (a graph walk each step)

@@ -8,8 +8,8 @@ way to find its scale: the step is not taken and the scale backs off, counted ap
     rollback  back to the newest valid checkpoint, passing over the bad step's samples from then on
     abort     the run ends (exit 3) naming the step and what was not finite
 
-skip and rollback give up too (exit 3) after train.max_bad_steps bad steps in a row. Every rank sees
-the same verdict: the finite check sums over ranks (loop/trainer.py).
+skip and rollback give up too (exit 3) at more than train.max_bad_steps bad steps in a row. Every
+rank sees the same verdict: the finite check sums over ranks (loop/trainer.py).
 """
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """Step metrics to three sinks: console (every log interval), `metrics.jsonl` (every optimizer
 step), and TensorBoard scalars under `tb/`.
 
-Every step's record has step, loss, lr, grad_norm, tokens, samples, skipped, data_ms (time the loop
-waited for data) and, on CUDA, gpu_ms (the step's time on the GPU's timeline, from CUDA events
-recorded at each step's end and read at the flush, so no extra sync). The last record of each log
+Every step's record has step, loss, lr, grad_norm, tokens, samples, skipped (its update was not
+applied: a non-finite or fp16-overflowed step, or one with no targets), data_ms (time the loop
+waited for data), micro_batch (smaller after an out-of-memory split), ids with data.log_ids and,
+on CUDA, gpu_ms (the step's time on the GPU's timeline, from CUDA events recorded at each step's
+end and read at the flush, so no extra sync). The last record of each log
 interval adds the interval's tokens_per_s, samples_per_s, ms_per_step, data_wait_pct, MFU where the
 device's peak is known, and the host telemetry (CUDA memory, NVML readings). Rank 0 logs for all
 ranks: loss, grad_norm and the counts are global; timings, memory and NVML readings are rank 0's.
@@ -195,5 +197,5 @@ class NullLog:
 
     scalar = text = flush = close = rewind = record
 
-    def readings(self) -> dict:
+    def readings(self, now: bool = True) -> dict:
         return {}
