@@ -186,7 +186,8 @@ class Trainer:
             elif self.scaler.is_enabled() and loss_ok and self.scaler.get_scale() > 1:
                 p.overflows += 1  # fp16 gradients overflowed under a scale > 1: not taken; update() backs the scale off
             elif self.nonfinite.verdict(micro_losses, grad_norm, self.raw) == "rollback":
-                return rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
+                rollback(self.parts, self.checkpoints, self.feed, self.log, self.cfg, self.dist, self.metadata)
+                return False  # not counted: the loop goes on from the checkpoint's step
             self.scaler.update()
             self.optimizer.zero_grad(set_to_none=True)
         self.count(batches, n_targets, lr, data_ms, step_loss, grad_norm, skipped=not taken)

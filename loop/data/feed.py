@@ -33,13 +33,14 @@ class Feed:
                                          self.dist.rank, self.dist.world))
 
     def draw(self) -> tuple[list[dict], float]:
-        """The next optimizer step's train.grad_accum batches, and the ms spent waiting for them."""
-        p, k, t0 = self.progress, self.cfg.train.grad_accum, time.perf_counter()
+        """The next optimizer step's train.grad_accum batches, and the ms spent waiting for them. At
+        a window a rollback marked to pass over, it first moves the data position past it."""
+        p, grad_accum, t0 = self.progress, self.cfg.train.grad_accum, time.perf_counter()
         with record_function("data"):  # the profiler's row for it
             if (past := p.past_windows(self.width())) != p.samples:
                 p.samples = past  # the samples between are passed over: a fresh loader from there
                 self.start()
-            batches = [next(self.batches) for _ in range(k)]
+            batches = [next(self.batches) for _ in range(grad_accum)]
         return batches, 1000 * (time.perf_counter() - t0)
 
     def width(self) -> int:

@@ -87,10 +87,10 @@ def describe(step: int, micro_losses: torch.Tensor, grad_norm: torch.Tensor, mod
     return f"step {step}: non-finite " + "; ".join(p for p in parts if p)
 
 
-def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> bool:
+def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> None:
     """Back to the newest valid checkpoint (every rank): `parts` restored, the metrics after it
     dropped (as at a resume), the data read from its position on, passing over the bad step's
-    window from now on. Returns False, Trainer.step's answer for a step not taken."""
+    window from now on."""
     log.flush()  # the steps before the bad one first: on the console before "resumed from"
     p = parts["progress"]
     bad = p.samples
@@ -107,4 +107,3 @@ def rollback(parts: dict, checkpoints, feed, log, cfg, dist, metadata: dict) -> 
     feed.start()
     dist.say(f"rolled back to step {p.step}; the samples at position {bad} will be passed over",
              file=sys.stderr)
-    return False
