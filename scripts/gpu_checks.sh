@@ -73,8 +73,8 @@ for s in "${stages[@]}"; do
         stage env bash -c "nvidia-smi; { command -v gcc >/dev/null && gcc --version | head -1; } || echo 'no gcc: train.compile=true will fail'; $PYTHON -c 'import torch; print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get_device_name())'" ;;
     tests)
         # -vv: pyproject's -q takes one -v, and each test's name as it ends shows which one a time
-        # limit stopped
-        stage tests "$PYTHON" -m pytest tests/test_cuda.py -vv -rsP -k "not out_of_memory" $xdist ;;
+        # limit stopped; --durations: which ones take the stage's time
+        stage tests "$PYTHON" -m pytest tests/test_cuda.py -vv -rsP --durations=0 -k "not out_of_memory" $xdist ;;
     oom)
         stage oom "$PYTHON" -m pytest tests/test_cuda.py -vv -s -rs -k out_of_memory ;;
     verify)
