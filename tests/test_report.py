@@ -209,6 +209,21 @@ def test_runs_whose_directories_share_a_name_are_told_apart(tmp_path, monkeypatc
     assert (table["lr1/seed0"]["final train loss"], table["lr2/seed0"]["final train loss"]) == ("2.0000", "3.0000")
 
 
+def test_a_sweep_s_many_runs_get_a_default_out_a_file_system_takes(tmp_path, monkeypatch, capsys):
+    # runs/sweep/* with 16 runs: their names joined were a directory name of 400 bytes, and the
+    # report, with no --out given, was refused for "option --out: File name too long".
+    sweep = [tmp_path / "sweep" / f"lr{i}e-4_batch64_seed0" for i in range(16)]
+    for run in sweep:
+        run.mkdir(parents=True)
+        (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens": 64, "loss": 2.0}) + "\n")
+    monkeypatch.chdir(tmp_path)
+    assert report_main([str(r) for r in sweep]) == 0, capsys.readouterr().err
+    assert report_main([str(r) for r in sweep[:15]]) == 0  # another sweep that starts the same
+    made = sorted((tmp_path / "reports").iterdir())
+    assert len(made) == 2 and all(len(d.name) <= 200 and (d / "report.md").is_file() for d in made), made
+    assert made[0].name.startswith("lr0e-4_batch64_seed0_and_1")
+
+
 @pytest.mark.slow
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,

@@ -8,6 +8,7 @@ codes: 0 written, 2 bad input (a RUN_DIR without metrics.jsonl).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
 from pathlib import Path
 
@@ -25,8 +26,7 @@ def main(argv: list[str] | None = None) -> int:
                    "RUN_DIR's report.price_per_hour; 0: no cost)")
     p.add_argument("--co2-g-per-kwh", type=non_negative, help="grid g/kWh (default: the first RUN_DIR's report.co2_g_per_kwh)")
     a = p.parse_args(argv)
-    out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else
-                    Path("reports") / "_vs_".join(n.replace("/", "-") for n in run_names(a.run_dirs)))
+    out = a.out or (a.run_dirs[0] if len(a.run_dirs) == 1 else default_out(a.run_dirs))
     try:
         for d in a.run_dirs:  # else a file named as RUN_DIR is blamed on --out, which was not given
             if d.is_file():
@@ -46,6 +46,19 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     print(f"report written: {path}")
     return 0
+
+
+def default_out(run_dirs: list[Path]) -> Path:
+    """reports/A_vs_B. A sweep's runs side by side (runs/sweep/*) would name a directory longer
+    than a file system takes (255 bytes): then the first run and how many more, with a hash of
+    every name, so another sweep's report that starts with the same run is not overwritten."""
+    names = [n.replace("/", "-") for n in run_names(run_dirs)]
+    joined = "_vs_".join(names)
+    if len(joined.encode()) <= 200:
+        return Path("reports") / joined
+    digest = hashlib.sha256("\0".join(names).encode()).hexdigest()[:8]
+    first = names[0].encode()[:100].decode(errors="ignore")
+    return Path("reports") / f"{first}_and_{len(names) - 1}_more_{digest}"
 
 
 if __name__ == "__main__":
