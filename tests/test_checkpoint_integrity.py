@@ -605,6 +605,15 @@ def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
         store.load(tmp_path, "empty.pt")
     with pytest.raises(BadInput, match=r"notes.pt: not a file torch.save wrote \(it starts with b'step'\)"):
         store.load(tmp_path, "notes.pt")
+    # One torch.save began and did not finish (a model.pt copied in part): torch's reason in one
+    # clause, not its 400-character paragraph cut mid-word, and what to do.
+    torch.save({"w": torch.zeros(1000)}, tmp_path / "cut.pt")
+    truncate_half(tmp_path / "cut.pt")
+    with pytest.raises(BadInput) as e:
+        store.load(tmp_path, "cut.pt")
+    said = str(e.value).replace(str(tmp_path), "DIR")
+    assert "cut.pt: not a readable torch checkpoint (" in said and "expected one" in said
+    assert "If you are seeing this error" not in said and len(said) < 250, said
 
 
 def test_a_run_whose_checkpoints_were_deleted_is_not_started_over(tmp_path, cache):

@@ -117,7 +117,9 @@ def load(path: Path, name: str) -> dict:
     except pickle.UnpicklingError as e:  # weights_only met something other than tensors/primitives
         raise refused(f, e) from None
     except (RuntimeError, EOFError, OSError) as e:  # e.g. a zip that was truncated when written
-        raise BadInput(f"checkpoint file {f}: not a readable torch checkpoint ({str(e)[:200]}).")
+        why = str(e).split(". ")[0].strip() or type(e).__name__  # torch's first sentence: its reason
+        raise BadInput(f"checkpoint file {f}: not a readable torch checkpoint ({why}); it is cut short or "
+                       f"damaged: expected one torch.save wrote whole, e.g. an older checkpoint of the run.")
 
 
 def refused(f: Path, e: pickle.UnpicklingError) -> BadInput:
