@@ -77,7 +77,7 @@ class Evaluator:
         """`model`: what is evaluated (the EMA copy, if on); `progress`: the training micro-batch,
         which validation splits like (an out of memory made it smaller)."""
         self.model, self.data, self.precision, self.device, self.dist = model, data, precision, device, dist
-        self.sharded, self.progress, self.lab = sharded, progress, cfg.lab.break_
+        self.sharded, self.progress, self.lab_break = sharded, progress, cfg.lab.break_
         self.seed, self.tokens = cfg.run.seed, cfg.train.sample_tokens
         # train.eval_batches x (data.batch_size x processes) samples; with train.global_batch, x its
         # samples: the set then stays whatever the micro-batch (auto: the GPU) and process count.
@@ -89,7 +89,7 @@ class Evaluator:
     def validate(self) -> dict[str, float]:
         """val_loss and the model's other val_ metrics over every rank's share; a collective."""
         batches = self.batches
-        if self.lab == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
+        if self.lab_break == "eval_consumes_train_rng":  # lab: fresh batches from the training RNG
             batches = val_batches(self.data.val, self.batch_size, self.n_batches, None, self.dist.rank,
                                   self.dist.world)
         self.dist.sync_buffers(self.model)  # one model validated, the one a checkpoint keeps (the EMA's too)

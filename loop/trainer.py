@@ -50,7 +50,7 @@ class Trainer:
         self.raw = model.module if is_ddp(model) else model  # DDP wraps; a model may own a .module
         self.sharded = fsdp.is_sharded(model)  # FSDP: every rank holds a shard of each weight
         self.optimizer, self.scheduler, self.precision = optimizer, scheduler, precision
-        self.scaler, self.ema, self.lab = precision.scaler, ema, cfg.lab.break_
+        self.scaler, self.ema, self.lab_break = precision.scaler, ema, cfg.lab.break_
         tc, self.out = cfg.train, Path(cfg.run.out_dir)
         self.progress = Progress()
         self.monitor = Monitor(tc.best_metric, tc.best_mode, tc.early_stop_patience, tc.early_stop_min_delta)
@@ -116,8 +116,8 @@ class Trainer:
     def start(self) -> None:
         """Before the first step: the model checked, a checkpoint restored, the run's files written."""
         cfg, tc, p = self.cfg, self.cfg.train, self.progress
-        if self.lab:
-            self.dist.say(banner(self.lab))
+        if self.lab_break:
+            self.dist.say(banner(self.lab_break))
         probe.check_model(self.evaluator, self.raw, self.oom, self.monitor.metric, tc.compile)  # before any write
         path = self.dist.on_main(lambda: resume.choose_locked(self.out, cfg.run))  # out_dir locked first
         if self.dist.main:  # before the restore, which compares it with the checkpoint's
@@ -165,11 +165,11 @@ class Trainer:
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
-            if self.lab != "clip_before_unscale":  # lab: not here, but after the clip (still x the scale)
+            if self.lab_break != "clip_before_unscale":  # lab: not here, but after the clip (still x the scale)
                 self.scaler.unscale_(self.optimizer)  # clip and measure the true gradients, not scaled ones
             grad_norm = clip_grad_norm_(params, tc.clip_grad) if tc.clip_grad > 0 else \
                 get_total_norm([q.grad for q in params if q.grad is not None])
-            if self.lab == "clip_before_unscale":  # lab: the unscale after the clip
+            if self.lab_break == "clip_before_unscale":  # lab: the unscale after the clip
                 self.scaler.unscale_(self.optimizer)
             grad_norm = fsdp.whole(grad_norm).to(micro_losses.device)  # FSDP: a DTensor; CPU if offloaded
             totals = self.dist.sum_(torch.stack([micro_losses.sum(), (~grad_norm.isfinite()).float()]))  # (2,)
@@ -204,7 +204,7 @@ class Trainer:
                     loss = self.forward(batch)  # summed over its targets (faults may wrap it: loop/build.py)
                     losses.append(loss.detach().float())
                     divisor = n_targets  # the step's targets over all ranks
-                    if self.lab == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
+                    if self.lab_break == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
                         divisor = batch["n_targets"] * len(pieces)
                     # One big batch's gradients; x world, as DDP averages over the ranks
                     scaled = self.scaler.scale(loss * (self.dist.world / divisor))
@@ -251,7 +251,7 @@ class Trainer:
     def finish(self) -> dict:
         """The end: summary.json, model.pt and the report (loop/observe/summary.py); a preempted
         run skips them and exits fast, and rerunning the same command finishes the job."""
-        facts = {"precision": self.precision.name, "device": str(self.device), "lab_break": self.lab or None,
+        facts = {"precision": self.precision.name, "device": str(self.device), "lab_break": self.lab_break or None,
                  "optimal_loss": self.data.meta.get("optimal_loss"), "micro_batch": self.oom.micro_batch()}
         return summary.finish(self.out, self.preempted, self.parts, self.evaluator, self.log, self.dist,
                               self.cfg, self.metadata.get("data"), facts)
