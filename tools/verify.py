@@ -36,7 +36,7 @@ from pathlib import Path
 from data import DATASETS
 from loop import determinism
 from loop.build import build_data, build_model
-from loop.config.load import DEFAULT_CONFIG, _Once, load_config
+from loop.config.load import DEFAULT_CONFIG, OnlyOnce, load_config
 from loop.config.paths import writable_dir
 from loop.config.runtime import check_with_world, refuse_auto
 from loop.device import pick_device
@@ -53,7 +53,7 @@ CHECKS = ("resume", "determinism", "accumulation", "clipping", "data", "eval", "
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m tools.verify", description=__doc__.split("\n\n")[0])
-    p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once)  # as train.py: a second is refused
+    p.add_argument("--config", default=DEFAULT_CONFIG, action=OnlyOnce)  # as train.py: a second is refused
     p.add_argument("--steps", type=int, default=20, help="optimizer steps per run (at least 8)")
     p.add_argument("--nproc", type=int, default=0, help="also check n processes against one (ddp)")
     p.add_argument("--checks", help=f"comma-separated subset of {', '.join(CHECKS)} (default: all; ddp with --nproc)")

@@ -105,7 +105,7 @@ def chosen(raw: dict, overrides: list[str], registries: dict[str, dict], source:
 def parse_args(argv: list[str] | None, datasets: dict, models: dict) -> tuple[str, list[str]]:
     p = argparse.ArgumentParser(description="Train with the honest loop.", epilog=keys_help(datasets, models),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", default=DEFAULT_CONFIG, action=_Once,
+    p.add_argument("--config", default=DEFAULT_CONFIG, action=OnlyOnce,
                    help="YAML preset (default: %(default)s)")
     p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. optim.lr=3e-4")
     args = p.parse_intermixed_args(argv)  # overrides may come before and after --config
@@ -154,7 +154,7 @@ def differing(a: dict, b: dict) -> list[str]:
     return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
 
 
-class _Once(argparse.Action):
+class OnlyOnce(argparse.Action):
     """An option given at most once: argparse keeps the last --config and drops the others unsaid."""
 
     def __call__(self, parser, namespace, values, option_string=None):
