@@ -15,10 +15,12 @@ Weights the model keeps in 16 bits are averaged in float32: in bfloat16, the def
 rounds to 1.0 and the average never moves from its first value (its validation loss stays the
 initial model's, and early stopping stops a run that is learning); at 0.99 it rounds to 0.988,
 and each step's small update mostly rounds away. The float32 copy costs twice the 16-bit weights'
-memory.
+memory. Validation and text samples round it to the weights' own dtypes (`in_model_dtypes`): a
+forward may cast to the dtype its weights were built in.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -45,8 +47,12 @@ class EMA(AveragedModel):
         kept = self.module.state_dict().keys()
         self.averaged = [True] * len(list(self.module.parameters())) + \
             [name in kept for name, _ in self.module.named_buffers()]
-        for t in [*self.module.parameters(), *self.module.buffers()]:
-            if t.is_floating_point() and torch.finfo(t.dtype).bits < 32:
+        # Each tensor's dtype in the model where that is 16-bit (None: kept as it is), by its place
+        # in parameters() then buffers(): moving the copy to its device makes new buffer tensors.
+        self.narrow = [t.dtype if t.is_floating_point() and torch.finfo(t.dtype).bits < 32 else None
+                       for t in [*self.module.parameters(), *self.module.buffers()]]
+        for t, dtype in zip([*self.module.parameters(), *self.module.buffers()], self.narrow):
+            if dtype is not None:
                 t.data = t.data.float()  # in place: tied weights stay one tensor
 
     @torch.no_grad()
@@ -71,6 +77,24 @@ class EMA(AveragedModel):
             torch._foreach_mul_(avg, d)
             torch._foreach_add_(avg, torch._foreach_mul(new, 1 - d))
         self.n_averaged += 1
+
+    @contextlib.contextmanager
+    def in_model_dtypes(self):
+        """The average rounded to the model's own dtypes inside (validation, a text sample), the
+        float32 average as it was after: a forward written for 16-bit weights (`x.bfloat16()` before
+        a bf16 layer) then runs on the copy as on the model, not into a dtype mismatch. Under FSDP
+        the shards stay as they are (FSDP gathers them in the dtype they were sharded in)."""
+        tensors = [*self.module.parameters(), *self.module.buffers()]
+        kept = [] if fsdp.is_sharded(self.module) else \
+            [(t, t.data) for t, dtype in zip(tensors, self.narrow) if dtype is not None]
+        for t, dtype in zip(tensors, self.narrow):
+            if kept and dtype is not None:
+                t.data = t.data.to(dtype)
+        try:
+            yield
+        finally:
+            for t, data in kept:
+                t.data = data
 
     def reset(self, model: nn.Module) -> None:
         """Start the average over from `model`'s weights (a warm start, or EMA turned on at a resume)."""

@@ -73,10 +73,12 @@ class Evaluator:
     so evaluating never changes training."""
 
     def __init__(self, model: nn.Module, data, cfg, precision, device: torch.device, dist,
-                 sharded: bool, progress):
+                 sharded: bool, progress, dtypes=contextlib.nullcontext):
         """`model`: what is evaluated (the EMA copy, if on); `progress`: the training micro-batch,
-        which validation splits like (an out of memory made it smaller)."""
+        which validation splits like (an out of memory made it smaller); `dtypes`: a context in which
+        `model` has the trained model's dtypes (loop/ema.py::EMA.in_model_dtypes)."""
         self.model, self.data, self.precision, self.device, self.dist = model, data, precision, device, dist
+        self.dtypes = dtypes
         self.sharded, self.progress, self.lab_break = sharded, progress, cfg.lab.break_
         self.seed, self.tokens = cfg.run.seed, cfg.train.sample_tokens
         # train.eval_batches x (data.batch_size x processes) samples; with train.global_batch, x its
@@ -93,7 +95,7 @@ class Evaluator:
             batches = val_batches(self.data.val, self.batch_size, self.n_batches, None, self.dist.rank,
                                   self.dist.world)
         self.dist.sync_buffers(self.model)  # one model validated, the one a checkpoint keeps (the EMA's too)
-        with own_rng(self.device, self.seed):
+        with own_rng(self.device, self.seed), self.dtypes():
             metrics = val_metrics(self.model, batches, self.precision, self.device, self.dist,
                                   self.progress.micro_split)
         self.last = (self.progress.step, metrics)
@@ -126,5 +128,6 @@ class Evaluator:
         # Fetched as training fetches (loop/data/seeded.py): a validation set that augments draws
         # from its own seeded streams, so evaluating leaves the training streams (dropout) as they are.
         prompt = SeededSamples(self.data.val, self.seed)[(0, 0)]["x"][None, :8].to(self.device)  # (1, 8)
-        with own_rng(self.device, self.seed):  # a generate() that draws from torch's streams, not its generator
+        # own_rng: a generate() that draws from torch's streams, not its generator
+        with own_rng(self.device, self.seed), self.dtypes():
             return text_sample(self.model, prompt, self.tokens, self.seed, self.data.decode)

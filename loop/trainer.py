@@ -64,7 +64,7 @@ class Trainer:
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded,
                                model, bool(tc.global_batch))
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
-                                   self.sharded, self.progress)
+                                   self.sharded, self.progress, ema.in_model_dtypes if ema else contextlib.nullcontext)
         self.log, self.metadata, self.run_facts, self.preempted = NullLog(), {}, {}, False
 
     def run(self) -> dict:

@@ -232,6 +232,31 @@ def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
     torch.testing.assert_close(ema.module.weight, w1 + (w0 - w1) * 0.999 ** 100, rtol=0, atol=1e-4)
 
 
+def test_the_ema_of_a_model_whose_forward_casts_to_its_16_bit_weights_validates(tmp_path, cache, monkeypatch):
+    # A model fine-tuned in bf16 whose forward casts to it (`x.to(torch.bfloat16)` before a bf16
+    # layer): its float32 average met a bf16 input, and the first evaluation with ema.enabled was a
+    # dtype-mismatch traceback. Validation rounds the average to the model's dtypes; it stays float32.
+    from conftest import gpt_then
+    from model import MODELS
+
+    class ToBf16(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.to(torch.bfloat16)
+
+    def in_bf16(m):
+        m.drop = torch.nn.Sequential(ToBf16(), m.drop)
+        return m.to(torch.bfloat16)
+
+    monkeypatch.setitem(MODELS, "gpt_cast_bf16", gpt_then(in_bf16))
+    out = tmp_path / "run"
+    train_here(out, cache, "model.name=gpt_cast_bf16", "train.max_steps=4", "train.eval_every=2",
+               "ema.enabled=true", "ema.decay=0.9")
+    assert [r["step"] for r in metrics(out) if "val_loss" in r] == [2, 4]
+    exported = torch.load(out / "model.pt", weights_only=True)
+    assert all(v.dtype == torch.float32 for v in exported["ema"].values() if v.is_floating_point())
+    assert exported["model"]["wte.weight"].dtype == torch.bfloat16
+
+
 def test_an_ema_of_a_model_with_a_buffer_in_no_state_dict_resumes_bit_for_bit(tmp_path, cache, monkeypatch):
     # A buffer registered with persistent=False (a cache, RoPE's frequencies) is in no checkpoint:
     # a resumed run's EMA copy holds the model's. An average of it drifts from that by rounding,
