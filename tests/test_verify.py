@@ -307,6 +307,25 @@ def test_a_failed_run_is_named_by_its_error_not_by_torchrun_s_summary(tmp_path, 
     assert audit_runs.run(plan, "Q").endswith("(Q.log): b | c | d")
 
 
+def test_a_ddp_failure_of_a_model_whose_dropout_no_key_turns_off_names_its_dropout(tmp_path, monkeypatch):
+    # The check sets model.dropout=0; a model whose dropout has another key (model.p_drop) keeps it,
+    # each rank draws its own masks and the check fails, which the row put down to the loop's
+    # normalisation. It names the dropout, as it names batch norm.
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import audit_runs
+
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1), torch.nn.Dropout(0.0))
+    assert audit_runs.dropouts(net) == ["1"]
+    plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=2, every=2, kill_at=0, nproc=2, root=tmp_path, timeout=60)
+    records = {"P1": [{"loss": 1.0, "ids": [0, 1]}] * 2, "P": [{"loss": 1.1, "ids": [0, 1]}] * 2}
+    monkeypatch.setattr(audit_runs, "run", lambda plan, name, *extra, nproc=0: None)
+    monkeypatch.setattr(audit_runs, "_records", lambda plan, name: records[name])
+    result = audit_runs.ddp(plan, 2, 1e-4, [], [], audit_runs.dropouts(net))
+    assert not result.ok and result.hint.startswith("the model's dropout (1) stays on, each rank drawing its "
+                                                    "own masks"), result
+    assert audit_runs.ddp(plan, 2, 1e-4, [], []).hint == audit_runs.HINTS["ddp"]
+
+
 def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monkeypatch):
     # Two ways the resume check could pass without proving anything: run R finished before the kill
     # (a config that runs fewer steps than asked), or its rerun started over instead of resuming (a

@@ -233,9 +233,18 @@ def batch_norms(model: torch.nn.Module) -> list[str]:
             if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and not isinstance(m, torch.nn.SyncBatchNorm)]
 
 
-def ddp(plan: Plan, batch: int, tolerance: float, norms: list[str], quiet: list[str]) -> Result:
-    """`norms`: the model's batch_norms, which the hint names: the usual cause is then the model's.
-    `quiet`: the overrides that take the model's randomness away (model.dropout=0, if it has one)."""
+def dropouts(model: torch.nn.Module) -> list[str]:
+    """Dropout modules that drop (p > 0) in the model as the ddp check builds it: each rank draws
+    its own masks, so n processes x b cannot equal 1 x n*b. No `model.dropout` key turns them off."""
+    return [name for name, m in model.named_modules()
+            if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0]
+
+
+def ddp(plan: Plan, batch: int, tolerance: float, norms: list[str], quiet: list[str],
+        drops: list[str] = ()) -> Result:
+    """`norms`: the model's batch_norms, `drops`: its dropouts left on, which the hint names: the
+    usual cause is then the model's. `quiet`: the overrides that take the model's randomness away
+    (model.dropout=0, if it has one)."""
     n = plan.nproc
     why = run(plan, "P", *quiet, f"data.batch_size={batch}", nproc=n) or \
         run(plan, "P1", *quiet, f"data.batch_size={n * batch}")
@@ -246,10 +255,15 @@ def ddp(plan: Plan, batch: int, tolerance: float, norms: list[str], quiet: list[
     worst = max((abs(x["loss"] - y["loss"]) / max(abs(x["loss"]), 1e-30) for x, y in zip(a, b)
                  if not _same(x["loss"], y["loss"])), default=0.0)  # a step with no target: NaN in both
     ok = same_ids and len(a) == len(b) == plan.steps and worst <= tolerance
+    hint = HINTS["ddp"]
+    if norms and same_ids:
+        hint = (f"the model's batch norm ({', '.join(norms)}) normalises by each rank's micro-batch in "
+                f"training, so {n} processes cannot equal one with {n} times the batch (on GPUs, "
+                f"torch.nn.SyncBatchNorm.convert_sync_batchnorm shares the statistics over ranks)")
+    elif drops and same_ids:
+        hint = (f"the model's dropout ({', '.join(drops)}) stays on, each rank drawing its own masks, "
+                f"so {n} processes cannot equal one with {n} times the batch; give the model's options "
+                f"a `dropout` key that sets it (this check sets model.dropout=0)")
     return Result("ddp", ok, f"{n} processes x micro-batch {batch} vs 1 x {n * batch} ({' '.join(quiet) or 'as configured'}): "
                   f"per-step losses within rel. {worst:.1e} (tolerance {tolerance:g}, sums over ranks "
-                  f"add in another order); sample ids {'identical' if same_ids else 'DIFFER'}",
-                  f"the model's batch norm ({', '.join(norms)}) normalises by each rank's micro-batch in "
-                  f"training, so {n} processes cannot equal one with {n} times the batch (on GPUs, "
-                  f"torch.nn.SyncBatchNorm.convert_sync_batchnorm shares the statistics over ranks)"
-                  if norms and same_ids else HINTS["ddp"])
+                  f"add in another order); sample ids {'identical' if same_ids else 'DIFFER'}", hint)

@@ -107,10 +107,12 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
     results += single_process_runs(plan, cfg, checks)
     if "ddp" in checks:  # its own runs: it does not need run A
         precision = resolve(cfg.train.precision, pick_device(cfg.train.device))
-        model = build_model(cfg.model, build_data(cfg.data, DATASETS), MODELS)
         quiet = ["model.dropout=0"] if hasattr(cfg.model, "dropout") else []  # each rank draws its own masks
+        # The model as the check runs it: a dropout left on then is one no key turns off.
+        built = load_config(a.config, [*a.overrides, *quiet], DATASETS, MODELS)
+        model = build_model(built.model, build_data(built.data, DATASETS), MODELS)
         results.append(audit_runs.ddp(plan, cfg.data.batch_size, TOLERANCE[arithmetic(precision, model)],
-                                      audit_runs.batch_norms(model), quiet))
+                                      audit_runs.batch_norms(model), quiet, audit_runs.dropouts(model)))
     return sorted(results, key=lambda r: CHECKS.index(r.check))
 
 
