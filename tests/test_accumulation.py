@@ -262,3 +262,76 @@ def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_
     [result] = gradient_audits(str(ROOT / "configs" / "default.yaml"), overrides, {"accumulation"})
     assert "2 x 4 vs 1 x 8 (targets per micro-batch [64, 16])" in result.numbers, result
     assert result.ok == (not lab_break) and "gradient, norm and loss rel. difference" in result.numbers, result
+
+
+def micro_batch_trainer(tmp_path, cache, *overrides):
+    """A TINY trainer (no dropout: two passes over a batch draw the same) and its first step's batches."""
+    from conftest import TINY, build_trainer
+    from loop.config.load import DEFAULT_CONFIG
+    from loop.distributed.group import Dist
+
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "model.dropout=0",
+                                       *overrides])
+    trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
+    trainer.feed.start()
+    batches, _ = trainer.feed.draw()
+    return trainer, batches, sum(b["n_targets"] for b in batches)
+
+
+def test_the_step_s_micro_batch_losses_are_float32_for_a_model_whose_loss_is_bf16(tmp_path, cache, monkeypatch):
+    # Each micro-batch's loss is a sum over its targets (hundreds): kept in the dtype a model returns
+    # it in (bf16 from a model kept in bf16), its 8 bits of mantissa would round the logged loss and
+    # the finite check's sum.
+    from conftest import gpt_then
+    from model import MODELS
+
+    def bf16_loss(m):
+        forward = m.forward
+        m.forward = lambda batch: forward(batch).to(torch.bfloat16)  # the GPT returns the loss alone
+        return m
+
+    monkeypatch.setitem(MODELS, "gpt_bf16_loss", gpt_then(bf16_loss))
+    trainer, batches, n_targets = micro_batch_trainer(tmp_path, cache, "model.name=gpt_bf16_loss")
+    losses = trainer.forward_backward(batches, n_targets)
+    assert losses.dtype == torch.float32 and losses.shape == (len(batches),)
+
+
+def test_lab_mean_loss_per_microbatch_divides_by_the_step_s_micro_batch_count(tmp_path, cache):
+    # lab.break=mean_loss_per_microbatch: each micro-batch's own mean over the micro-batches the
+    # step runs, grad_accum x the OOM split (loop/lab.py). Where every micro-batch holds as many
+    # targets, that is the true mean: a split into halves leaves the gradients as they were, not
+    # doubled (a divisor of grad_accum alone).
+    trainer, batches, n_targets = micro_batch_trainer(tmp_path, cache, "lab.break=mean_loss_per_microbatch")
+    grads = []
+    for split in (1, 2):
+        trainer.progress.micro_split = split
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.forward_backward(batches, n_targets)
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.raw.parameters() if p.grad is not None]))
+    assert len({b["n_targets"] for b in batches}) == 1  # equal counts: the mean of means is the mean
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
+
+
+def test_the_ranks_agree_on_an_out_of_memory_once_per_try_after_its_last_forward(tmp_path, cache, monkeypatch):
+    # Attempt.agree is a collective (a host read), once per try, before the backward in which DDP
+    # reduces. At every micro-batch it would sync the host that often, and an out of memory in a
+    # later micro-batch's forward would count as one amid the gradients' collectives: a run with
+    # several processes would end instead of retrying in halves.
+    from loop.guards import oom
+
+    trainer, batches, n_targets = micro_batch_trainer(tmp_path, cache)
+    forwards, agreed, forward, agree = [], [], trainer.forward, oom.Attempt.agree
+
+    def counted_forward(batch):
+        forwards.append(batch)
+        return forward(batch)
+
+    def counted_agree(self):
+        agreed.append(len(forwards))  # micro-batches through their forward so far
+        agree(self)
+
+    trainer.forward = counted_forward
+    monkeypatch.setattr(oom.Attempt, "agree", counted_agree)
+    trainer.progress.micro_split = 2
+    trainer.forward_backward(batches, n_targets)
+    assert len(forwards) == 2 * len(batches) > 2 and agreed == [len(forwards)]

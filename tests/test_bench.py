@@ -208,6 +208,35 @@ def test_a_variant_s_names_in_capitals_go_to_its_environment(tmp_path, monkeypat
     assert set(json.loads(results.read_text())["median"]) == {"scaffold", "bare", variant}
 
 
+def test_only_a_whole_name_in_capitals_is_a_variant_s_environment_variable():
+    # Config keys are dotted and in lower case: anything else that is not NAME=VALUE with NAME all
+    # capitals (a key missing its dot, a key written with a capital) stays an override, which
+    # train.py refuses by name, not an environment variable no one reads. Every capital name counts,
+    # wherever it stands in the variant.
+    overrides, env = loop_vs_bare.split_variant(["model.dropout=0", "TORCHINDUCTOR_X=1", "dropout=0",
+                                                 "Model.dropout=0", "A_B2=x=y"])
+    assert (overrides, env) == (["model.dropout=0", "dropout=0", "Model.dropout=0"],
+                                {"TORCHINDUCTOR_X": "1", "A_B2": "x=y"})
+
+
+def test_a_variant_s_environment_wins_over_the_same_name_in_the_shell_s(tmp_path, monkeypatch):
+    # An arm measuring TORCHINDUCTOR_X=1 from a shell that exported TORCHINDUCTOR_X=0 runs with 1:
+    # else the arm measures the shell's setting under the variant's name. The other arms keep the
+    # shell's.
+    monkeypatch.setenv("BENCH_KNOB", "shell")
+    real = subprocess.Popen
+
+    def popen(cmd, **kw):  # the arm's process says what it got, then fails (no figures to read)
+        return real([sys.executable, "-c", "import os, sys; print(os.environ['BENCH_KNOB']); sys.exit(3)"], **kw)
+
+    monkeypatch.setattr(loop_vs_bare.subprocess, "Popen", popen)
+    args = argparse.Namespace(warmup=1, steps=1, config="c.yaml", overrides=[])
+    for arm, extra, knob in (("variant", ["BENCH_KNOB=arm"], "arm"), ("scaffold", [], "shell")):
+        with pytest.raises(loop_vs_bare.ArmFailed) as e:
+            loop_vs_bare.run_arm(arm, arm, extra, args, tmp_path)
+        assert e.value.log.read_text().split() == [knob]
+
+
 def test_a_variant_with_a_path_in_it_has_a_log_file_of_its_own(tmp_path, monkeypatch, capsys, cache):
     # An arm's files are named by its place among the arms: an override's value may be a path, whose
     # '/' would make the log's path a directory that is not there.

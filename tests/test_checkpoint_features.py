@@ -257,6 +257,27 @@ def test_the_ema_of_a_model_whose_forward_casts_to_its_16_bit_weights_validates(
     assert exported["model"]["wte.weight"].dtype == torch.bfloat16
 
 
+def test_the_ema_rounds_to_each_weight_s_own_dtype_inside_and_is_float32_after_even_an_error(monkeypatch):
+    # Each weight in the dtype the model built it in (fp16 as fp16, not as bf16: a forward's
+    # x.half() would meet bf16), the float32 average back after, also when the forward raised (an
+    # average left in 16 bits would then round every later update away). Under FSDP the shards stay.
+    from loop import ema as ema_module
+    from loop.ema import EMA
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 4).half(), torch.nn.Linear(4, 4).bfloat16(), torch.nn.Linear(4, 4))
+    ema = EMA(m, decay=0.9, warmup=1)
+    average = [w.clone() for w in ema.module.parameters()]
+    assert {w.dtype for w in average} == {torch.float32}
+    with ema.in_model_dtypes():
+        assert [w.dtype for w in ema.module.parameters()] == [w.dtype for w in m.parameters()]
+    with pytest.raises(RuntimeError, match="in the forward"), ema.in_model_dtypes():
+        raise RuntimeError("in the forward")
+    assert all(torch.equal(w, a) and w.dtype == torch.float32 for w, a in zip(ema.module.parameters(), average))
+    monkeypatch.setattr(ema_module.fsdp, "is_sharded", lambda module: True)
+    with ema.in_model_dtypes():
+        assert {w.dtype for w in ema.module.parameters()} == {torch.float32}
+
+
 def test_an_ema_of_a_model_with_a_buffer_in_no_state_dict_resumes_bit_for_bit(tmp_path, cache, monkeypatch):
     # A buffer registered with persistent=False (a cache, RoPE's frequencies) is in no checkpoint:
     # a resumed run's EMA copy holds the model's. An average of it drifts from that by rounding,

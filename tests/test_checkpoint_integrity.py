@@ -616,6 +616,29 @@ def test_a_file_torch_save_did_not_write_is_named_not_unpickled(tmp_path):
     assert "If you are seeing this error" not in said and len(said) < 250, said
 
 
+def test_a_torch_file_cut_short_is_named_with_torch_s_own_reason_or_its_error_s_name(tmp_path, monkeypatch):
+    # The clause in parentheses is torch's first sentence (what is wrong with the file, as torch
+    # words it in this version), not only the error's type; an error with no words gives its type,
+    # not an empty "()".
+    from loop.checkpoint import store
+    from loop.errors import BadInput
+
+    torch.save({"w": torch.zeros(1000)}, tmp_path / "cut.pt")
+    truncate_half(tmp_path / "cut.pt")
+    with pytest.raises(RuntimeError) as torch_said:
+        torch.load(tmp_path / "cut.pt", weights_only=True)
+    with pytest.raises(BadInput) as e:
+        store.load(tmp_path, "cut.pt")
+    assert f"({str(torch_said.value).split('. ')[0].strip()})" in str(e.value)
+
+    def wordless(*args, **kwargs):
+        raise EOFError()
+
+    monkeypatch.setattr(store.torch, "load", wordless)
+    with pytest.raises(BadInput, match=r"not a readable torch checkpoint \(EOFError\)"):
+        store.load(tmp_path, "cut.pt")
+
+
 def test_a_run_whose_checkpoints_were_deleted_is_not_started_over(tmp_path, cache):
     # Only `latest` (and `best`) left in checkpoints/: exit 2, nothing changed. Started over from
     # step 0 without a word, the run would overwrite its metrics.jsonl, summary.json and model.pt.

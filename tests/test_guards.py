@@ -227,6 +227,30 @@ def test_a_rollback_goes_back_to_the_checkpoint_of_the_step_just_before(tmp_path
     assert f"rolled back to step {back_to};" in capsys.readouterr().err
 
 
+def test_a_rollback_is_not_a_step_the_loop_evaluates_or_checkpoints_again(tmp_path, cache, monkeypatch):
+    # Trainer.step returns False after a rollback: the loop goes on from the checkpoint's step with
+    # nothing a finished step does. Counted as one, the step rolled back to (2, an eval and checkpoint
+    # step) was evaluated a second time: an evaluation more for early stopping's patience, its
+    # val_loss logged twice, and its checkpoint written again.
+    from conftest import TINY, build_trainer
+    from loop.evaluate import Evaluator
+
+    evaluated, evaluate = [], Evaluator.evaluate
+
+    def recorded(self, *args):
+        evaluated.append(self.progress.step)
+        return evaluate(self, *args)
+
+    monkeypatch.setattr(Evaluator, "evaluate", recorded)
+    out = tmp_path / "run"
+    cfg = load_config(DEFAULT, [*TINY, cache, f"run.out_dir={out}", "train.max_steps=6", "train.ckpt_every=2",
+                                "train.eval_every=2", "train.nan_policy=rollback", "faults.nan_at_step=3"])
+    s = build_trainer(cfg, Dist(), torch.device("cpu")).run()
+    assert (s["rollbacks"], s["steps"]) == (1, 6)
+    assert evaluated == [2, 4, 6]
+    assert [r["step"] for r in metrics(out) if "val_loss" in r] == [2, 4, 6]
+
+
 @pytest.mark.slow
 def test_a_rollback_waits_for_the_checkpoint_still_being_written(tmp_path, cache, monkeypatch, capsys):
     # train.async_save: step 10's checkpoint (on a disk made a second slower) is still being

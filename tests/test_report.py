@@ -224,6 +224,21 @@ def test_a_sweep_s_many_runs_get_a_default_out_a_file_system_takes(tmp_path, mon
     assert made[0].name.startswith("lr0e-4_batch64_seed0_and_1")
 
 
+def test_a_default_out_past_200_bytes_is_the_first_run_how_many_more_and_a_hash_of_every_name():
+    # A file system counts bytes (255), not characters: runs named in accents pass it sooner. The
+    # first run's name is cut to 100 bytes, whole characters only (a name of its own near 255 bytes
+    # stays under it); the count is of the other runs; and two sweeps that start with the same run
+    # and have as many runs are two reports, told apart by the hash of all their names.
+    from tools.report import default_out
+
+    runs = Path("runs")
+    assert default_out([runs / ("a" * 98), runs / ("b" * 98)]) == Path("reports") / f"{'a' * 98}_vs_{'b' * 98}"
+    accented = default_out([runs / ("a" + "é" * 60), runs / ("è" * 60)]).name  # 124 characters, 245 bytes
+    assert accented.startswith("a" + "é" * 49 + "_and_1_more_"), accented
+    a, b = (default_out([runs / ("x" * 240), runs / other]).name for other in ("y", "z"))
+    assert a != b and a.startswith("x" * 100 + "_and_1_more_") and len(a.encode()) <= 200, a
+
+
 @pytest.mark.slow
 def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     # The finished run resumed for more steps and killed at step 25: its summary.json says 20 steps,

@@ -326,6 +326,52 @@ def test_a_ddp_failure_of_a_model_whose_dropout_no_key_turns_off_names_its_dropo
     assert audit_runs.ddp(plan, 2, 1e-4, [], []).hint == audit_runs.HINTS["ddp"]
 
 
+def test_the_ddp_hint_names_the_model_s_own_cause_only_where_both_read_the_same_samples(tmp_path, monkeypatch):
+    # Sample ids that differ are the loop's data order: a batch norm or dropout of the model named
+    # then would send the user to the wrong place. Every kind of dropout counts (Dropout2d too).
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import audit_runs
+
+    net = torch.nn.Sequential(torch.nn.Conv2d(1, 1, 1), torch.nn.Dropout2d(0.1))
+    assert audit_runs.dropouts(net) == ["1"]
+    plan = audit_runs.Plan(DEFAULT_CONFIG, [], steps=2, every=2, kill_at=0, nproc=2, root=tmp_path, timeout=60)
+    records = {"P1": [{"loss": 1.0, "ids": [0, 1]}] * 2, "P": [{"loss": 1.1, "ids": [1, 2]}] * 2}
+    monkeypatch.setattr(audit_runs, "run", lambda plan, name, *extra, nproc=0: None)
+    monkeypatch.setattr(audit_runs, "_records", lambda plan, name: records[name])
+    for norms, drops in ((["0"], []), ([], ["1"])):
+        result = audit_runs.ddp(plan, 2, 1e-4, norms, [], drops)
+        assert not result.ok and "sample ids DIFFER" in result.numbers and result.hint == audit_runs.HINTS["ddp"]
+
+
+def test_the_ddp_check_looks_for_dropout_in_the_model_as_its_runs_build_it(tmp_path, monkeypatch, cache):
+    # Its runs set model.dropout=0: the default GPT then drops nothing and the hint stays the usual
+    # cause's, while a dropout no such key turns off (one of the model's own) is named.
+    import argparse
+
+    from conftest import gpt_then
+    from loop.config.load import DEFAULT_CONFIG
+    from model import MODELS
+    from tools import audit_runs, verify
+
+    seen = []
+
+    def ddp(plan, batch, tolerance, norms, quiet, drops=()):
+        seen.append((quiet, list(drops)))
+        return audit_runs.Result("ddp", True, "", "")
+
+    def dropping(m):
+        m.drop = torch.nn.Sequential(torch.nn.Dropout(0.1), m.drop)
+        return m
+
+    monkeypatch.setattr(audit_runs, "ddp", ddp)
+    monkeypatch.setitem(MODELS, "gpt_dropping", gpt_then(dropping))
+    for name in ("gpt", "gpt_dropping"):
+        a = argparse.Namespace(config=DEFAULT_CONFIG, overrides=[*TINY, cache, f"model.name={name}"], kill_at=None,
+                               steps=8, nproc=2, timeout=60)
+        verify.audit(a, ["ddp"], tmp_path)
+    assert seen == [(["model.dropout=0"], []), (["model.dropout=0"], ["drop.0"])]
+
+
 def test_a_resume_audit_that_never_killed_or_never_resumed_fails(tmp_path, monkeypatch):
     # Two ways the resume check could pass without proving anything: run R finished before the kill
     # (a config that runs fewer steps than asked), or its rerun started over instead of resuming (a
