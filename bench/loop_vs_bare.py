@@ -184,8 +184,8 @@ def run_arm(arm: str, name: str, extra: list[str], args, workdir: Path) -> dict:
     log = workdir / f"{name}.log"
     with open(log, "w") as f:  # files, not pipes, so wait4 can reap it and report its memory
         # In the user's directory, as the config and its paths were checked there; ROOT importable.
-        env = {**os.environ, **arm_env,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, **arm_env}
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, text=True, env=env)
         try:
             _, status, usage = os.wait4(proc.pid, 0)

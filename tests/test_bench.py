@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import subprocess
@@ -235,6 +236,13 @@ def test_a_variant_s_environment_wins_over_the_same_name_in_the_shell_s(tmp_path
         with pytest.raises(loop_vs_bare.ArmFailed) as e:
             loop_vs_bare.run_arm(arm, arm, extra, args, tmp_path)
         assert e.value.log.read_text().split() == [knob]
+    # A PYTHONPATH in a variant is the arm's too, after the scaffold's own root.
+    popen_said = "import os, sys; print(os.environ['PYTHONPATH']); sys.exit(3)"
+    monkeypatch.setattr(loop_vs_bare.subprocess, "Popen", lambda cmd, **kw: real([sys.executable, "-c", popen_said],
+                                                                                 **kw))
+    with pytest.raises(loop_vs_bare.ArmFailed) as e:
+        loop_vs_bare.run_arm("variant", "variant", ["PYTHONPATH=/my/lib"], args, tmp_path)
+    assert e.value.log.read_text().split()[0].split(os.pathsep) == [str(loop_vs_bare.ROOT), "/my/lib"]
 
 
 def test_a_variant_with_a_path_in_it_has_a_log_file_of_its_own(tmp_path, monkeypatch, capsys, cache):
