@@ -25,17 +25,20 @@ goes to bench/results/loop_vs_bare.jsonl. A variant arm that fails (its process 
 reported with its log's last lines and left out of the later repetitions; the others run on, the
 record names it under "failed", its log is kept in runs/, and the command exits 1. A failed scaffold
 or bare arm stops the run: the repetitions before it make the table and the record, and with none
-there is no record.
+there is no record. Ctrl-C or SIGTERM (a time limit) stops the arm that runs; the runs that finished
+make the table and the record ("interrupted" names the arm), and the command exits 130.
 A benchmark, not a test: figures depend on the machine and on what else runs on it.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -54,6 +57,7 @@ from loop.config.runtime import follow_global_batch
 from loop.contract import loss_and_sums
 from loop.data.sampler import collate, to_device
 from loop.device import pick_device, use_attention_kernel, use_tf32
+from loop.errors import EXIT_INTERRUPTED
 from loop.optim import build_optimizer
 from loop.precision import Precision
 from loop.rng import seed_everything
@@ -204,6 +208,41 @@ def run_arm(arm: str, name: str, extra: list[str], args, workdir: Path) -> dict:
     return {**figures, "max_rss_gb": usage.ru_maxrss / 1e6}  # Linux reports kB
 
 
+def run_reps(arms: dict, names: dict, args, workdir: Path, runs: dict, failed: dict, current: list) -> None:
+    """Every arm once a repetition, in fresh processes, the order alternating; figures into `runs`,
+    failures into `failed`; `current` names the arm that runs."""
+    for rep in range(args.reps):
+        order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
+        for arm in (a for a in order if a not in failed):  # a failure repeats: its time for nothing
+            current[:] = [f"{arm} in rep {rep + 1}/{args.reps}"]
+            try:
+                runs[arm].append(run_arm(arm, names[arm], arms[arm], args, workdir))
+            except ArmFailed as e:
+                failed[arm] = e
+                e.log = e.log.replace(workdir.parent / f"{workdir.name}-{e.log.name}")  # kept after the run
+                tail = "\n".join(e.log.read_text(errors="replace").splitlines()[-TAIL:])
+                print(f"rep {rep + 1}/{args.reps} {arm}: failed (exit {e.code}): {' '.join(e.cmd)}\n"
+                      f"{tail}\n(the whole log: {e.log})", file=sys.stderr, flush=True)
+                if arm in ("scaffold", "bare"):  # every figure is a ratio of the two: stop here
+                    return
+                continue
+            print(f"rep {rep + 1}/{args.reps} {arm}: {runs[arm][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
+        current.clear()
+
+
+@contextlib.contextmanager
+def terminate_as_interrupt():
+    """A time limit's SIGTERM (`timeout`, a GPU lease, a scheduler) taken as Ctrl-C: the arm that
+    runs is killed (run_arm), and the arms that finished still make the table and the record."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", default=DEFAULT_CONFIG, help="YAML preset (default: %(default)s)")
@@ -233,31 +272,23 @@ def main(argv: list[str] | None = None) -> int:
     Path("runs").mkdir(exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-loop-vs-bare-", dir="runs"))
     failed: dict[str, ArmFailed] = {}
+    current: list[str] = []  # the arm running: the one a Ctrl-C or a time limit stops
+    interrupted = ""
     try:
-        for rep in range(args.reps):
-            order = list(arms) if rep % 2 == 0 else list(arms)[::-1]  # drift hits every arm alike
-            for arm in (a for a in order if a not in failed):  # a failure repeats: its time for nothing
-                try:
-                    runs[arm].append(run_arm(arm, names[arm], arms[arm], args, workdir))
-                except ArmFailed as e:
-                    failed[arm] = e
-                    e.log = e.log.replace(workdir.parent / f"{workdir.name}-{e.log.name}")  # kept after the run
-                    tail = "\n".join(e.log.read_text(errors="replace").splitlines()[-TAIL:])
-                    print(f"rep {rep + 1}/{args.reps} {arm}: failed (exit {e.code}): {' '.join(e.cmd)}\n"
-                          f"{tail}\n(the whole log: {e.log})", file=sys.stderr, flush=True)
-                    if arm in ("scaffold", "bare"):  # every figure is a ratio of the two: stop here
-                        break
-                    continue
-                print(f"rep {rep + 1}/{args.reps} {arm}: {runs[arm][-1]['tokens_per_s']:,.0f} tok/s", flush=True)
-            if "scaffold" in failed or "bare" in failed:
-                break
+        with terminate_as_interrupt():
+            run_reps(arms, names, args, workdir, runs, failed, current)
+    except KeyboardInterrupt:
+        interrupted = current[0] if current else "between arms"
+        print(f"interrupted: {interrupted}; the runs that finished make the table and the record",
+              file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     if not (runs["scaffold"] and runs["bare"]):
-        print(f"error: the {' and '.join(a for a in ('scaffold', 'bare') if not runs[a])} arm failed at its first "
-              f"run: no ratio to bare without it, so no table and no record. Fix what its log says, then run "
-              f"again.", file=sys.stderr)
-        return 1
+        missing = " and ".join(a for a in ("scaffold", "bare") if not runs[a])
+        print(f"error: the {missing} arm {'did not finish' if interrupted else 'failed at'} its first run: no "
+              f"ratio to bare without it, so no table and no record. "
+              f"{'Run again' if interrupted else 'Fix what its log says, then run again'}.", file=sys.stderr)
+        return EXIT_INTERRUPTED if interrupted else 1
     runs = {arm: rs for arm, rs in runs.items() if rs}  # an arm that failed at its first run has none
     med = {arm: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for arm, rs in runs.items()}
     bare_tps = med["bare"]["tokens_per_s"]
@@ -278,13 +309,15 @@ def main(argv: list[str] | None = None) -> int:
     for arm, e in failed.items():
         print(f"failed: {arm} (exit {e.code}), {len(runs.get(arm, []))} of its {args.reps} runs in the table; "
               f"its log: {e.log}")
+    if interrupted:
+        print(f"interrupted: {interrupted}; the table holds the runs that finished")
     append_result(args.results, "bench.loop_vs_bare", argv, {
         "device": device, "config": args.config, "overrides": args.overrides, "steps": args.steps,
         "warmup": args.warmup, "reps": args.reps, "median": med,
         "ratio_to_bare": {arm: m["tokens_per_s"] / bare_tps for arm, m in med.items()},
         "paired_ratio_to_bare": paired, "runs": runs,
-        "failed": {arm: e.code for arm, e in failed.items()}})
-    return 1 if failed else 0
+        "failed": {arm: e.code for arm, e in failed.items()}, "interrupted": interrupted or None})
+    return EXIT_INTERRUPTED if interrupted else 1 if failed else 0
 
 
 if __name__ == "__main__":

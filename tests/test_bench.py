@@ -142,6 +142,49 @@ def test_a_bare_arm_that_fails_in_a_later_repetition_keeps_the_ones_before(tmp_p
     assert "illegal memory access" in err and "step 0\n" not in err
 
 
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_an_interrupted_bench_keeps_the_arms_that_finished(tmp_path, monkeypatch, capsys, cache, how):
+    # A GPU lease's time limit (SIGTERM from `timeout`) or Ctrl-C during a slow arm (a compile mode
+    # that autotunes for minutes): the scaffold and bare figures already measured make the table and
+    # the record, which names the arm stopped; exit 130. SIGTERM's own handler is back after.
+    monkeypatch.chdir(tmp_path)
+    before = signal.getsignal(signal.SIGTERM)
+
+    def run_arm(arm, name, extra, args, workdir):
+        if arm != "train.compile_mode=reduce-overhead":
+            return dict(FIGURES)
+        if how == "ctrl-c":
+            raise KeyboardInterrupt  # as run_arm raises it, once it has killed its arm
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # the arm would run on: the signal must end the wait
+
+    monkeypatch.setattr(loop_vs_bare, "run_arm", run_arm)
+    results = tmp_path / "r.jsonl"
+    t0 = time.monotonic()
+    assert loop_vs_bare.main(["--reps", "2", "--results", str(results), "--variant",
+                              "train.compile_mode=reduce-overhead", *TINY, cache]) == 130
+    assert time.monotonic() - t0 < 20 and signal.getsignal(signal.SIGTERM) == before
+    (record,) = [json.loads(line) for line in results.read_text().splitlines()]
+    assert set(record["median"]) == {"scaffold", "bare"}
+    assert record["interrupted"] == "train.compile_mode=reduce-overhead in rep 1/2"
+    assert "interrupted: train.compile_mode=reduce-overhead in rep 1/2" in capsys.readouterr().out
+
+
+def test_a_bench_interrupted_before_bare_finished_writes_no_record(tmp_path, monkeypatch, capsys, cache):
+    monkeypatch.chdir(tmp_path)
+
+    def run_arm(arm, name, extra, args, workdir):
+        if arm == "bare":
+            raise KeyboardInterrupt
+        return dict(FIGURES)
+
+    monkeypatch.setattr(loop_vs_bare, "run_arm", run_arm)
+    results = tmp_path / "r.jsonl"
+    assert loop_vs_bare.main(["--reps", "1", "--results", str(results), *TINY, cache]) == 130
+    assert not results.exists() and "the bare arm did not finish its first run" in capsys.readouterr().err
+    assert not list((tmp_path / "runs").iterdir())  # the work directory goes too
+
+
 def test_an_interrupted_bench_stops_the_arm_it_was_running(tmp_path, monkeypatch):
     # Ctrl-C (or a time limit's signal) reaches the bench: the arm's process, a GPU run, must not
     # train on behind it.
