@@ -234,8 +234,8 @@ def test_the_average_of_16_bit_weights_is_kept_in_float32_and_moves(dtype):
 
 def test_the_ema_of_a_model_whose_forward_casts_to_its_16_bit_weights_validates(tmp_path, cache, monkeypatch):
     # A model fine-tuned in bf16 whose forward casts to it (`x.to(torch.bfloat16)` before a bf16
-    # layer): its float32 average met a bf16 input, and the first evaluation with ema.enabled was a
-    # dtype-mismatch traceback. Validation rounds the average to the model's dtypes; it stays float32.
+    # layer): the float32 average would meet a bf16 input, a dtype mismatch at the first evaluation
+    # with ema.enabled. Validation rounds the average to the model's dtypes; it stays float32.
     from conftest import gpt_then
     from model import MODELS
 

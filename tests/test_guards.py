@@ -230,7 +230,7 @@ def test_a_rollback_goes_back_to_the_checkpoint_of_the_step_just_before(tmp_path
 def test_a_rollback_is_not_a_step_the_loop_evaluates_or_checkpoints_again(tmp_path, cache, monkeypatch):
     # Trainer.step returns False after a rollback: the loop goes on from the checkpoint's step with
     # nothing a finished step does. Counted as one, the step rolled back to (2, an eval and checkpoint
-    # step) was evaluated a second time: an evaluation more for early stopping's patience, its
+    # step) would be evaluated a second time: an evaluation more for early stopping's patience, its
     # val_loss logged twice, and its checkpoint written again.
     from conftest import TINY, build_trainer
     from loop.evaluate import Evaluator

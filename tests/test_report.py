@@ -210,8 +210,8 @@ def test_runs_whose_directories_share_a_name_are_told_apart(tmp_path, monkeypatc
 
 
 def test_a_sweep_s_many_runs_get_a_default_out_a_file_system_takes(tmp_path, monkeypatch, capsys):
-    # runs/sweep/* with 16 runs: their names joined were a directory name of 400 bytes, and the
-    # report, with no --out given, was refused for "option --out: File name too long".
+    # runs/sweep/* with 16 runs: their names joined make a directory name of 400 bytes, which a
+    # file system refuses ("File name too long"); with no --out given, the default must fit.
     sweep = [tmp_path / "sweep" / f"lr{i}e-4_batch64_seed0" for i in range(16)]
     for run in sweep:
         run.mkdir(parents=True)
