@@ -1,5 +1,5 @@
-"""The honest loop. `Trainer(...).run()` resumes if it can, trains to train.max_steps (or until early
-stopping or a preemption signal), evaluating and checkpointing on the way, and writes summary.json.
+"""The honest loop. `Trainer(...).run()` resumes if it can, trains to train.max_steps (or an early stop
+or a preemption), evaluating and checkpointing on the way, and writes summary.json.
 `step()` is one optimizer step: micro-batches -> forward, backward of each -> unscale -> clip -> the
 true loss over every rank -> one finite check -> step or skip -> schedule, EMA, zero_grad -> log.
 
@@ -57,10 +57,9 @@ class Trainer:
         self.parts = {"model": self.raw, "optimizer": optimizer, "scheduler": scheduler, "scaler": self.scaler,
                       "ema": ema, "monitor": self.monitor, "progress": self.progress, "rng": RngStreams()}
         self.feed = Feed(data, cfg, cfg.data.pin_memory and device.type == "cuda", self.progress, self.dist)
-        watched = watched_buffers(self.raw)  # those a forward can leave non-finite (BatchNorm's statistics)
-        self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save, watched,
-                                 self.sharded)
-        self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist, watched)
+        watch = watched_buffers(self.raw)  # those a forward can leave non-finite (BatchNorm's statistics)
+        self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save, watch, self.sharded)
+        self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist, watch)
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded,
                                model, bool(tc.global_batch))
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
@@ -149,19 +148,37 @@ class Trainer:
                     self.log.close()
 
     def step(self) -> bool:
-        """One optimizer step: train.grad_accum loaded batches, Progress.micro_split micro-batches each.
-        False: rolled back."""
+        """One optimizer step: train.grad_accum batches, each in micro_split micro-batches. False: rolled back."""
         tc, p = self.cfg.train, self.progress
         batches, data_ms = self.feed.draw()  # this rank's train.grad_accum loaded batches; the wait
         # Targets in the step on every rank: counted by the collate, summed on the CPU (no GPU sync).
         n_targets = int(self.dist.sum_host([sum(b["n_targets"] for b in batches)])[0])
         if not n_targets:  # every y is -100 on every rank (e.g. prompts only): nothing to learn
             return self.skip_empty(batches, data_ms)
-        while (micro_losses := self.forward_backward(batches, n_targets)) is None:  # a rank ran out of memory
+        while True:  # out of memory: every rank retries the same samples in smaller micro-batches
+            losses, pieces = [], [piece for m in batches for piece in split_batch(m, p.micro_split)]
+            with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
+                for i, batch in enumerate(pieces):
+                    last = i == len(pieces) - 1
+                    with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
+                        loss = self.forward(batch)  # summed over its targets (faults may wrap it: loop/build.py)
+                        losses.append(loss.detach().float())
+                        divisor = n_targets  # the step's targets over all ranks
+                        if self.lab_break == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
+                            divisor = batch["n_targets"] * len(pieces)
+                        scaled = self.scaler.scale(loss * (self.dist.world / divisor))  # x world: DDP averages ranks
+                        if last:
+                            attempt.agree()  # before gradients cross ranks: did any rank run out?
+                        with record_function("backward"):
+                            scaled.backward()
+            if not attempt.failed:
+                break
+            loss = scaled = None  # the failed try's graph, freed before the split hands memory back
             self.oom.split(self.optimizer, self.device)  # smaller micro-batches of the same samples, or give up
             if is_ddp(self.model):  # its reducer waits for a backward that never comes: a fresh DDP,
                 self.model = None  # once the old one is collected
                 self.model = self.oom.rewrap(self.device)
+        micro_losses = torch.stack(losses)
         check_all_used(self.model, tc.find_unused_parameters, p.step + 1)
         with record_function("optimizer"):  # unscale ... zero_grad: one region for the profiler
             params = [q for g in self.optimizer.param_groups for q in g["params"]]
@@ -176,8 +193,7 @@ class Trainer:
             step_loss = totals[0] / n_targets  # the true loss: every target of every rank
             lr = self.optimizer.param_groups[0]["lr"]
             loss_ok, grad_ok = torch.stack([step_loss.isfinite(), totals[1] == 0]).tolist()  # one host read
-            taken = loss_ok and grad_ok
-            if taken:
+            if taken := loss_ok and grad_ok:
                 self.scaler.step(self.optimizer)
                 self.scheduler.step()  # the LR advances only on steps actually taken
                 if self.ema:
@@ -193,30 +209,8 @@ class Trainer:
         self.count(batches, n_targets, lr, data_ms, step_loss, grad_norm, skipped=not taken)
         return True
 
-    def forward_backward(self, batches: list[dict], n_targets: int) -> torch.Tensor | None:
-        """Forward and backward of the step's micro-batches, gradients accumulated: each one's loss
-        (summed over its targets), in one tensor; None if a rank ran out of memory (all then retry)."""
-        losses, pieces = [], [piece for m in batches for piece in split_batch(m, self.progress.micro_split)]
-        with self.oom.attempt() as attempt:  # catches an out-of-memory error: attempt.failed
-            for i, batch in enumerate(pieces):
-                last = i == len(pieces) - 1
-                with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
-                    loss = self.forward(batch)  # summed over its targets (faults may wrap it: loop/build.py)
-                    losses.append(loss.detach().float())
-                    divisor = n_targets  # the step's targets over all ranks
-                    if self.lab_break == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean
-                        divisor = batch["n_targets"] * len(pieces)
-                    # One big batch's gradients; x world, as DDP averages over the ranks
-                    scaled = self.scaler.scale(loss * (self.dist.world / divisor))
-                    if last:
-                        attempt.agree()  # before gradients cross ranks: did any rank run out?
-                    with record_function("backward"):
-                        scaled.backward()
-        return None if attempt.failed else torch.stack(losses)
-
     def forward(self, batch: dict) -> torch.Tensor:
-        """One micro-batch's loss, summed over its targets (the model's contract: loop/contract.py).
-        loop/build.py wraps it with the configured faults (loop/guards/faults.py)."""
+        """One micro-batch's summed loss (loop/contract.py); build.py may wrap it with faults (guards/faults.py)."""
         batch = to_device(batch, self.device, non_blocking=True)
         if self.sharded:  # FSDP shards parameters only: buffers as DDP keeps them
             self.dist.sync_buffers(self.raw)
@@ -233,8 +227,7 @@ class Trainer:
                          "data_ms": data_ms, "micro_batch": self.oom.micro_batch(), **ids}, loss, grad_norm)
 
     def skip_empty(self, batches: list[dict], data_ms: float) -> bool:
-        """A step whose batches hold no target: its loss is 0/0 and it has no gradient, so nothing
-        changes (weights, optimizer, LR, EMA), as for a skipped step; the data moves on."""
+        """No target in the step's batches: no loss, no gradient; nothing changes but the data position."""
         p, nan = self.progress, torch.tensor(float("nan"), device=self.device)
         p.empty += 1
         self.dist.say(f"warning: step {p.step + 1}: no targets in this step's batches (every y is -100, at "

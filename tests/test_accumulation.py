@@ -264,24 +264,34 @@ def test_the_accumulation_audit_keeps_a_real_target_when_prompts_are_masked(tmp_
     assert result.ok == (not lab_break) and "gradient, norm and loss rel. difference" in result.numbers, result
 
 
-def micro_batch_trainer(tmp_path, cache, *overrides):
-    """A TINY trainer (no dropout: two passes over a batch draw the same) and its first step's batches."""
+def micro_batch_trainer(out, cache, *overrides):
+    """A TINY trainer (no dropout: two passes over a batch draw the same), its data feed started."""
     from conftest import TINY, build_trainer
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist
 
-    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={tmp_path / 'run'}", "model.dropout=0",
-                                       *overrides])
+    cfg = load_config(DEFAULT_CONFIG, [*TINY, cache, f"run.out_dir={out}", "model.dropout=0", *overrides])
     trainer = build_trainer(cfg, Dist(), torch.device("cpu"))
     trainer.feed.start()
-    batches, _ = trainer.feed.draw()
-    return trainer, batches, sum(b["n_targets"] for b in batches)
+    return trainer
+
+
+def spied_forward(trainer) -> list:
+    """What each micro-batch's forward got and gave, as (batch, loss), in order."""
+    seen, forward = [], trainer.forward
+
+    def spy(batch):
+        seen.append((batch, forward(batch)))
+        return seen[-1][1]
+
+    trainer.forward = spy
+    return seen
 
 
 def test_the_step_s_micro_batch_losses_are_float32_for_a_model_whose_loss_is_bf16(tmp_path, cache, monkeypatch):
     # Each micro-batch's loss is a sum over its targets (hundreds): kept in the dtype a model returns
-    # it in (bf16 from a model kept in bf16), its 8 bits of mantissa would round the logged loss and
-    # the finite check's sum.
+    # it in (bf16 from a model kept in bf16), its 8 bits of mantissa would round the step's sum of
+    # them, which the logged loss and the finite check read.
     from conftest import gpt_then
     from model import MODELS
 
@@ -291,9 +301,13 @@ def test_the_step_s_micro_batch_losses_are_float32_for_a_model_whose_loss_is_bf1
         return m
 
     monkeypatch.setitem(MODELS, "gpt_bf16_loss", gpt_then(bf16_loss))
-    trainer, batches, n_targets = micro_batch_trainer(tmp_path, cache, "model.name=gpt_bf16_loss")
-    losses = trainer.forward_backward(batches, n_targets)
-    assert losses.dtype == torch.float32 and losses.shape == (len(batches),)
+    trainer = micro_batch_trainer(tmp_path / "run", cache, "model.name=gpt_bf16_loss")
+    trainer.progress.micro_split = 4
+    seen, summed, sum_ = spied_forward(trainer), [], trainer.dist.sum_
+    trainer.dist.sum_ = lambda t: summed.append(t.clone()) or sum_(t)
+    assert trainer.step()
+    assert len(seen) > 2 and all(loss.dtype == torch.bfloat16 for _, loss in seen)
+    assert summed[0][0].item() == torch.stack([loss.float() for _, loss in seen]).sum().item()
 
 
 def test_lab_mean_loss_per_microbatch_divides_by_the_step_s_micro_batch_count(tmp_path, cache):
@@ -301,14 +315,16 @@ def test_lab_mean_loss_per_microbatch_divides_by_the_step_s_micro_batch_count(tm
     # step runs, grad_accum x the OOM split (loop/lab.py). Where every micro-batch holds as many
     # targets, that is the true mean: a split into halves leaves the gradients as they were, not
     # doubled (a divisor of grad_accum alone).
-    trainer, batches, n_targets = micro_batch_trainer(tmp_path, cache, "lab.break=mean_loss_per_microbatch")
     grads = []
-    for split in (1, 2):
+    for split in (1, 2):  # two trainers from one seed: the same weights and first batches
+        trainer = micro_batch_trainer(tmp_path / str(split), cache, "lab.break=mean_loss_per_microbatch",
+                                      "train.clip_grad=0")  # the gradients as made, not clipped to one norm
         trainer.progress.micro_split = split
-        trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.forward_backward(batches, n_targets)
-        grads.append(torch.cat([p.grad.flatten() for p in trainer.raw.parameters() if p.grad is not None]))
-    assert len({b["n_targets"] for b in batches}) == 1  # equal counts: the mean of means is the mean
+        seen = spied_forward(trainer)
+        trainer.optimizer.register_step_pre_hook(lambda opt, *_: grads.append(
+            torch.cat([q.grad.flatten() for g in opt.param_groups for q in g["params"] if q.grad is not None])))
+        assert trainer.step()
+        assert len({int(batch["n_targets"]) for batch, _ in seen}) == 1  # the mean of means is the mean
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
 
 
@@ -319,19 +335,14 @@ def test_the_ranks_agree_on_an_out_of_memory_once_per_try_after_its_last_forward
     # several processes would end instead of retrying in halves.
     from loop.guards import oom
 
-    trainer, batches, n_targets = micro_batch_trainer(tmp_path, cache)
-    forwards, agreed, forward, agree = [], [], trainer.forward, oom.Attempt.agree
-
-    def counted_forward(batch):
-        forwards.append(batch)
-        return forward(batch)
+    trainer = micro_batch_trainer(tmp_path / "run", cache)
+    seen, agreed, agree = spied_forward(trainer), [], oom.Attempt.agree
 
     def counted_agree(self):
-        agreed.append(len(forwards))  # micro-batches through their forward so far
+        agreed.append(len(seen))  # micro-batches through their forward so far
         agree(self)
 
-    trainer.forward = counted_forward
     monkeypatch.setattr(oom.Attempt, "agree", counted_agree)
     trainer.progress.micro_split = 2
-    trainer.forward_backward(batches, n_targets)
-    assert len(forwards) == 2 * len(batches) > 2 and agreed == [len(forwards)]
+    assert trainer.step()
+    assert len(seen) == 2 * trainer.cfg.train.grad_accum > 2 and agreed == [len(seen)]
