@@ -85,16 +85,15 @@ class EMA(AveragedModel):
         a bf16 layer) then runs on the copy as on the model, not into a dtype mismatch. Under FSDP
         the shards stay as they are (FSDP gathers them in the dtype they were sharded in)."""
         tensors = [*self.module.parameters(), *self.module.buffers()]
-        kept = [] if fsdp.is_sharded(self.module) else \
-            [(t, t.data) for t, dtype in zip(tensors, self.narrow) if dtype is not None]
-        for t, dtype in zip(tensors, self.narrow):
-            if kept and dtype is not None:
-                t.data = t.data.to(dtype)
+        narrowed = [] if fsdp.is_sharded(self.module) else \
+            [(t, t.data, dtype) for t, dtype in zip(tensors, self.narrow) if dtype is not None]
+        for t, _, dtype in narrowed:
+            t.data = t.data.to(dtype)
         try:
             yield
         finally:
-            for t, data in kept:
-                t.data = data
+            for t, average, _ in narrowed:
+                t.data = average
 
     def reset(self, model: nn.Module) -> None:
         """Start the average over from `model`'s weights (a warm start, or EMA turned on at a resume)."""
