@@ -81,6 +81,7 @@ def test_no_secrets_and_the_hardware_is_described(tmp_path, cache, monkeypatch):
     monkeypatch.setenv("PYTORCH_HUB_TOKEN", "tok-not-for-logs-2")
     monkeypatch.setenv("SLURM_DB_PASSWORD", "pw-not-for-logs-3")
     monkeypatch.setenv("MY_SECRET", "s-not-for-logs-4")
+    monkeypatch.setenv("TORCHINDUCTOR_COORDINATE_DESCENT_TUNING", "1")  # a compiled run's kernels
     out = tmp_path / "run"
     run_train(out, cache, "train.max_steps=2", "train.ckpt_every=2")
     text = (out / "metadata.json").read_text()
@@ -88,6 +89,7 @@ def test_no_secrets_and_the_hardware_is_described(tmp_path, cache, monkeypatch):
         assert secret not in text, secret
     meta = json.loads(text)
     assert meta["environment"]["NCCL_DEBUG"] == "INFO"
+    assert meta["environment"]["TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"] == "1"
     hw = meta["hardware"]
     assert hw["cpu_cores"] >= 1 and hw["ram_gb"] > 0.5 and hw["gpu_count"] == torch.cuda.device_count()
     assert len(hw["host_sha256"]) == 16 and hw["cpu"]

@@ -9,7 +9,8 @@ produced this run.
   plain values only, so a resume on other data can say so (loop/checkpoint/state.py);
 - machine: CPU model and cores, RAM, GPU names / count / memory, driver and CUDA versions, a hash
   of the hostname (not the name), versions of python, torch and numpy;
-- environment: only variables that steer training (CUDA_*, NCCL_*, PYTORCH_*, OMP_*, SLURM_*, ...).
+- environment: only variables that steer training (CUDA_*, NCCL_*, PYTORCH_*, TORCHINDUCTOR_*, OMP_*,
+  SLURM_*, ...).
   Anything that looks like a secret (*KEY*, *TOKEN*, *SECRET*, *PASSWORD*) is never written, and
   such values on the command line are masked; nor is any variable taken from `.env` (loop/config/dotenv.py),
   whatever its name.
@@ -43,8 +44,10 @@ SECRET = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
 # db.password): train.sample_tokens or data.markov.tokens is no secret, and is recorded as it is.
 SECRET_WORD = re.compile(r"(KEY|TOKEN|SECRET|PASSWORD)$", re.IGNORECASE)
 CODE = ("train.py", "loop", "data", "model")  # the code that decides how a run trains
-ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "OMP_", "MKL_", "SLURM_", "MASTER_",
-                "WORLD_SIZE", "RANK", "LOCAL_RANK", "CUBLAS_")
+# TORCHINDUCTOR_, TORCHDYNAMO_ and TRITON_ choose a compiled run's kernels, hence its speed and its
+# floating-point results.
+ENV_PREFIXES = ("CUDA_", "NCCL_", "PYTORCH_", "TORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "TRITON_", "OMP_",
+                "MKL_", "SLURM_", "MASTER_", "WORLD_SIZE", "RANK", "LOCAL_RANK", "CUBLAS_")
 
 
 def _git(root: Path, *args: str) -> str | None:
