@@ -20,7 +20,8 @@ The table shows medians: tokens/s, the ratio to bare (of the medians; and "paire
 each repetition's own ratio: its arms run back to back, so the machine's drift between repetitions,
 over 20% on a shared 2-core VM, cancels), the micro-batch each arm trained at (data.batch_size=auto's
 pick, or what an out-of-memory split left), peak memory (CUDA: max allocated; CPU: the process's
-max RSS), the scaffold's data wait and, where the device's peak is known, MFU. The record
+max RSS), the scaffold's data wait, where the device's peak is known, MFU, and the warm-up's
+seconds (its steps, compilation included: what a compile mode or compiler setting costs). The record
 goes to bench/results/loop_vs_bare.jsonl. A variant arm that fails (its process exits non-zero) is
 reported with its log's last lines and left out of the later repetitions; the others run on, the
 record names it under "failed", its log is kept in runs/, and the command exits 1. A failed scaffold
@@ -135,6 +136,7 @@ def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     micro = [collate([train[order[i % len(train)]] for i in range(j * b, (j + 1) * b)]) for j in range(2 * k)]
     micro = [to_device(m, loop.device) for m in micro]
     two = [micro[:k], micro[k:]]  # two fixed steps' worth, alternating
+    w0 = time.perf_counter()
     for n in range(warmup):
         loop.step(two[n % 2])
     sync_device(loop.device)
@@ -142,7 +144,8 @@ def bare(config: str, overrides: list[str], warmup: int, steps: int) -> dict:
     for n in range(steps):
         tokens += loop.step(two[n % 2])
     sync_device(loop.device)
-    out = {"tokens_per_s": tokens / (time.perf_counter() - t0), "data_wait_pct": 0.0, "micro_batch": b}
+    out = {"tokens_per_s": tokens / (time.perf_counter() - t0), "data_wait_pct": 0.0, "micro_batch": b,
+           "warmup_s": t0 - w0}
     if loop.device.type == "cuda":
         out["peak_gb"] = torch.cuda.max_memory_allocated(loop.device) / 1e9
     return out
@@ -158,8 +161,10 @@ def scaffold_figures(records: list[dict], warmup: int, steps: int, every: int) -
     data_ms = sum(by_step[s]["data_ms"] for s in range(warmup + 1, warmup + steps + 1))
     # The micro-batch the window ended at: data.batch_size=auto's pick, or smaller after an
     # out-of-memory split, which would make the arm another setting than the one asked for.
+    # The warm-up's intervals: from the loop's start, so the first holds the compilation.
+    warmup_s = sum(by_step[s]["ms_per_step"] * every for s in range(every, warmup + 1, every)) / 1000
     out = {"tokens_per_s": tokens / seconds, "data_wait_pct": 100 * data_ms / (1000 * seconds),
-           "micro_batch": by_step[warmup + steps]["micro_batch"]}
+           "micro_batch": by_step[warmup + steps]["micro_batch"], "warmup_s": warmup_s}
     if "mfu" in ends[-1]:  # MFU is linear in samples/s: rescale one interval's to the whole window
         out["mfu"] = ends[-1]["mfu"] * samples / seconds / ends[-1]["samples_per_s"]
     if "cuda_max_alloc_gb" in ends[-1]:
@@ -299,13 +304,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{' '.join(args.overrides)} | medians of {args.reps} runs, {args.steps} steps after "
           f"{args.warmup} warm-up")
     print(f"{'arm':<40}{'tokens/s':>11}{'vs bare':>9}{'paired':>8}{'micro':>7}{'peak GB':>9}"
-          f"{'max RSS GB':>11}{'data wait':>10}{'MFU':>7}")
+          f"{'max RSS GB':>11}{'data wait':>10}{'MFU':>7}{'warm-up s':>10}")
     for arm, m in med.items():
         mfu = f"{100 * m['mfu']:.1f}%" if "mfu" in m else "-"
         peak = f"{m['peak_gb']:.2f}" if "peak_gb" in m else "-"
         print(f"{arm:<40}{m['tokens_per_s']:>11,.0f}{m['tokens_per_s'] / bare_tps:>9.3f}{paired[arm]:>8.3f}"
               f"{m['micro_batch']:>7g}{peak:>9}"
-              f"{m['max_rss_gb']:>11.2f}{m['data_wait_pct']:>9.2f}%{mfu:>7}")
+              f"{m['max_rss_gb']:>11.2f}{m['data_wait_pct']:>9.2f}%{mfu:>7}{m['warmup_s']:>10.1f}")
     for arm, e in failed.items():
         print(f"failed: {arm} (exit {e.code}), {len(runs.get(arm, []))} of its {args.reps} runs in the table; "
               f"its log: {e.log}")

@@ -51,9 +51,10 @@ def test_loop_vs_bare_runs_and_records(tmp_path, cache, capsys):
     assert med["bare"]["data_wait_pct"] == 0 and 0 <= med["scaffold"]["data_wait_pct"] < 100
     # The micro-batch each arm trained at: TINY's 4, and the variant's own 2.
     assert [m["micro_batch"] for m in med.values()] == [4, 4, 2]
+    assert all(m["warmup_s"] > 0 for m in med.values())
 
 
-FIGURES = {"tokens_per_s": 100.0, "data_wait_pct": 0.0, "micro_batch": 4, "max_rss_gb": 0.1}
+FIGURES = {"tokens_per_s": 100.0, "data_wait_pct": 0.0, "micro_batch": 4, "max_rss_gb": 0.1, "warmup_s": 1.0}
 
 
 def fail_one_arm(monkeypatch, failing: str) -> None:
@@ -317,11 +318,12 @@ def test_scaffold_figures_use_only_the_timed_window():
     assert fig["mfu"] == pytest.approx(0.3 * 0.016 / 0.020)  # the last interval's, at the window's rate
     assert fig["peak_gb"] == 0.6
     assert fig["micro_batch"] == 4  # where the window ended: the arm trained at less than it asked
+    assert fig["warmup_s"] == pytest.approx(0.020)  # the warm-up's one interval: 2 steps x 10 ms
     # --warmup 0 (allowed): the window starts at step 0, which has no record (it must not be looked
     # up: a KeyError after every arm had run). One interval of 6 steps, its mean ms/step on its
     # last record.
     fig = loop_vs_bare.scaffold_figures(recs, warmup=0, steps=6, every=6)
-    assert fig["tokens_per_s"] == pytest.approx(600 / 0.120)
+    assert fig["tokens_per_s"] == pytest.approx(600 / 0.120) and fig["warmup_s"] == 0
 
 
 @pytest.mark.slow
