@@ -54,7 +54,7 @@ from data import DATASETS
 from loop.build import build_data, build_model
 from loop.config.arguments import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
-from loop.config.runtime import follow_global_batch
+from loop.config.runtime import check_cuda_graphs, follow_global_batch
 from loop.contract import loss_and_sums
 from loop.data.sampler import collate, to_device
 from loop.device import pick_device, use_attention_kernel, use_tf32
@@ -93,6 +93,7 @@ class Bare:
 
     def __init__(self, cfg, total_steps: int):
         self.cfg, self.device = cfg, pick_device(cfg.train.device)
+        check_cuda_graphs(cfg, self.device)  # as the scaffold: no accumulation over CUDA graphs
         use_tf32(self.device, cfg.train.tf32)
         use_attention_kernel(cfg.train.attention_kernel, self.device)  # the same kernels as the scaffold's
         seed_everything(cfg.run.seed)

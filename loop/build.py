@@ -15,6 +15,7 @@ from torch.nn.parameter import UninitializedParameter
 
 from loop import auto_batch
 from loop.config.runtime import (
+    check_cuda_graphs,
     check_same_config,
     check_same_data,
     check_with_world,
@@ -61,6 +62,7 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
         dist.say(f"data.batch_size=auto: {cfg.data.batch_size}, {how}")
     if accum := follow_global_batch(cfg, dist.world):  # before anything reads train.grad_accum
         dist.say(accum)
+    check_cuda_graphs(cfg, device)
     if cfg.train.compile:
         # In place: state_dict keys, hence checkpoints, stay those of the model.
         model.compile(mode=cfg.train.compile_mode)

@@ -22,6 +22,7 @@ from torch.profiler import record_function
 from loop import probe
 from loop.checkpoint import resume, store
 from loop.checkpoint.saver import Saver
+from loop.config.runtime import cuda_graphs
 from loop.contract import loss_and_sums
 from loop.data.feed import Feed
 from loop.data.sampler import split_batch, to_device
@@ -61,7 +62,7 @@ class Trainer:
         self.checkpoints = Saver(self.out / "checkpoints", tc.keep_last, self.dist, tc.async_save, watch, self.sharded)
         self.nonfinite = NonFinite(tc.nan_policy, tc.max_bad_steps, self.progress, self.dist, watch)
         self.oom = OutOfMemory(tc.oom_policy, cfg.data.batch_size, self.progress, self.dist, self.sharded,
-                               model, bool(tc.global_batch))
+                               model, bool(tc.global_batch), cuda_graphs(cfg, device))
         self.evaluator = Evaluator(ema.module if ema else self.raw, data, cfg, precision, device, self.dist,
                                    self.sharded, self.progress, ema.in_model_dtypes if ema else contextlib.nullcontext)
         self.log, self.metadata, self.run_facts, self.preempted = NullLog(), {}, {}, False

@@ -8,9 +8,11 @@ kernel asked for runs (cuDNN's, or flash's where determinism mode turns cuDNN's 
 too big for the card runs out of memory for real and is recovered by splitting it, and
 data.batch_size=auto finds one that fits; the chunked loss resumes bit-identically; FlexAttention
 (model.attention=flex) gives SDPA's gradients and resumes bit-identically in bf16; steady-state
-steps make exactly one host sync each (the finite check), proved with
-torch.cuda.set_sync_debug_mode; torchrun with one process trains over nccl (with EMA and async
-checkpoints), bit-identical to plain python, also after a SIGKILL and rerun; FSDP with CPU offload
+steps make exactly one host sync each (the finite check), compiled with CUDA graphs too, proved
+with torch.cuda.set_sync_debug_mode; CUDA graphs (train.compile_mode=reduce-overhead) train a step
+in one micro-batch and resume bit-identically, and refuse gradient accumulation; torchrun with one
+process trains over nccl (with EMA and async checkpoints), bit-identical to plain python, also
+after a SIGKILL and rerun; FSDP with CPU offload
 and mixed precision trains close to FSDP on the GPU and resumes bit-identically; NVML reads the
 GPU the run trains on.
 """
@@ -228,9 +230,31 @@ def test_flex_attention_repeats_and_resumes_bit_identically_in_bf16(tmp_path, ca
     assert metrics(a)[-1]["loss"] == pytest.approx(metrics(sdpa)[-1]["loss"], rel=0.05)
 
 
+def test_cuda_graphs_train_a_step_in_one_micro_batch_resume_bit_identically_and_refuse_more(tmp_path, cache):
+    # train.compile_mode=reduce-overhead replays CUDA graphs: with the step in one micro-batch it
+    # trains as the default mode does and resumes bit for bit; with two, whose gradients the
+    # replays would write over, it is exit 2 before anything is written (loop/config/runtime.py).
+    args = [cache, *DIST, *CUDA, "train.precision=bf16", "train.compile=true", "data.batch_size=8",
+            "train.grad_accum=1"]
+    graphs = [*args, "train.compile_mode=reduce-overhead"]
+    a, killed, plain, two = tmp_path / "a", tmp_path / "killed", tmp_path / "plain", tmp_path / "two"
+    run_train(a, *graphs)
+    code, printed = run_and_signal(killed, 12, *graphs)
+    assert code == -signal.SIGKILL, printed
+    assert "at step 10" in run_train(killed, *graphs).stdout
+    assert [r["loss"] for r in metrics(killed)] == [r["loss"] for r in metrics(a)]
+    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
+    run_train(plain, *args)
+    assert [r["loss"] for r in metrics(a)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-3)
+    proc = run_train(two, *graphs, "data.batch_size=4", "train.grad_accum=2", check=False)
+    assert proc.returncode == 2 and "train.compile_mode=reduce-overhead" in proc.stderr, proc.stderr
+    assert not two.exists()
+
+
 @pytest.mark.parametrize("more", [["train.compile=false"], ["train.compile=true"],
-                                  ["train.compile=true", "model.attention=flex", "model.dropout=0"]],
-                         ids=["eager", "compiled", "compiled-flex"])
+                                  ["train.compile=true", "model.attention=flex", "model.dropout=0"],
+                                  ["train.compile=true", "train.compile_mode=reduce-overhead", "train.grad_accum=1"]],
+                         ids=["eager", "compiled", "compiled-flex", "cuda-graphs"])
 def test_steady_state_steps_sync_with_the_host_once(tmp_path, more):
     from loop.config.load import DEFAULT_CONFIG
     from loop.distributed.group import Dist

@@ -834,6 +834,17 @@ def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
     assert "step 3: out of memory at micro-batch 1" in proc.stderr
 
 
+def test_an_out_of_memory_under_cuda_graphs_gives_up_instead_of_splitting(tmp_path, cache, monkeypatch):
+    # A split's micro-batches would accumulate gradients over CUDA graph replays, each writing over
+    # the last one's (loop/config/runtime.py::check_cuda_graphs): exit 3 naming the mode, no split.
+    import loop.trainer
+
+    monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "reduce-overhead")  # the CPU as CUDA
+    proc = train_here(tmp_path / "run", cache, *STEPS, "train.grad_accum=1", "faults.oom_at_step=2", check=False)
+    assert proc.returncode == 3 and "train.compile_mode=reduce-overhead" in proc.stderr, proc.stderr
+    assert "micro-batch 4 -> 2" not in proc.stderr
+
+
 def test_oom_policy_abort(tmp_path, cache):
     proc = train_here(tmp_path / "run", cache, *STEPS, "train.oom_policy=abort",
                      "faults.oom_at_step=2", check=False)

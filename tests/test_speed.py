@@ -173,6 +173,40 @@ def test_torch_compile_gets_the_mode_asked_for(monkeypatch):
         "train.compile_mode=reduce-overhead has no effect with train.compile=false"]
 
 
+def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
+    # reduce-overhead and max-autotune replay CUDA graphs, whose compiled backward hands its output
+    # buffer to .grad, and the next micro-batch's replay writes over it. On CUDA such a mode with
+    # accumulation is exit 2 naming the key and the step in one micro-batch; off CUDA, without
+    # compiling, in a mode without graphs, or with one micro-batch, nothing is refused.
+    from loop.config import runtime
+
+    def cfg(*more):
+        return load_config(ROOT / "configs" / "default.yaml", ["train.compile=true", "data.batch_size=4", *more])
+    cuda = torch.device("cuda")
+    for mode in ("reduce-overhead", "max-autotune"):
+        with pytest.raises(BadInput, match=rf"train\.compile_mode={mode}\b.*train\.grad_accum=2.*"
+                                           rf"data\.batch_size=8 train\.grad_accum=1\)"):
+            runtime.check_cuda_graphs(cfg(f"train.compile_mode={mode}", "train.grad_accum=2"), cuda)
+    for ok in (cfg("train.compile_mode=reduce-overhead", "train.grad_accum=1"),
+               cfg("train.compile_mode=max-autotune-no-cudagraphs", "train.grad_accum=2"),
+               cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2", "train.compile=false")):
+        runtime.check_cuda_graphs(ok, cuda)
+    runtime.check_cuda_graphs(cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2"), torch.device("cpu"))
+    # With train.global_batch the accumulation follows data.batch_size: the step in one is that size alone.
+    whole = cfg("train.compile_mode=reduce-overhead", "train.global_batch=16")
+    runtime.follow_global_batch(whole, 1)
+    with pytest.raises(BadInput, match=r"\(data\.batch_size=16\)"):
+        runtime.check_cuda_graphs(whole, cuda)
+    # A run checks before it compiles (the CPU taken for CUDA here).
+    monkeypatch.setattr(runtime, "cuda_graphs", lambda cfg, device: cfg.train.compile_mode)
+    compiled = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(kw))
+    with pytest.raises(BadInput, match=r"train\.compile_mode=reduce-overhead\b"):
+        build_trainer(cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2", "train.device=cpu",
+                          "model.n_layer=1"), Dist(), torch.device("cpu"))
+    assert compiled == []
+
+
 class Biggest(TorchDispatchMode):
     """The most elements of any tensor an op hands back (the tensors autograd and Python see)."""
 

@@ -3,6 +3,8 @@ range is the run's ranks (all refused), and settings that cannot act in this run
 """
 from __future__ import annotations
 
+import torch
+
 from loop.config.load import differing, flat, to_dict
 from loop.distributed.group import Dist
 from loop.errors import BadInput
@@ -127,6 +129,32 @@ def follow_global_batch(cfg, world: int) -> str | None:
     cfg.train.grad_accum = g // (b * world)
     return (f"train.global_batch={g}: train.grad_accum={cfg.train.grad_accum} ({world} process(es) x "
             f"data.batch_size {b} x {cfg.train.grad_accum})")
+
+
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
+
+
+def cuda_graphs(cfg, device: torch.device) -> str:
+    """The train.compile_mode whose CUDA graphs this run replays, or '' (off CUDA there are none)."""
+    t = cfg.train
+    return t.compile_mode if t.compile and t.compile_mode in CUDA_GRAPH_MODES and device.type == "cuda" else ""
+
+
+def check_cuda_graphs(cfg, device: torch.device) -> None:
+    """CUDA graphs cannot accumulate gradients over micro-batches: torch's compiled backward hands
+    its graph's output buffer to .grad, and the next micro-batch's replay writes over it
+    (pytorch/pytorch#169545), so the step's gradient would be wrong, or torch raises mid-run. A
+    mode that replays them needs the whole step in one micro-batch (the out-of-memory split gives
+    up under it: loop/guards/oom.py)."""
+    t = cfg.train
+    if (mode := cuda_graphs(cfg, device)) and t.grad_accum > 1:
+        whole = f"data.batch_size={cfg.data.batch_size * t.grad_accum}" + ("" if t.global_batch else
+                                                                           " train.grad_accum=1")
+        raise BadInput(f"config key train.compile_mode={mode}: its CUDA graphs cannot accumulate gradients "
+                       f"over micro-batches, and this step has train.grad_accum={t.grad_accum} (the next "
+                       f"micro-batch's replay writes over the gradient the last one left); expected "
+                       f"train.compile_mode=max-autotune-no-cudagraphs or default, or the step in one "
+                       f"micro-batch ({whole}).")
 
 
 def check_with_world(cfg, dist: Dist) -> None:

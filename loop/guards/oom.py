@@ -104,12 +104,13 @@ class Attempt:
 
 class OutOfMemory:
     def __init__(self, policy: str, batch_size: int, progress: Progress, dist: Dist, sharded: bool,
-                 model: torch.nn.Module | None = None, global_batch: bool = False):
+                 model: torch.nn.Module | None = None, global_batch: bool = False, graphs: str = ""):
         """`model`: as wrapped for the run. The guard keeps the module inside, never a DDP around it (one
         held here would outlive the split that replaces it), and names the module's own way to use less
         memory, if it has one, in the messages. `global_batch`: train.global_batch is set, so the
-        accumulation follows data.batch_size."""
-        self.policy, self.batch_size, self.progress = policy, batch_size, progress
+        accumulation follows data.batch_size. `graphs`: the train.compile_mode whose CUDA graphs
+        the run replays, which cannot accumulate over a split's micro-batches (loop/config/runtime.py)."""
+        self.policy, self.batch_size, self.progress, self.graphs = policy, batch_size, progress, graphs
         self.dist, self.sharded = dist, sharded
         self.model = model.module if is_ddp(model) else model
         self.find_unused = is_ddp(model) and model.find_unused_parameters  # for rewrap()
@@ -155,6 +156,11 @@ class OutOfMemory:
         p, size = self.progress, self.micro_batch()
         optimizer.zero_grad(set_to_none=True)
         release_memory(device)
+        if self.graphs:
+            raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size}, which cannot be split: the "
+                         f"CUDA graphs of train.compile_mode={self.graphs} cannot accumulate gradients over "
+                         f"smaller micro-batches. Use train.compile_mode=max-autotune-no-cudagraphs or "
+                         f"default, which can, or a smaller model{self.hint}.")
         if self.policy == "abort" or size <= 1:
             raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
                          f"(train.oom_policy={self.policy}); use a smaller data.batch_size or model"
