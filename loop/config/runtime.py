@@ -141,11 +141,11 @@ def cuda_graphs(cfg, device: torch.device) -> str:
 
 
 def check_cuda_graphs(cfg, device: torch.device) -> None:
-    """CUDA graphs cannot accumulate gradients over micro-batches: torch's compiled backward hands
-    its graph's output buffer to .grad, and the next micro-batch's replay writes over it
-    (pytorch/pytorch#169545), so the step's gradient would be wrong, or torch raises mid-run. A
-    mode that replays them needs the whole step in one micro-batch (the out-of-memory split gives
-    up under it: loop/guards/oom.py)."""
+    """CUDA graphs cannot accumulate gradients over micro-batches here: with .grad freed after each
+    step (zero_grad(set_to_none=True)), torch's compiled backward hands its graph's output buffer to
+    .grad, and the next micro-batch's replay writes over it (pytorch/pytorch#169545), so the step's
+    gradient would be wrong, or torch raises mid-run. A mode that replays them needs the whole step
+    in one micro-batch (the out-of-memory split gives up under it: loop/guards/oom.py)."""
     t = cfg.train
     if (mode := cuda_graphs(cfg, device)) and t.grad_accum > 1:
         whole = f"data.batch_size={cfg.data.batch_size * t.grad_accum}" + ("" if t.global_batch else
