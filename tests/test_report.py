@@ -81,7 +81,7 @@ def test_interrupted_run(runs, tmp_path):
     recs = metrics(cut)
     last = recs[-1]
     row = rows(md)["interrupted"]
-    assert row["status"] == f"interrupted at step {last['step']}"
+    assert row["status"] == f"unfinished at step {last['step']}"
     assert row["steps"] == str(last["step"]) and row["tokens"] == f"{last['tokens']:,}"
     # Every interval is log_every=5 steps long, so the time is the sum of ms_per_step x 5.
     wall = sum(r["ms_per_step"] * 5 for r in recs if "ms_per_step" in r) / 1000
@@ -105,7 +105,7 @@ def test_two_runs_overlaid(runs, tmp_path):
     md = write_report([runs["finished"], runs["interrupted"]], both).read_text()
     table = rows(md)
     assert list(table) == ["finished", "interrupted"]
-    assert table["finished"]["steps"] == "20" and table["interrupted"]["status"].startswith("interrupted at step")
+    assert table["finished"]["steps"] == "20" and table["interrupted"]["status"].startswith("unfinished at step")
     assert "cost $" not in table["finished"]  # no price given: no cost column
     for name in ("loss_vs_step", "loss_vs_tokens", "lr", "tokens_per_s"):
         assert_png(both / f"{name}.png")
@@ -162,7 +162,7 @@ def test_a_run_resumed_back_in_time_and_stopped_at_its_old_end_is_not_reported_f
     end = {"steps": 2, "tokens": 128, "wall_s": 3600.0, "final_loss": 2.75}
     (run / "summary.json").write_text(json.dumps(end))
     row = rows(write_report([run], tmp_path / "a", plots=False).read_text())["back"]
-    assert row["status"] == "interrupted at step 2" and row["final train loss"] == "2.5000", row
+    assert row["status"] == "unfinished at step 2" and row["final train loss"] == "2.5000", row
     (run / "summary.json").write_text(json.dumps({**end, "final_loss": 2.5}))  # this course's end
     assert rows(write_report([run], tmp_path / "b", plots=False).read_text())["back"]["status"] == "finished"
 
@@ -258,7 +258,7 @@ def test_a_summary_from_before_a_resume_is_not_the_run_s_end(runs, tmp_path):
     (run / "summary.json").write_text(json.dumps({**summary(run), "energy_j": 2.5e6, "sample": "the first end's"}))
     md = write_report([run], tmp_path / "out").read_text()
     row = rows(md)["resumed"]
-    assert (row["status"], row["steps"], row["final train loss"]) == ("interrupted at step 25", "25", "1.5000")
+    assert (row["status"], row["steps"], row["final train loss"]) == ("unfinished at step 25", "25", "1.5000")
     assert row["energy kWh"] == f"{(2.0e6 + 1.2e6) / 3.6e6:.4f}"
     best = (run / "checkpoints" / "best").read_text()  # from checkpoints/best, not the old summary
     val = next(r["val_loss"] for r in recs if f"step_{r['step']:08d}" == best)

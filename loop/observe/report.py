@@ -91,7 +91,7 @@ def load_run(run_dir: Path) -> dict:
     mfu = [sum(m * s for m, s in timed) / seconds] if seconds else _numbers(recs, "mfu")
     vals = _numbers(recs, "val_loss") + _numbers([summ], "val_loss")
     status = "finished" + (" (stopped early)" if summ.get("stopped_early") else "") if finished \
-        else f"interrupted at step {last.get('step', 0)}"
+        else f"unfinished at step {last.get('step', 0)}"
     return {
         "name": run_dir.resolve().name, "recs": recs, "status": status,
         "final_sample": (summ["steps"], summ["sample"]) if summ.get("sample") else None,
