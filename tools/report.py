@@ -2,7 +2,7 @@
 
     python -m tools.report RUN_DIR [RUN_DIR ...] [--out DIR] [--price-per-hour X] [--co2-g-per-kwh Y]
 
-Works on finished runs and interrupted ones (loop/observe/report.py says what it reads). Exit
+Works on finished runs and unfinished ones (loop/observe/report.py says what it reads). Exit
 codes: 0 written, 2 bad input (a RUN_DIR without metrics.jsonl).
 """
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The end-of-run report: `report.md` with a table of what a run cost, plus PNG plots. Written at
 the end of every run; `python -m tools.report` writes it for any run directories.
 
-Works on finished runs (with `summary.json`) and interrupted ones (killed, preempted: `metrics.jsonl`
-only). Several run dirs are overlaid: one line per run in each plot, one table row per run. The plots
+Works on finished runs (with `summary.json`) and unfinished ones (killed, preempted, still training:
+`metrics.jsonl` only). Several run dirs are overlaid: one line per run in each plot, one table row per run. The plots
 need matplotlib (`pip install '.[report]'`); without it the tables are still written, and the report
 says why the plots are missing.
 """
@@ -187,7 +187,7 @@ def write_report(run_dirs: list[Path], out_dir: Path,
                  co2_g_per_kwh: float = ReportConfig.co2_g_per_kwh, plots: bool = True) -> Path:
     """Write out_dir/report.md, one table row per run, and when matplotlib imports `plot`'s PNGs, one
     line per run (legend: `run_names`); return report.md's path. A run without summary.json is
-    'interrupted': its figures come from metrics.jsonl alone (`load_run`)."""
+    unfinished: its figures come from metrics.jsonl alone (`load_run`)."""
     run_dirs = [Path(d) for d in run_dirs]
     for d in run_dirs:
         log = d / "metrics.jsonl"
@@ -208,7 +208,7 @@ def write_report(run_dirs: list[Path], out_dir: Path,
             plots = "Plots skipped: matplotlib is not installed (`pip install '.[report]'`)."
     price = "per device " + json.dumps(price_per_hour) if isinstance(price_per_hour, dict) else f"${price_per_hour}"
     md = (f"# Run report: {', '.join(r['name'] for r in runs)}\n\n{table(runs, price_per_hour, co2_g_per_kwh)}\n\n"
-          f"Wall time from summary.json (finished) or the sum of logged ms_per_step over each interval (interrupted). "
+          f"Wall time from summary.json (finished) or the sum of logged ms_per_step over each interval (unfinished). "
           f"Cost = wall hours x world size x {price} per device-hour (n/a when no price is set). "
           f"CO2 = kWh x {co2_g_per_kwh:g} g/kWh. Energy is NVML's reading (n/a without an NVIDIA GPU).\n\n"
           f"## Plots\n\n{plots}\n{samples(runs)}")
