@@ -2,9 +2,9 @@
 the end of every run; `python -m tools.report` writes it for any run directories.
 
 Works on finished runs (with `summary.json`) and unfinished ones (killed, preempted, still training:
-`metrics.jsonl` only). Several run dirs are overlaid: one line per run in each plot, one table row per run. The plots
-need matplotlib (`pip install '.[report]'`); without it the tables are still written, and the report
-says why the plots are missing.
+`metrics.jsonl` only). Several run dirs are overlaid: one line per run in each plot, one table row
+per run. The plots need matplotlib (`pip install '.[report]'`); without it the tables are still
+written, and the report says why the plots are missing.
 """
 from __future__ import annotations
 
