@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from loop import probe
 from loop.checkpoint import resume, store
 from loop.checkpoint.saver import Saver
-from loop.config.runtime import cuda_graphs
+from loop.config.runtime import check_resumed_split, cuda_graphs
 from loop.contract import loss_and_sums
 from loop.data.feed import Feed
 from loop.data.sampler import split_batch, to_device
@@ -125,6 +125,7 @@ class Trainer:
                                                  {**self.data.meta, "unit": self.data.unit}, path)
         self.run_facts = run_metadata.run_facts(cfg, self.dist.world, self.metadata)
         resume.start_from(path, self.parts, cfg, self.dist, self.metadata, self.checkpoints)  # or run.init_from
+        check_resumed_split(self.oom.graphs, cfg.data.batch_size, p.micro_split)  # the checkpoint's OOM split
         if self.dist.main:  # from here on, files are written (out_dir is the run's)
             run_metadata.write(self.out, cfg, self.metadata)
             # Metrics from rank 0 (the values are global), from the resumed step on.

@@ -845,6 +845,22 @@ def test_an_out_of_memory_under_cuda_graphs_gives_up_instead_of_splitting(tmp_pa
     assert "micro-batch 4 -> 2" not in proc.stderr
 
 
+def test_a_resume_under_cuda_graphs_of_a_run_that_split_its_micro_batch_is_bad_input(tmp_path, cache, monkeypatch):
+    # The checkpoint's run ran out of memory and trains data.batch_size 8 in micro-batches of 4
+    # (Progress.micro_split, kept by a resume at the same size): resumed under CUDA graphs, that
+    # is the accumulation check_cuda_graphs refuses, so exit 2 before a step, not wrong gradients.
+    import loop.trainer
+
+    out, args = tmp_path / "run", ["data.batch_size=8", "train.grad_accum=1"]
+    train_here(out, cache, "train.max_steps=5", "train.ckpt_every=5", *args, "faults.oom_at_step=3")
+    assert state(out, 5)["progress"]["micro_split"] == 2
+    monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "reduce-overhead")  # the CPU as CUDA
+    proc = train_here(out, cache, "train.max_steps=7", "train.ckpt_every=7", *args, check=False)
+    assert proc.returncode == 2 and "train.compile_mode=reduce-overhead" in proc.stderr, proc.stderr
+    assert "2 micro-batches of 4" in proc.stderr and "data.batch_size=4 train.grad_accum=1" in proc.stderr
+    assert [r["step"] for r in metrics(out)][-1] == 5
+
+
 def test_oom_policy_abort(tmp_path, cache):
     proc = train_here(tmp_path / "run", cache, *STEPS, "train.oom_policy=abort",
                      "faults.oom_at_step=2", check=False)

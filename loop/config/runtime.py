@@ -157,6 +157,20 @@ def check_cuda_graphs(cfg, device: torch.device) -> None:
                        f"micro-batch ({whole}).")
 
 
+def check_resumed_split(mode: str, b: int, micro_split: int) -> None:
+    """A resume whose checkpoint's run split its micro-batch after running out of memory (Progress.
+    micro_split, fitted to this data.batch_size `b`: loop/guards/oom.py::resplit) trains each step in
+    several micro-batches: under the CUDA graphs of `mode` (cuda_graphs), the accumulation
+    check_cuda_graphs refuses."""
+    if mode and micro_split > 1:
+        fits = -(-b // micro_split)
+        raise BadInput(f"config key train.compile_mode={mode}: its CUDA graphs cannot accumulate gradients "
+                       f"over micro-batches, and the checkpoint's run ran out of memory, so this resume "
+                       f"trains data.batch_size={b} in {micro_split} micro-batches of {fits}; expected "
+                       f"train.compile_mode=max-autotune-no-cudagraphs or default to resume it, or a step "
+                       f"that fits one micro-batch of {fits} (data.batch_size={fits} train.grad_accum=1).")
+
+
 def check_with_world(cfg, dist: Dist) -> None:
     """Keys whose range is the run's ranks. A fault aimed at a rank the run does not have never
     fires, and a fire drill that passes because nothing happened proves nothing."""
