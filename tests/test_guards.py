@@ -857,7 +857,7 @@ def test_a_resume_under_cuda_graphs_of_a_run_that_split_its_micro_batch_is_bad_i
     monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "reduce-overhead")  # the CPU as CUDA
     proc = train_here(out, cache, "train.max_steps=7", "train.ckpt_every=7", *args, check=False)
     assert proc.returncode == 2 and "train.compile_mode=reduce-overhead" in proc.stderr, proc.stderr
-    assert "2 micro-batches of 4" in proc.stderr and "data.batch_size=4 train.grad_accum=1" in proc.stderr
+    assert "2 micro-batches of 4" in proc.stderr
     assert [r["step"] for r in metrics(out)][-1] == 5
 
 

@@ -167,8 +167,7 @@ def check_resumed_split(mode: str, b: int, micro_split: int) -> None:
         raise BadInput(f"config key train.compile_mode={mode}: its CUDA graphs cannot accumulate gradients "
                        f"over micro-batches, and the checkpoint's run ran out of memory, so this resume "
                        f"trains data.batch_size={b} in {micro_split} micro-batches of {fits}; expected "
-                       f"train.compile_mode=max-autotune-no-cudagraphs or default to resume it, or a step "
-                       f"that fits one micro-batch of {fits} (data.batch_size={fits} train.grad_accum=1).")
+                       f"train.compile_mode=max-autotune-no-cudagraphs or default to resume it.")
 
 
 def check_with_world(cfg, dist: Dist) -> None:
