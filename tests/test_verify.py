@@ -452,6 +452,32 @@ def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monke
     assert float(re.search(r"rel. difference ([0-9.e+-]+)", result.numbers).group(1)) < 1e-4
 
 
+def test_under_cuda_graphs_verify_leaves_out_the_accumulation_it_cannot_audit(tmp_path, cache, monkeypatch, capsys):
+    # A mode whose CUDA graphs train each step in one micro-batch (loop/config/runtime.py::
+    # check_cuda_graphs) has no accumulation to audit: said and left out, or exit 2 where --checks
+    # names it; the clipping check runs on the step in one micro-batch alone.
+    from conftest import load_config
+    from loop.config import runtime
+    from loop.config.load import DEFAULT_CONFIG
+    from tools import verify as tool
+    from tools.audit_grads import gradient_audits
+
+    def graphs(cfg, device):  # the CPU taken for CUDA
+        return cfg.train.compile_mode if cfg.train.compile_mode in runtime.CUDA_GRAPH_MODES else ""
+    monkeypatch.setattr(runtime, "cuda_graphs", graphs)
+    monkeypatch.setattr(tool, "cuda_graphs", graphs)
+    args = [*TINY, cache, "train.compile_mode=reduce-overhead"]
+    [clipping] = gradient_audits(DEFAULT_CONFIG, args, {"clipping"})
+    assert clipping.check == "clipping" and clipping.ok, clipping
+    cfg = load_config(DEFAULT_CONFIG, args)
+    assert tool.without_accumulation_under_cuda_graphs(cfg, ["resume", "accumulation", "clipping"],
+                                                       asked=False) == ["resume", "clipping"]
+    assert "accumulation: not run: train.compile_mode=reduce-overhead" in capsys.readouterr().out
+    assert tool.main(["--out", str(tmp_path / "v"), "--checks", "accumulation,clipping", *args]) == 2
+    assert "--checks accumulation: train.compile_mode=reduce-overhead" in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
+
+
 def test_the_accumulation_check_fails_a_loop_that_leaves_a_micro_batch_out_in_bf16(cache, monkeypatch):
     # Each micro-batch after the first keeps a quarter of its targets: enough weight that a step
     # without one is past bf16's tolerance (with one target kept it was 1/129 of the gradient).

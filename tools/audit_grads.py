@@ -178,8 +178,9 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
     probe = load_config(config, overrides, DATASETS, MODELS)
     follow_global_batch(probe, 1)
     b, k = probe.data.batch_size, max(probe.train.grad_accum, 2)
-    accum, whole = Probe(config, overrides, k, b), Probe(config, overrides, 1, k * b)
-    micro = step_batches(accum.trainer.data.train, probe.run.seed, k, b)
+    whole = Probe(config, overrides, 1, k * b)
+    accum = Probe(config, overrides, k, b) if "accumulation" in checks else None  # not under CUDA graphs
+    micro = step_batches(whole.trainer.data.train, probe.run.seed, k, b)
     counts = [m["n_targets"] for m in micro]
     if sum(len(m["idx"]) for m in micro) < k * b:  # a per-micro-batch mean cannot be told from a sum
         return [Result(check, False, f"only {sum(len(m['idx']) for m in micro)} of the first {8 * k * b} "
@@ -194,7 +195,7 @@ def gradient_audits(config: str, overrides: list[str], checks: set[str]) -> list
     clip = asked = w.cfg.train.clip_grad
     if 0 < norm <= clip:
         clip = norm / 2
-        for probe in (accum, whole):
+        for probe in filter(None, (accum, whole)):
             probe.trainer.cfg.train.clip_grad = clip  # read by Trainer.step at each step
     g_whole, norm_whole, loss_whole = whole.applied([_join(micro)])
     out = []
