@@ -839,7 +839,7 @@ def test_an_out_of_memory_under_cuda_graphs_gives_up_instead_of_splitting(tmp_pa
     # the last one's (loop/config/runtime.py::check_cuda_graphs): exit 3 naming the mode, no split.
     import loop.trainer
 
-    monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "reduce-overhead")  # the CPU as CUDA
+    monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "train.compile_mode=reduce-overhead")  # the CPU as CUDA
     proc = train_here(tmp_path / "run", cache, *STEPS, "train.grad_accum=1", "faults.oom_at_step=2", check=False)
     assert proc.returncode == 3 and "train.compile_mode=reduce-overhead" in proc.stderr, proc.stderr
     assert "micro-batch 4 -> 2" not in proc.stderr
@@ -854,7 +854,7 @@ def test_a_resume_under_cuda_graphs_of_a_run_that_split_its_micro_batch_is_bad_i
     out, args = tmp_path / "run", ["data.batch_size=8", "train.grad_accum=1"]
     train_here(out, cache, "train.max_steps=5", "train.ckpt_every=5", *args, "faults.oom_at_step=3")
     assert state(out, 5)["progress"]["micro_split"] == 2
-    monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "reduce-overhead")  # the CPU as CUDA
+    monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "train.compile_mode=reduce-overhead")  # the CPU as CUDA
     proc = train_here(out, cache, "train.max_steps=7", "train.ckpt_every=7", *args, check=False)
     assert proc.returncode == 2 and "train.compile_mode=reduce-overhead" in proc.stderr, proc.stderr
     assert "2 micro-batches of 4" in proc.stderr

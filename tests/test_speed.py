@@ -178,6 +178,9 @@ def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
     # buffer to .grad, and the next micro-batch's replay writes over it. On CUDA such a mode with
     # accumulation is exit 2 naming the key and the step in one micro-batch; off CUDA, without
     # compiling, in a mode without graphs, or with one micro-batch, nothing is refused.
+    import torch._inductor.config  # noqa: F401
+
+    import loop.build  # noqa: F401  (loop.trainer keeps the cuda_graphs it imports: the real one, not the patch below)
     from loop.config import runtime
 
     def cfg(*more):
@@ -192,13 +195,17 @@ def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
                cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2", "train.compile=false")):
         runtime.check_cuda_graphs(ok, cuda)
     runtime.check_cuda_graphs(cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2"), torch.device("cpu"))
+    # TORCHINDUCTOR_CUDAGRAPHS=1 (inductor's own switch) turns them on in any mode.
+    with torch._inductor.config.patch({"triton.cudagraphs": True}), \
+            pytest.raises(BadInput, match=r"TORCHINDUCTOR_CUDAGRAPHS .*train\.grad_accum=2"):
+        runtime.check_cuda_graphs(cfg("train.compile_mode=max-autotune-no-cudagraphs", "train.grad_accum=2"), cuda)
     # With train.global_batch the accumulation follows data.batch_size: the step in one is that size alone.
     whole = cfg("train.compile_mode=reduce-overhead", "train.global_batch=16")
     runtime.follow_global_batch(whole, 1)
     with pytest.raises(BadInput, match=r"\(data\.batch_size=16\)"):
         runtime.check_cuda_graphs(whole, cuda)
     # A run checks before it compiles (the CPU taken for CUDA here).
-    monkeypatch.setattr(runtime, "cuda_graphs", lambda cfg, device: cfg.train.compile_mode)
+    monkeypatch.setattr(runtime, "cuda_graphs", lambda cfg, device: f"train.compile_mode={cfg.train.compile_mode}")
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(kw))
     with pytest.raises(BadInput, match=r"train\.compile_mode=reduce-overhead\b"):

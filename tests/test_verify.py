@@ -367,7 +367,7 @@ def test_the_ddp_check_looks_for_dropout_in_the_model_as_its_runs_build_it(tmp_p
     monkeypatch.setitem(MODELS, "gpt_dropping", gpt_then(dropping))
     for name in ("gpt", "gpt_dropping"):
         a = argparse.Namespace(config=DEFAULT_CONFIG, overrides=[*TINY, cache, f"model.name={name}"], kill_at=None,
-                               steps=8, nproc=2, timeout=60)
+                               steps=8, nproc=2, timeout=60, checks="ddp")
         verify.audit(a, ["ddp"], tmp_path)
     assert seen == [(["model.dropout=0"], []), (["model.dropout=0"], ["drop.0"])]
 
@@ -463,7 +463,8 @@ def test_under_cuda_graphs_verify_leaves_out_the_accumulation_it_cannot_audit(tm
     from tools.audit_grads import gradient_audits
 
     def graphs(cfg, device):  # the CPU taken for CUDA
-        return cfg.train.compile_mode if cfg.train.compile_mode in runtime.CUDA_GRAPH_MODES else ""
+        mode = cfg.train.compile_mode
+        return f"train.compile_mode={mode}" if mode in runtime.CUDA_GRAPH_MODES else ""
     monkeypatch.setattr(runtime, "cuda_graphs", graphs)
     monkeypatch.setattr(tool, "cuda_graphs", graphs)
     args = [*TINY, cache, "train.compile_mode=reduce-overhead"]

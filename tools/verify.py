@@ -38,7 +38,7 @@ from loop import determinism
 from loop.build import build_data, build_model
 from loop.config.load import DEFAULT_CONFIG, OnlyOnce, load_config
 from loop.config.paths import writable_dir
-from loop.config.runtime import check_with_world, cuda_graphs, refuse_auto
+from loop.config.runtime import WITHOUT_GRAPHS, check_with_world, cuda_graphs, refuse_auto
 from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput
@@ -118,15 +118,15 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
 
 
 def without_accumulation_under_cuda_graphs(cfg, checks: list[str], asked: bool) -> list[str]:
-    """A mode whose CUDA graphs train every step in one micro-batch has no accumulation to audit
+    """A run whose CUDA graphs train every step in one micro-batch has no accumulation to audit
     (loop/config/runtime.py::check_cuda_graphs): left out with a word, or bad input where --checks
     names it."""
-    if "accumulation" not in checks or not (mode := cuda_graphs(cfg, pick_device(cfg.train.device))):
+    if "accumulation" not in checks or not (setting := cuda_graphs(cfg, pick_device(cfg.train.device))):
         return checks
-    why = f"train.compile_mode={mode} replays CUDA graphs, which train each step in one micro-batch"
+    why = f"{setting} replays CUDA graphs, which train each step in one micro-batch"
     if asked:
         raise BadInput(f"--checks accumulation: {why}; expected the checks without it, or "
-                       f"train.compile_mode=max-autotune-no-cudagraphs to audit the accumulation.")
+                       f"{WITHOUT_GRAPHS} to audit the accumulation.")
     print(f"accumulation: not run: {why}", flush=True)
     return [c for c in checks if c != "accumulation"]
 

@@ -20,6 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
+from loop.config.runtime import WITHOUT_GRAPHS
 from loop.distributed.group import Dist
 from loop.distributed.wrap import ddp, is_ddp
 from loop.errors import GaveUp
@@ -108,8 +109,8 @@ class OutOfMemory:
         """`model`: as wrapped for the run. The guard keeps the module inside, never a DDP around it (one
         held here would outlive the split that replaces it), and names the module's own way to use less
         memory, if it has one, in the messages. `global_batch`: train.global_batch is set, so the
-        accumulation follows data.batch_size. `graphs`: the train.compile_mode whose CUDA graphs
-        the run replays, which cannot accumulate over a split's micro-batches (loop/config/runtime.py)."""
+        accumulation follows data.batch_size. `graphs`: the setting whose CUDA graphs the run
+        replays, which cannot accumulate over a split's micro-batches (loop/config/runtime.py)."""
         self.policy, self.batch_size, self.progress, self.graphs = policy, batch_size, progress, graphs
         self.dist, self.sharded = dist, sharded
         self.model = model.module if is_ddp(model) else model
@@ -157,10 +158,9 @@ class OutOfMemory:
         optimizer.zero_grad(set_to_none=True)
         release_memory(device)
         if self.graphs:
-            raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size}, which cannot be split: the "
-                         f"CUDA graphs of train.compile_mode={self.graphs} cannot accumulate gradients over "
-                         f"smaller micro-batches. Use train.compile_mode=max-autotune-no-cudagraphs or "
-                         f"default, which can, or a smaller model{self.hint}.")
+            raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size}, which cannot be split: "
+                         f"{self.graphs} replays CUDA graphs, which cannot accumulate gradients over smaller "
+                         f"micro-batches. Use {WITHOUT_GRAPHS}, which can, or a smaller model{self.hint}.")
         if self.policy == "abort" or size <= 1:
             raise GaveUp(f"step {p.step + 1}: out of memory at micro-batch {size} "
                          f"(train.oom_policy={self.policy}); use a smaller data.batch_size or model"
