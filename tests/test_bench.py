@@ -21,6 +21,7 @@ from conftest import ROOT, TINY, build_trainer, load_config
 from loop.checkpoint import store
 from loop.config.load import DEFAULT_CONFIG
 from loop.distributed.group import Dist
+from loop.errors import BadInput
 from loop.observe.metrics import NullLog
 
 
@@ -426,6 +427,16 @@ def test_the_bare_loop_trains_what_the_scaffold_trains(cache, more):
 
 def same(a: dict, b: dict) -> bool:
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_bare_loop_refuses_accumulation_under_cuda_graphs_as_the_scaffold_does(monkeypatch):
+    # Its gradients would be written over by the next micro-batch's replay (loop/config/runtime.py).
+    from loop.config import runtime
+
+    monkeypatch.setattr(runtime, "cuda_graphs", lambda cfg, device: "train.compile_mode=reduce-overhead")
+    cfg = load_config(DEFAULT_CONFIG, ["train.compile_mode=reduce-overhead", "train.grad_accum=2"])
+    with pytest.raises(BadInput, match=r"train\.compile_mode=reduce-overhead replays CUDA graphs"):
+        loop_vs_bare.Bare(cfg, 4)
 
 
 def test_the_bare_loop_takes_a_model_that_returns_sums(tmp_path, cache):
