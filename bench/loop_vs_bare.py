@@ -52,9 +52,10 @@ import torch
 from bench.common import RESULTS, append_result, check_results, command, device_label, sync_device
 from data import DATASETS
 from loop.build import build_data, build_model
+from loop.compiler import check_cuda_graphs, compile_kwargs
 from loop.config.arguments import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
-from loop.config.runtime import check_cuda_graphs, follow_global_batch
+from loop.config.runtime import follow_global_batch
 from loop.contract import loss_and_sums
 from loop.data.sampler import collate, to_device
 from loop.device import pick_device, use_attention_kernel, use_tf32
@@ -100,7 +101,7 @@ class Bare:
         self.data = build_data(cfg.data, DATASETS)
         self.model = build_model(cfg.model, self.data, MODELS).to(self.device)
         if cfg.train.compile:
-            self.model.compile(mode=cfg.train.compile_mode)
+            self.model.compile(**compile_kwargs(cfg.train))
         self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.schedule, total_steps)
         self.precision = Precision(cfg.train.precision, self.device)

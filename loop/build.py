@@ -14,8 +14,8 @@ import torch.nn as nn
 from torch.nn.parameter import UninitializedParameter
 
 from loop import auto_batch
+from loop.compiler import check_cuda_graphs, check_options, compile_kwargs
 from loop.config.runtime import (
-    check_cuda_graphs,
     check_same_config,
     check_same_data,
     check_with_world,
@@ -41,6 +41,7 @@ from loop.trainer import Trainer
 def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models: dict) -> Trainer:
     check_same_config(cfg, dist)
     check_with_world(cfg, dist)
+    check_options(cfg.train)
     auto_batch.check(cfg, dist.world)
     # The builders draw the same numbers on every rank: the same data (a random split stays one
     # split) and the same initial weights.
@@ -65,9 +66,10 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
     check_cuda_graphs(cfg, device)
     if cfg.train.compile:
         # In place: state_dict keys, hence checkpoints, stay those of the model.
-        model.compile(mode=cfg.train.compile_mode)
-        dist.say(f"model compiled in place (torch.compile, mode {cfg.train.compile_mode}); the first "
-                 f"steps include compilation")
+        model.compile(**compile_kwargs(cfg.train))
+        options = "".join(f", {k}={v}" for k, v in cfg.train.compile_options.items())
+        dist.say(f"model compiled in place (torch.compile, mode {cfg.train.compile_mode}{options}); the "
+                 f"first steps include compilation")
     # Before wrapping: an FSDP module cannot be deep-copied.
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup, shapes_only=deferred) if cfg.ema.enabled else None
     for note in [*idle_settings(cfg, precision), step_over_the_data(cfg, dist.world, len(data.train))]:

@@ -22,7 +22,7 @@ from torch.profiler import record_function
 from loop import probe
 from loop.checkpoint import resume, store
 from loop.checkpoint.saver import Saver
-from loop.config.runtime import check_resumed_split, cuda_graphs
+from loop.compiler import check_resumed_split, cuda_graphs
 from loop.contract import loss_and_sums
 from loop.data.feed import Feed
 from loop.data.sampler import split_batch, to_device

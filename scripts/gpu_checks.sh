@@ -31,9 +31,9 @@
 #   chunked_loss  GPT-2 124M: scaffold vs bare loop, the LM head + loss in 4 chunks of 16,384 tokens
 #            and in 16 of 4,096 (needs torch's F.linear_cross_entropy: 2.13)
 #   compile_modes  GPT-2 124M: scaffold vs bare loop, each torch.compile mode an arm of its own
-#   inductor GPT-2 124M: scaffold vs bare loop, compiler settings with no config key as arms (each
-#            an environment variable of its arm): Triton kernels tuned by coordinate descent (the
-#            loss's forward read the logits at 1.4 TB/s on an H200), matmuls autotuned without the
+#   inductor GPT-2 124M: scaffold vs bare loop, inductor's own options as arms
+#            (train.compile_options): Triton kernels tuned by coordinate descent (the loss's
+#            forward read the logits at 1.4 TB/s on an H200), matmuls autotuned without the
 #            pointwise kernels' autotuning, and the loss's softmax in two passes instead of one
 #   profile  GPT-2 124M: where the GPU's time goes (train.profile=true), the config as it is
 #            (profile_config.log) and in micro-batches of 16 (profile_micro16.log)
@@ -115,8 +115,8 @@ for s in "${stages[@]}"; do
         cp bench/results/*.jsonl "$OUT/" ;;
     inductor)
         stage inductor "$PYTHON" -m bench.loop_vs_bare --config configs/gpt2_124m.yaml --steps "$BENCH_STEPS" \
-            --reps "$BENCH_REPS" --variant TORCHINDUCTOR_COORDINATE_DESCENT_TUNING=1 \
-            --variant TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=1 --variant TORCHINDUCTOR_ONLINE_SOFTMAX=0
+            --reps "$BENCH_REPS" --variant train.compile_options.coordinate_descent_tuning=true \
+            --variant train.compile_options.max_autotune_gemm=true --variant train.compile_options.online_softmax=false
         cp bench/results/*.jsonl "$OUT/" ;;
     profile)
         for name in config micro16; do

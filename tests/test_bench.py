@@ -430,10 +430,10 @@ def same(a: dict, b: dict) -> bool:
 
 
 def test_the_bare_loop_refuses_accumulation_under_cuda_graphs_as_the_scaffold_does(monkeypatch):
-    # Its gradients would be written over by the next micro-batch's replay (loop/config/runtime.py).
-    from loop.config import runtime
+    # Its gradients would be written over by the next micro-batch's replay (loop/compiler.py).
+    from loop import compiler
 
-    monkeypatch.setattr(runtime, "cuda_graphs", lambda cfg, device: "train.compile_mode=reduce-overhead")
+    monkeypatch.setattr(compiler, "cuda_graphs", lambda cfg, device: "train.compile_mode=reduce-overhead")
     cfg = load_config(DEFAULT_CONFIG, ["train.compile_mode=reduce-overhead", "train.grad_accum=2"])
     with pytest.raises(BadInput, match=r"train\.compile_mode=reduce-overhead replays CUDA graphs"):
         loop_vs_bare.Bare(cfg, 4)

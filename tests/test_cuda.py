@@ -233,7 +233,7 @@ def test_flex_attention_repeats_and_resumes_bit_identically_in_bf16(tmp_path, ca
 def test_cuda_graphs_train_a_step_in_one_micro_batch_resume_bit_identically_and_refuse_more(tmp_path, cache):
     # train.compile_mode=reduce-overhead replays CUDA graphs: with the step in one micro-batch it
     # trains as the default mode does and resumes bit for bit; with two, whose gradients the
-    # replays would write over, it is exit 2 before anything is written (loop/config/runtime.py).
+    # replays would write over, it is exit 2 before anything is written (loop/compiler.py).
     args = [cache, *DIST, *CUDA, "train.precision=bf16", "train.compile=true", "data.batch_size=8",
             "train.grad_accum=1"]
     graphs = [*args, "train.compile_mode=reduce-overhead"]

@@ -836,7 +836,7 @@ def test_oom_at_micro_batch_1_gives_up(tmp_path, cache):
 
 def test_an_out_of_memory_under_cuda_graphs_gives_up_instead_of_splitting(tmp_path, cache, monkeypatch):
     # A split's micro-batches would accumulate gradients over CUDA graph replays, each writing over
-    # the last one's (loop/config/runtime.py::check_cuda_graphs): exit 3 naming the mode, no split.
+    # the last one's (loop/compiler.py): exit 3 naming the mode, no split.
     import loop.trainer
 
     monkeypatch.setattr(loop.trainer, "cuda_graphs", lambda cfg, device: "train.compile_mode=reduce-overhead")  # the CPU as CUDA

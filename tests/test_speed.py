@@ -173,6 +173,40 @@ def test_torch_compile_gets_the_mode_asked_for(monkeypatch):
         "train.compile_mode=reduce-overhead has no effect with train.compile=false"]
 
 
+def test_compile_options_reach_torch_compile_over_the_mode_s_and_are_checked_by_name_and_type(monkeypatch, tmp_path):
+    # train.compile_options: inductor's own options over the mode's (torch takes a mode or options,
+    # not both), from dotted overrides (a name may hold a dot) or a YAML mapping, kept in config.yaml;
+    # a name inductor lacks, or a value of another type than its default's, is exit 2 naming the key,
+    # before anything is built.
+    from loop.compiler import check_options, compile_kwargs
+    from loop.config.load import save
+
+    default = ROOT / "configs" / "default.yaml"
+    given = []
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: given.append(kw))
+    cfg = load_config(default, ["train.compile=true", "train.compile_mode=max-autotune-no-cudagraphs",
+                                "train.compile_options.coordinate_descent_tuning=false",
+                                "train.compile_options.triton.cudagraphs=false", "train.device=cpu", "model.n_layer=1"])
+    build_trainer(cfg, Dist(), torch.device("cpu"))
+    assert given == [{"options": {"max_autotune": True, "coordinate_descent_tuning": False, "triton.cudagraphs": False}}]
+    torch.compile(torch.nn.Linear(2, 2), **compile_kwargs(cfg.train))  # torch takes them: it checks names here
+    mapping = tmp_path / "c.yaml"
+    mapping.write_text("data: {name: random}\nmodel: {name: gpt}\n"
+                       "train:\n  compile_options: {epilogue_fusion: false, coordinate_descent_search_radius: 2}\n")
+    options = {"epilogue_fusion": False, "coordinate_descent_search_radius": 2}
+    assert load_config(mapping, []).train.compile_options == options
+    save(load_config(mapping, []), tmp_path / "config.yaml")
+    assert load_config(tmp_path / "config.yaml", []).train.compile_options == options
+    for bad in ("no_such_option=true", "coordinate_descent_tuning=3", "coordinate_descent_search_radius=yes"):
+        with pytest.raises(BadInput, match=rf"config key train\.compile_options\.{bad.split('=')[0]}\b"):
+            check_options(load_config(default, [f"train.compile_options.{bad}"]).train)
+    with pytest.raises(BadInput, match=r"train\.compile_options\.epilogue_fusion\b.*expected a bool, int"):
+        load_config(default, ["train.compile_options.epilogue_fusion=[1]"])
+    idle = load_config(default, ["train.compile_options.epilogue_fusion=false"])
+    assert idle_settings(idle, Precision("fp32", torch.device("cpu"))) == [
+        "train.compile_options has no effect with train.compile=false"]
+
+
 def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
     # reduce-overhead and max-autotune replay CUDA graphs, whose compiled backward hands its output
     # buffer to .grad, and the next micro-batch's replay writes over it. On CUDA such a mode with
@@ -181,6 +215,7 @@ def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
     import torch._inductor.config  # noqa: F401
 
     import loop.build  # noqa: F401  (loop.trainer keeps the cuda_graphs it imports: the real one, not the patch below)
+    from loop import compiler
     from loop.config import runtime
 
     def cfg(*more):
@@ -189,23 +224,28 @@ def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
     for mode in ("reduce-overhead", "max-autotune"):
         with pytest.raises(BadInput, match=rf"train\.compile_mode={mode}\b.*train\.grad_accum=2.*"
                                            rf"data\.batch_size=8 train\.grad_accum=1\)"):
-            runtime.check_cuda_graphs(cfg(f"train.compile_mode={mode}", "train.grad_accum=2"), cuda)
+            compiler.check_cuda_graphs(cfg(f"train.compile_mode={mode}", "train.grad_accum=2"), cuda)
     for ok in (cfg("train.compile_mode=reduce-overhead", "train.grad_accum=1"),
                cfg("train.compile_mode=max-autotune-no-cudagraphs", "train.grad_accum=2"),
                cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2", "train.compile=false")):
-        runtime.check_cuda_graphs(ok, cuda)
-    runtime.check_cuda_graphs(cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2"), torch.device("cpu"))
+        compiler.check_cuda_graphs(ok, cuda)
+    compiler.check_cuda_graphs(cfg("train.compile_mode=reduce-overhead", "train.grad_accum=2"), torch.device("cpu"))
     # TORCHINDUCTOR_CUDAGRAPHS=1 (inductor's own switch) turns them on in any mode.
     with torch._inductor.config.patch({"triton.cudagraphs": True}), \
             pytest.raises(BadInput, match=r"TORCHINDUCTOR_CUDAGRAPHS .*train\.grad_accum=2"):
-        runtime.check_cuda_graphs(cfg("train.compile_mode=max-autotune-no-cudagraphs", "train.grad_accum=2"), cuda)
+        compiler.check_cuda_graphs(cfg("train.compile_mode=max-autotune-no-cudagraphs", "train.grad_accum=2"), cuda)
+    # So does inductor's option in train.compile_options, which also turns a mode's off.
+    with pytest.raises(BadInput, match=r"train\.compile_options\.triton\.cudagraphs=true replays"):
+        compiler.check_cuda_graphs(cfg("train.compile_options.triton.cudagraphs=true", "train.grad_accum=2"), cuda)
+    compiler.check_cuda_graphs(cfg("train.compile_mode=reduce-overhead", "train.compile_options.triton.cudagraphs=false",
+                                   "train.grad_accum=2"), cuda)
     # With train.global_batch the accumulation follows data.batch_size: the step in one is that size alone.
     whole = cfg("train.compile_mode=reduce-overhead", "train.global_batch=16")
     runtime.follow_global_batch(whole, 1)
     with pytest.raises(BadInput, match=r"\(data\.batch_size=16\)"):
-        runtime.check_cuda_graphs(whole, cuda)
+        compiler.check_cuda_graphs(whole, cuda)
     # A run checks before it compiles (the CPU taken for CUDA here).
-    monkeypatch.setattr(runtime, "cuda_graphs", lambda cfg, device: f"train.compile_mode={cfg.train.compile_mode}")
+    monkeypatch.setattr(compiler, "cuda_graphs", lambda cfg, device: f"train.compile_mode={cfg.train.compile_mode}")
     compiled = []
     monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compiled.append(kw))
     with pytest.raises(BadInput, match=r"train\.compile_mode=reduce-overhead\b"):

@@ -453,19 +453,19 @@ def test_the_clipping_check_fails_a_loop_that_logs_the_clipped_norm(cache, monke
 
 
 def test_under_cuda_graphs_verify_leaves_out_the_accumulation_it_cannot_audit(tmp_path, cache, monkeypatch, capsys):
-    # A mode whose CUDA graphs train each step in one micro-batch (loop/config/runtime.py::
-    # check_cuda_graphs) has no accumulation to audit: said and left out, or exit 2 where --checks
+    # A run whose CUDA graphs train each step in one micro-batch (loop/compiler.py) has no
+    # accumulation to audit: said and left out, or exit 2 where --checks
     # names it; the clipping check runs on the step in one micro-batch alone.
     from conftest import load_config
-    from loop.config import runtime
+    from loop import compiler
     from loop.config.load import DEFAULT_CONFIG
     from tools import verify as tool
     from tools.audit_grads import gradient_audits
 
     def graphs(cfg, device):  # the CPU taken for CUDA
         mode = cfg.train.compile_mode
-        return f"train.compile_mode={mode}" if mode in runtime.CUDA_GRAPH_MODES else ""
-    monkeypatch.setattr(runtime, "cuda_graphs", graphs)
+        return f"train.compile_mode={mode}" if mode in compiler.CUDA_GRAPH_MODES else ""
+    monkeypatch.setattr(compiler, "cuda_graphs", graphs)
     monkeypatch.setattr(tool, "cuda_graphs", graphs)
     args = [*TINY, cache, "train.compile_mode=reduce-overhead"]
     [clipping] = gradient_audits(DEFAULT_CONFIG, args, {"clipping"})

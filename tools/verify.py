@@ -36,9 +36,10 @@ from pathlib import Path
 from data import DATASETS
 from loop import determinism
 from loop.build import build_data, build_model
+from loop.compiler import WITHOUT_GRAPHS, cuda_graphs
 from loop.config.load import DEFAULT_CONFIG, OnlyOnce, load_config
 from loop.config.paths import writable_dir
-from loop.config.runtime import WITHOUT_GRAPHS, check_with_world, cuda_graphs, refuse_auto
+from loop.config.runtime import check_with_world, refuse_auto
 from loop.device import pick_device
 from loop.distributed.group import Dist
 from loop.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, BadInput
@@ -119,7 +120,7 @@ def audit(a: argparse.Namespace, checks: list[str], root: Path) -> list[Result]:
 
 def without_accumulation_under_cuda_graphs(cfg, checks: list[str], asked: bool) -> list[str]:
     """A run whose CUDA graphs train every step in one micro-batch has no accumulation to audit
-    (loop/config/runtime.py::check_cuda_graphs): left out with a word, or bad input where --checks
+    (loop/compiler.py): left out with a word, or bad input where --checks
     names it."""
     if "accumulation" not in checks or not (setting := cuda_graphs(cfg, pick_device(cfg.train.device))):
         return checks

@@ -2,7 +2,8 @@
 
 The section dataclasses themselves live in `loop/config/schema.py`. Here: unknown keys (with a
 did-you-mean), type coercion (an int where a float is asked is fine; "abc" is not), list
-elements by index (`optim.betas.1=0.99`), and the bounds and choices declared on the fields.
+elements by index (`optim.betas.1=0.99`), a mapping's entries by name (`train.compile_options.NAME=v`),
+and the bounds and choices declared on the fields.
 Every problem raises `BadInput` naming the key. A key that is a Python keyword (`lab.break`) is
 held in a field with a trailing underscore (`break_`); users only ever see the key.
 """
@@ -28,8 +29,8 @@ def opt(default, *, min=None, max=None, above=None, below=None, choices=None, pa
     `auto`: the word auto is a value too, which the run resolves (data.batch_size=auto)."""
     meta = {"min": min, "max": max, "above": above, "below": below, "choices": choices, "path": path,
             "auto": auto}
-    if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: type(default)(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -44,7 +45,7 @@ def key_of(field: str) -> str:
 def to_dict(obj) -> dict:
     """A config (or section) as plain data, spelled with the keys users write."""
     return {key_of(f.name): to_dict(v) if dataclasses.is_dataclass(v := getattr(obj, f.name))
-            else (list(v) if isinstance(v, list) else v) for f in dataclasses.fields(obj)}
+            else (type(v)(v) if isinstance(v, (list, dict)) else v) for f in dataclasses.fields(obj)}
 
 
 class UnknownKey(BadInput):
@@ -89,6 +90,10 @@ def override(obj, parts: list[str], text: str, key: str) -> None:
         if not (rest[0].isascii() and rest[0].isdigit()) or int(rest[0]) >= len(items):
             raise BadInput(f"config key {key}: index {rest[0]} is not in a list of {len(items)}.")
         items[int(rest[0])] = _coerce(_parse(text, elem), elem, key)
+        return
+    if typing.get_origin(hint) is dict and rest:  # train.compile_options.triton.cudagraphs=true
+        entry = ".".join(rest)
+        getattr(obj, name).update(_coerce({entry: _parse(text, None)}, hint, key[: -len(entry) - 1]))
         return
     if rest:
         raise UnknownKey(key)
@@ -162,6 +167,13 @@ def _coerce(value, hint, key: str):
         except BadInput:
             raise _wrong(key, f"{inner.__name__} or none", value) from None
     origin = typing.get_origin(hint)
+    if origin is dict:  # names to scalars (train.compile_options)
+        if not isinstance(value, dict):
+            raise _wrong(key, "a mapping of names to values", value)
+        for name, v in value.items():
+            if not isinstance(v, SCALARS):
+                raise BadInput(f"config key {key}.{name}: expected a bool, int, float or text, got {shown(v)}.")
+        return {str(name): v for name, v in value.items()}
     if origin is list:
         (elem,) = typing.get_args(hint)
         if not isinstance(value, list):

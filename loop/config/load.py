@@ -145,7 +145,7 @@ def flat(d: dict, prefix: str = "") -> dict:
     """A nested config dict as {dotted key: value}."""
     out = {}
     for k, v in d.items():
-        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})  # {}: a value
     return out
 
 

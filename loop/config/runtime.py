@@ -3,8 +3,6 @@ range is the run's ranks (all refused), and settings that cannot act in this run
 """
 from __future__ import annotations
 
-import torch
-
 from loop.config.load import differing, flat, to_dict
 from loop.distributed.group import Dist
 from loop.errors import BadInput
@@ -30,6 +28,8 @@ def idle_settings(cfg, precision: Precision) -> list[str]:
                      f"{t.strategy} and {precision.name} precision: it needs fsdp and bf16 or fp16")
     if t.compile_mode != "default" and not t.compile:
         notes.append(f"train.compile_mode={t.compile_mode} has no effect with train.compile=false")
+    if t.compile_options and not t.compile:
+        notes.append("train.compile_options has no effect with train.compile=false")
     d = cfg.data
     if d.num_workers == 0 and d.prefetch_factor != type(d).prefetch_factor:  # its default says nothing
         # torch's DataLoader takes prefetch_factor with workers only (loop/data/sampler.py)
@@ -129,51 +129,6 @@ def follow_global_batch(cfg, world: int) -> str | None:
     cfg.train.grad_accum = g // (b * world)
     return (f"train.global_batch={g}: train.grad_accum={cfg.train.grad_accum} ({world} process(es) x "
             f"data.batch_size {b} x {cfg.train.grad_accum})")
-
-
-CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile modes that replay CUDA graphs
-WITHOUT_GRAPHS = "train.compile_mode=max-autotune-no-cudagraphs or default (TORCHINDUCTOR_CUDAGRAPHS unset)"
-
-
-def cuda_graphs(cfg, device: torch.device) -> str:
-    """What makes this run replay CUDA graphs: its train.compile_mode, or inductor's own switch
-    (TORCHINDUCTOR_CUDAGRAPHS=1 turns them on in every mode); '' for none (off CUDA there are none)."""
-    t = cfg.train
-    if not (t.compile and device.type == "cuda"):
-        return ""
-    if t.compile_mode in CUDA_GRAPH_MODES:
-        return f"train.compile_mode={t.compile_mode}"
-    from torch._inductor import config as inductor  # imported where a compile on CUDA will import it anyway
-
-    return "TORCHINDUCTOR_CUDAGRAPHS (torch._inductor.config.triton.cudagraphs)" if inductor.triton.cudagraphs else ""
-
-
-def check_cuda_graphs(cfg, device: torch.device) -> None:
-    """CUDA graphs cannot accumulate gradients over micro-batches here: with .grad freed after each
-    step (zero_grad(set_to_none=True)), torch's compiled backward hands its graph's output buffer to
-    .grad, and the next micro-batch's replay writes over it (pytorch/pytorch#169545), so the step's
-    gradient would be wrong, or torch raises mid-run. A run that replays them needs the whole step
-    in one micro-batch (the out-of-memory split gives up under them: loop/guards/oom.py)."""
-    t = cfg.train
-    if (setting := cuda_graphs(cfg, device)) and t.grad_accum > 1:
-        whole = f"data.batch_size={cfg.data.batch_size * t.grad_accum}" + ("" if t.global_batch else
-                                                                           " train.grad_accum=1")
-        raise BadInput(f"{setting} replays CUDA graphs, which cannot accumulate gradients over micro-batches, "
-                       f"and this step has train.grad_accum={t.grad_accum} (the next micro-batch's replay "
-                       f"writes over the gradient the last one left); expected {WITHOUT_GRAPHS}, or the step "
-                       f"in one micro-batch ({whole}).")
-
-
-def check_resumed_split(setting: str, b: int, micro_split: int) -> None:
-    """A resume whose checkpoint's run split its micro-batch after running out of memory (Progress.
-    micro_split, fitted to this data.batch_size `b`: loop/guards/oom.py::resplit) trains each step in
-    several micro-batches: under CUDA graphs (`setting`: cuda_graphs), the accumulation
-    check_cuda_graphs refuses."""
-    if setting and micro_split > 1:
-        fits = -(-b // micro_split)
-        raise BadInput(f"{setting} replays CUDA graphs, which cannot accumulate gradients over micro-batches, "
-                       f"and the checkpoint's run ran out of memory, so this resume trains data.batch_size={b} "
-                       f"in {micro_split} micro-batches of {fits}; expected {WITHOUT_GRAPHS} to resume it.")
 
 
 def check_with_world(cfg, dist: Dist) -> None:

@@ -95,6 +95,9 @@ class TrainConfig:
     # max-autotune replay CUDA graphs (docs/performance.md)
     compile_mode: str = opt("default", choices=("default", "reduce-overhead", "max-autotune",
                                                 "max-autotune-no-cudagraphs"))
+    # inductor's own options over the mode's (torch._inductor.config names: coordinate_descent_tuning,
+    # max_autotune_gemm, triton.cudagraphs, ...; loop/compiler.py)
+    compile_options: dict[str, bool | int | float | str] = opt({})
     tf32: bool = True  # CUDA: TF32 tensor cores for float32 matmuls and convolutions (Ampere+)
     # CUDA: the attention kernel torch tries first, then its own order (loop/device.py)
     attention_kernel: str = opt("auto", choices=("auto", "cudnn", "flash", "efficient", "math"))

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from loop.config.runtime import WITHOUT_GRAPHS
+from loop.compiler import WITHOUT_GRAPHS
 from loop.distributed.group import Dist
 from loop.distributed.wrap import ddp, is_ddp
 from loop.errors import GaveUp
@@ -110,7 +110,7 @@ class OutOfMemory:
         held here would outlive the split that replaces it), and names the module's own way to use less
         memory, if it has one, in the messages. `global_batch`: train.global_batch is set, so the
         accumulation follows data.batch_size. `graphs`: the setting whose CUDA graphs the run
-        replays, which cannot accumulate over a split's micro-batches (loop/config/runtime.py)."""
+        replays, which cannot accumulate over a split's micro-batches (loop/compiler.py)."""
         self.policy, self.batch_size, self.progress, self.graphs = policy, batch_size, progress, graphs
         self.dist, self.sharded = dist, sharded
         self.model = model.module if is_ddp(model) else model
