@@ -13,6 +13,9 @@ instead of splitting (loop/guards/oom.py), and so does a resume of a run that sp
 """
 from __future__ import annotations
 
+import types
+import typing
+
 import torch
 
 from loop.config.fields import shown
@@ -29,13 +32,18 @@ def compile_kwargs(train) -> dict:
     own options with train.compile_options over them (torch takes a mode or options, not both)."""
     if not train.compile_options:
         return {"mode": train.compile_mode}
-    from torch._inductor import list_mode_options
+    from torch._inductor import config as inductor, list_mode_options
 
-    return {"options": {**list_mode_options(train.compile_mode), **train.compile_options}}
+    # An int for a float option as a float: torch.compile checks isinstance(value, float).
+    options = {k: float(v) if type(v) is int and _floats(_declared(inductor, k)) else v
+               for k, v in train.compile_options.items()}
+    return {"options": {**list_mode_options(train.compile_mode), **options}}
 
 
 def check_options(train) -> None:
-    """train.compile_options: each name one of inductor's options, each value of its option's type."""
+    """train.compile_options: each name one of inductor's options, each value of the type torch
+    declares for it (the one torch.compile checks, where it checks: a Union or a Literal it lets
+    through, and a value of the wrong one fails mid-compile, or not at all)."""
     if not train.compile_options:
         return
     from torch._inductor import config as inductor
@@ -47,20 +55,42 @@ def check_options(train) -> None:
             raise BadInput(f"config key {key}: torch {torch.__version__}'s inductor has no option {name!r}; "
                            f"expected a name in torch._inductor.config (coordinate_descent_tuning, "
                            f"max_autotune_gemm, {GRAPHS}, ...).")
-        if not _fits(value, default := known[name]):
-            raise BadInput(f"config key {key}: expected a {type(default).__name__}, as torch's default "
-                           f"{shown(default)} is; got {shown(value)}.")
+        if not _fits(value, hint := _declared(inductor, name)):
+            raise BadInput(f"config key {key}: expected {_spelled(hint)}, the type torch declares for it "
+                           f"(its default: {shown(known[name])}); got {shown(value)}.")
 
 
-def _fits(value, default) -> bool:
-    """A config value (bool, int, float or text) for an inductor option whose default is `default`."""
-    if default is None:  # unset by default: no one type
-        return True
-    if isinstance(default, bool) or isinstance(value, bool):
-        return isinstance(default, bool) and isinstance(value, bool)
-    if isinstance(default, float):
-        return isinstance(value, (int, float))
-    return isinstance(default, (int, str)) and type(value) is type(default)
+def _declared(inductor, name: str):
+    """The type torch declares for an inductor option (an older torch's: its default's)."""
+    get_type = getattr(inductor, "get_type", None)
+    return get_type(name) if get_type else type(inductor.get_config_copy()[name])
+
+
+def _members(hint) -> tuple:
+    return typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+
+
+def _floats(hint) -> bool:
+    """A float option that takes no int: an int given for it is read as a float."""
+    return float in _members(hint) and int not in _members(hint)
+
+
+def _fits(value, hint) -> bool:
+    """A config value (bool, int, float or text) for an inductor option declared `hint`: of a scalar
+    member of it (a bool is no int, an int is a float), or one of a Literal's values. A Callable,
+    a list, None alone or a name torch cannot resolve ('CUDAGraphPolicy | None') takes none."""
+    if len(members := _members(hint)) > 1:
+        return any(_fits(value, m) for m in members)
+    if typing.get_origin(hint) is typing.Literal:
+        return any(type(value) is type(a) and value == a for a in typing.get_args(hint))
+    if hint is float:
+        return type(value) in (int, float)
+    return hint in (bool, int, str) and type(value) is hint
+
+
+def _spelled(hint) -> str:
+    text = hint.__name__ if isinstance(hint, type) else str(hint).replace("typing.", "")
+    return text if len(text) <= 60 else f"{text[:57]}..."
 
 
 def cuda_graphs(cfg, device: torch.device) -> str:

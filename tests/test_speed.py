@@ -207,6 +207,28 @@ def test_compile_options_reach_torch_compile_over_the_mode_s_and_are_checked_by_
         "train.compile_options has no effect with train.compile=false"]
 
 
+def test_compile_options_are_checked_by_the_type_torch_declares_for_them():
+    # torch.compile checks a value by isinstance of the option's declared type where that is a plain
+    # class: an int for a float option would be a RuntimeError traceback (exit 1) as the model
+    # compiles, so it reaches torch as a float (config.yaml keeps what was given). Where torch checks
+    # nothing (int | None, a Literal, a Callable), a wrong value would fail mid-compile or not at
+    # all: exit 2 naming the key, before anything is built.
+    from loop.compiler import check_options, compile_kwargs
+
+    default = ROOT / "configs" / "default.yaml"
+    cfg = load_config(default, ["train.compile_options.cpu_gpu_bw=40", "train.compile_options.cpp.simdlen=8",
+                                "train.compile_options.triton.multi_kernel=1"])
+    check_options(cfg.train)
+    kwargs = compile_kwargs(cfg.train)
+    assert kwargs == {"options": {"cpu_gpu_bw": 40.0, "cpp.simdlen": 8, "triton.multi_kernel": 1}}
+    assert type(kwargs["options"]["cpu_gpu_bw"]) is float and type(cfg.train.compile_options["cpu_gpu_bw"]) is int
+    torch.compile(torch.nn.Linear(2, 2), **kwargs)  # torch takes them
+    for bad in ("cpp.simdlen=abc", "cpp.simdlen=true", "triton.multi_kernel=7", "pre_grad_custom_pass=true",
+                "cpu_gpu_bw=true"):
+        with pytest.raises(BadInput, match=rf"config key train\.compile_options\.{bad.split('=')[0]}: expected"):
+            check_options(load_config(default, [f"train.compile_options.{bad}"]).train)
+
+
 def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
     # reduce-overhead and max-autotune replay CUDA graphs, whose compiled backward hands its output
     # buffer to .grad, and the next micro-batch's replay writes over it. On CUDA such a mode with
