@@ -189,6 +189,14 @@ def test_compile_options_reach_torch_compile_over_the_mode_s_and_are_checked_by_
                                 "train.compile_options.triton.cudagraphs=false", "train.device=cpu", "model.n_layer=1"])
     build_trainer(cfg, Dist(), torch.device("cpu"))
     assert given == [{"options": {"max_autotune": True, "coordinate_descent_tuning": False, "triton.cudagraphs": False}}]
+    from bench.loop_vs_bare import Bare  # the bare loop compiles with the same settings
+
+    Bare(cfg, 2)
+    assert given[1] == given[0]
+    with pytest.raises(BadInput, match=r"train\.compile_options\.no_such_option\b"):  # a run checks first
+        build_trainer(load_config(default, ["train.compile=true", "train.compile_options.no_such_option=true",
+                                            "train.device=cpu", "model.n_layer=1"]), Dist(), torch.device("cpu"))
+    assert len(given) == 2
     torch.compile(torch.nn.Linear(2, 2), **compile_kwargs(cfg.train))  # torch takes them: it checks names here
     mapping = tmp_path / "c.yaml"
     mapping.write_text("data: {name: random}\nmodel: {name: gpt}\n"
