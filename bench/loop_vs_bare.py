@@ -52,7 +52,7 @@ import torch
 from bench.common import RESULTS, append_result, check_results, command, device_label, sync_device
 from data import DATASETS
 from loop.build import build_data, build_model
-from loop.compiler import check_cuda_graphs, compile_kwargs
+from loop.compiler import check_cuda_graphs, check_options, compile_kwargs
 from loop.config.arguments import at_least
 from loop.config.load import DEFAULT_CONFIG, load_config
 from loop.config.runtime import follow_global_batch
@@ -268,9 +268,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cfg = load_config(args.config, args.overrides, DATASETS, MODELS)  # bad input fails here, before any run
     device = pick_device(cfg.train.device)  # no CUDA context yet: the runs' processes have the GPU
+    check_options(cfg.train)
     for v in args.variant:
-        pick_device(load_config(args.config, [*args.overrides, *split_variant(v.split())[0]], DATASETS,
-                                MODELS).train.device)
+        arm = load_config(args.config, [*args.overrides, *split_variant(v.split())[0]], DATASETS, MODELS)
+        pick_device(arm.train.device)
+        check_options(arm.train)
     check_results(args.results)
     arms = {"scaffold": [], "bare": [], **{v: v.split() for v in args.variant}}
     # Files named by place, not by overrides, whose values may be paths or longer than a file name

@@ -375,6 +375,8 @@ def test_counts_below_their_minimum_are_usage_errors(tmp_path, capsys, main, arg
     (ckpt_stall.main, ["model.n_layr=2"], "Did you mean 'model.n_layer'"),
     (loop_vs_bare.main, ["train.device=cuda:99"], "config key train.device"),  # a device not here
     (loop_vs_bare.main, ["--variant", "train.device=cuda:99"], "config key train.device"),
+    (loop_vs_bare.main, ["--variant", "train.compile_options.no_such=true"], "train.compile_options.no_such"),
+    (loop_vs_bare.main, ["train.compile_options.no_such=true"], "train.compile_options.no_such"),
 ])
 def test_bad_config_input_is_one_line_and_exit_2(tmp_path, capsys, main, args, named):
     # One line and exit 2, before anything runs (a bad --variant too, not after the other arms),
