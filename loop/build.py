@@ -58,12 +58,12 @@ def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models:
     with torch.device("meta") if deferred and not dist.main else nullcontext():
         model = build_model(cfg.model, data, models)
     check_weights(model, precision, cfg.train.precision)
-    if cfg.data.batch_size == "auto":  # before compiling and wrapping: the model as it is
+    if auto := cfg.data.batch_size == "auto":  # before compiling and wrapping: the model as it is
         cfg.data.batch_size, how = auto_batch.micro_batch(cfg, model, data, device, precision, dist)
         dist.say(f"data.batch_size=auto: {cfg.data.batch_size}, {how}")
     if accum := follow_global_batch(cfg, dist.world):  # before anything reads train.grad_accum
         dist.say(accum)
-    check_cuda_graphs(cfg, device)
+    check_cuda_graphs(cfg, device, auto)
     if cfg.train.compile:
         # In place: state_dict keys, hence checkpoints, stay those of the model.
         model.compile(**compile_kwargs(cfg.train))

@@ -32,7 +32,8 @@ def compile_kwargs(train) -> dict:
     own options with train.compile_options over them (torch takes a mode or options, not both)."""
     if not train.compile_options:
         return {"mode": train.compile_mode}
-    from torch._inductor import config as inductor, list_mode_options
+    from torch._inductor import config as inductor
+    from torch._inductor import list_mode_options
 
     # An int for a float option as a float: torch.compile checks isinstance(value, float).
     options = {k: float(v) if type(v) is int and _floats(_declared(inductor, k)) else v
@@ -107,12 +108,13 @@ def cuda_graphs(cfg, device: torch.device) -> str:
     return f"TORCHINDUCTOR_CUDAGRAPHS ({GRAPHS})" if inductor.triton.cudagraphs else ""
 
 
-def check_cuda_graphs(cfg, device: torch.device) -> None:
-    """A run that replays CUDA graphs trains each step in one micro-batch (the module's docstring)."""
-    t = cfg.train
+def check_cuda_graphs(cfg, device: torch.device, auto: bool = False) -> None:
+    """A run that replays CUDA graphs trains each step in one micro-batch (the module's docstring).
+    `auto`: data.batch_size is data.batch_size=auto's pick, the largest that fits."""
+    t, b = cfg.train, cfg.data.batch_size
     if (setting := cuda_graphs(cfg, device)) and t.grad_accum > 1:
-        whole = f"data.batch_size={cfg.data.batch_size * t.grad_accum}" + ("" if t.global_batch else
-                                                                           " train.grad_accum=1")
+        whole = (f"data.batch_size=auto found {b} fits, not {b * t.grad_accum}: a smaller train.global_batch"
+                 if auto else f"data.batch_size={b * t.grad_accum}" + ("" if t.global_batch else " train.grad_accum=1"))
         raise BadInput(f"{setting} replays CUDA graphs, which cannot accumulate gradients over micro-batches, "
                        f"and this step has train.grad_accum={t.grad_accum} (the next micro-batch's replay "
                        f"writes over the gradient the last one left); expected {WITHOUT_GRAPHS}, or the step "

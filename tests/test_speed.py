@@ -274,6 +274,9 @@ def test_cuda_graph_modes_need_the_whole_step_in_one_micro_batch(monkeypatch):
     runtime.follow_global_batch(whole, 1)
     with pytest.raises(BadInput, match=r"\(data\.batch_size=16\)"):
         compiler.check_cuda_graphs(whole, cuda)
+    # data.batch_size=auto's pick is the largest that fits: not the whole step, a smaller step then.
+    with pytest.raises(BadInput, match=r"data\.batch_size=auto found 4 fits, not 16: a smaller train\.global_batch"):
+        compiler.check_cuda_graphs(whole, cuda, auto=True)
     # A run checks before it compiles (the CPU taken for CUDA here).
     monkeypatch.setattr(compiler, "cuda_graphs", lambda cfg, device: f"train.compile_mode={cfg.train.compile_mode}")
     compiled = []
