@@ -210,6 +210,15 @@ def test_compile_options_reach_torch_compile_over_the_mode_s_and_are_checked_by_
             check_options(load_config(default, [f"train.compile_options.{bad}"]).train)
     with pytest.raises(BadInput, match=r"train\.compile_options\.epilogue_fusion\b.*expected a bool, int"):
         load_config(default, ["train.compile_options.epilogue_fusion=[1]"])
+    with pytest.raises(BadInput, match=r"train\.compile_options: expected a mapping"):
+        load_config(default, ["train.compile_options=3"])
+    assert load_config(default, ["train.compile_options.epilogue_fusion=false",
+                                 "train.compile_options={}"]).train.compile_options == {}
+    from data import DATASETS
+    from loop.config.load import keys_help
+    from model import MODELS
+
+    assert "compile_options={}" in keys_help(DATASETS, MODELS)  # python train.py --help lists it
     idle = load_config(default, ["train.compile_options.epilogue_fusion=false"])
     assert idle_settings(idle, Precision("fp32", torch.device("cpu"))) == [
         "train.compile_options has no effect with train.compile=false"]
