@@ -2,8 +2,7 @@
 
 The section dataclasses themselves live in `loop/config/schema.py`. Here: unknown keys (with a
 did-you-mean), type coercion (an int where a float is asked is fine; "abc" is not), list
-elements by index (`optim.betas.1=0.99`), a mapping's entries by name (`train.compile_options.NAME=v`),
-and the bounds and choices declared on the fields.
+elements by index (`optim.betas.1=0.99`), mapping entries by name, and the fields' bounds and choices.
 Every problem raises `BadInput` naming the key. A key that is a Python keyword (`lab.break`) is
 held in a field with a trailing underscore (`break_`); users only ever see the key.
 """
