@@ -3,7 +3,8 @@
     make test ARGS=tests/test_cuda.py PYTHON=python3      # on a GPU machine; scripts/gpu_checks.sh
 
 bf16 and fp16 (GradScaler) with fused AdamW train, repeat and resume bit-identically in
-determinism mode, whose fused attention kernels repeat their backward bit for bit; the attention
+determinism mode (so does configs/gpt2_124m.yaml, scaled down, with its own speed settings), whose
+fused attention kernels repeat their backward bit for bit; the attention
 kernel asked for runs (cuDNN's, or flash's where determinism mode turns cuDNN's off); a micro-batch
 too big for the card runs out of memory for real and is recovered by splitting it, and
 data.batch_size=auto finds one that fits; the chunked loss resumes bit-identically; FlexAttention
@@ -249,6 +250,30 @@ def test_cuda_graphs_train_a_step_in_one_micro_batch_resume_bit_identically_and_
     proc = run_train(two, *graphs, "data.batch_size=4", "train.grad_accum=2", check=False)
     assert proc.returncode == 2 and "train.compile_mode=reduce-overhead" in proc.stderr, proc.stderr
     assert not two.exists()
+
+
+def test_the_gpt2_config_with_its_own_speed_settings_repeats_and_resumes_bit_identically(tmp_path, cache):
+    # configs/gpt2_124m.yaml as it stands (bf16, compiled with its train.compile_mode and
+    # train.compile_options, fused AdamW, TF32, the step in one micro-batch), the model and data
+    # scaled down, in determinism mode: whatever speed settings the config takes on, a run killed
+    # and rerun gives the same bits.
+    config = ROOT / "configs" / "gpt2_124m.yaml"
+    args = ["--config", str(config), cache, *DIST, *CUDA, "model.n_layer=2", "model.n_head=2",
+            "model.n_embd=128", "data.seq_len=128", "data.batch_size=8", "train.global_batch=8",
+            "data.synthetic.tokens=200000"]
+    a, killed = tmp_path / "a", tmp_path / "killed"
+    run_train(a, *args)
+    code, printed = run_and_signal(killed, 12, *args)
+    assert code == -signal.SIGKILL, printed
+    assert "at step 10" in run_train(killed, *args).stdout
+    losses = [r["loss"] for r in metrics(a)]
+    assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
+    assert [r["loss"] for r in metrics(killed)] == losses
+    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
+    assert {r["micro_batch"] for r in metrics(a)} == {8}
+    own, ran = load_config(str(config), []).train, load_config(str(a / "config.yaml"), []).train
+    for key in ("precision", "compile", "compile_mode", "compile_options", "attention_kernel"):
+        assert getattr(ran, key) == getattr(own, key), key
 
 
 @pytest.mark.parametrize("more", [["train.compile=false"], ["train.compile=true"],
