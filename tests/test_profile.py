@@ -124,8 +124,15 @@ def test_the_gpu_side_is_kernel_time_a_step_by_kind_and_the_busy_share(capsys):
     gpu = gpu_time(trace, steps=2)
     assert gpu["ms_per_step"] == pytest.approx({  # microseconds summed, / 1000 / 2 steps
         "matmul": 0.26, "attention": 0.12, "softmax, loss": 0.03, "norm": 0.025, "optimizer": 0.04,
-        "other fused (torch.compile)": 0.015, "copy": 0.02})
+        "activation": 0.015, "copy": 0.02})
     assert list(gpu["ms_per_step"])[:2] == ["matmul", "attention"]  # largest first
+    top = gpu["top"]  # by name, largest first: each kernel's own time, not its kind's
+    assert [k["name"] for k in top[:3]] == [trace["traceEvents"][i]["name"] for i in (0, 2, 1)]
+    assert top[0]["ms_per_step"] == pytest.approx(0.2) and top[0]["calls_per_step"] == 0.5
+    assert "aten::mm" not in {k["name"] for k in top}  # host time
+    many = gpu_time({"traceEvents": [kernel(f"k{i}", 100 * i, i + 1) for i in range(12)
+                                     for _ in range(2)]}, steps=1)["top"]
+    assert [(k["name"], k["calls_per_step"]) for k in many] == [(f"k{i}", 2) for i in range(11, 1, -1)]
     assert gpu["span_ms_per_step"] == pytest.approx(0.55)  # 0 to 1,100 us over 2 steps
     assert gpu["busy"] == pytest.approx(1000 / 1100)  # idle 900-1,000 us; the copy overlaps the optimizer's kernel
     assert gpu_time({"traceEvents": trace["traceEvents"][-1:]}, steps=2) is None  # a CPU run's trace
@@ -133,6 +140,7 @@ def test_the_gpu_side_is_kernel_time_a_step_by_kind_and_the_busy_share(capsys):
     StepProfiler.print_gpu(gpu)
     out = capsys.readouterr().out
     assert "90.9% of it busy" in out and "matmul" in out and "0.26 ms" in out
+    assert "0.20 ms    0.5 x  nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT" in out  # the top kernel
 
 
 def kernel(name, ts, dur, cat="kernel"):
@@ -153,6 +161,9 @@ def kernel(name, ts, dur, cat="kernel"):
     ("void at::native::vectorized_layer_norm_kernel<float, float>", "norm"),
     ("triton_per_fused__fused_rms_norm_mul_0", "norm"),
     ("void at::native::batch_norm_collect_statistics_kernel<float, float, float>", "norm"),
+    ("triton_poi_fused__unsafe_view_gelu_6", "activation"),
+    ("triton_poi_fused_mul_silu_0", "activation"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::GeluCUDAKernelImpl>", "activation"),
     ("triton_poi_fused_add_0", "other fused (torch.compile)"),
     ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", "other")])
 def test_each_kind_of_gpu_kernel_is_told_by_its_name(name, kind):
@@ -187,7 +198,9 @@ def test_the_gpu_side_of_the_profiled_steps_is_written_and_printed(tmp_path, mon
     # stubbed, the profiler's own steps and files are real.
     from loop.observe import profile
 
-    gpu, steps = {"ms_per_step": {"matmul": 1.5}, "busy": 0.5, "span_ms_per_step": 3.0}, []
+    gpu = {"ms_per_step": {"matmul": 1.5}, "busy": 0.5, "span_ms_per_step": 3.0,
+           "top": [{"name": "ampere_sgemm_128x64_nn", "ms_per_step": 1.5, "calls_per_step": 3}]}
+    steps = []
     monkeypatch.setattr(profile, "gpu_time", lambda trace, n: steps.append(n) or gpu)
     p = profile.StepProfiler(tmp_path / "profile", warmup=1, active=2)
     p.cuda = True  # as on a GPU

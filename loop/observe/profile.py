@@ -12,7 +12,7 @@ and writes to <out_dir>/profile/: `breakdown.json` and `trace.json`, a Chrome tr
 Perfetto (ui.perfetto.dev) or chrome://tracing. Times are host wall times of the regions; on a GPU,
 kernels run asynchronously (the host waits where it first reads a result: the optimizer's finite
 check), so on CUDA it also prints the GPU's side from the trace, and writes it to `gpu.json`: how
-busy the GPU was, and its kernel time a step by kind of kernel.
+busy the GPU was, its kernel time a step by kind of kernel, and the kernels that take the most.
 """
 from __future__ import annotations
 
@@ -49,30 +49,39 @@ KINDS = (("attention", ("flash", "fmha", "sdpa", "attention", "compute_dot_do_o"
          ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "splitkreduce", "triton_tem")),
          ("softmax, loss", ("softmax", "nll_loss", "cross_entropy")),
          ("optimizer", ("adam", "multi_tensor_apply", "foreach")),
-         ("norm", ("layer_norm", "rms_norm", "batch_norm")))
+         ("norm", ("layer_norm", "rms_norm", "batch_norm")),
+         ("activation", ("gelu", "silu", "relu", "sigmoid", "tanh")))
+TOP = 10  # the kernels that take the most time, each by its name, in gpu.json and printed
 
 
 def gpu_time(trace: dict, steps: int) -> dict | None:
-    """The GPU's side of a Chrome trace of `steps` steps: kernel (and copy) ms a step by kind, and
-    the share of the time from the first kernel to the last that some kernel ran (what is left is
-    the GPU waiting for the host). None for a trace with no GPU activity."""
+    """The GPU's side of a Chrome trace of `steps` steps: kernel (and copy) ms a step by kind, the
+    TOP kernels by name (ms and calls a step), and the share of the time from the first kernel to
+    the last that some kernel ran (what is left is the GPU waiting for the host). None for a trace
+    with no GPU activity."""
     events = [e for e in trace["traceEvents"]
               if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     if not events:
         return None
     per_kind: dict[str, float] = collections.defaultdict(float)
+    per_name: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])  # ms, calls
     for e in events:
         name = e["name"].lower()
         kind = "copy" if e["cat"] != "kernel" else next(
             (k for k, words in KINDS if any(w in name for w in words)),
             "other fused (torch.compile)" if name.startswith("triton_") else "other")
         per_kind[kind] += e["dur"] / 1e3 / steps
+        per_name[e["name"]][0] += e["dur"] / 1e3 / steps
+        per_name[e["name"]][1] += 1
+    top = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:TOP]
     busy, end = 0.0, float("-inf")  # the union of the kernels' intervals (streams overlap)
     for start, stop in sorted((e["ts"], e["ts"] + e["dur"]) for e in events):
         busy, end = busy + max(0.0, stop - max(start, end)), max(end, stop)
     span = end - min(e["ts"] for e in events)
     return {"ms_per_step": dict(sorted(per_kind.items(), key=lambda kv: -kv[1])),
-            "busy": busy / span if span > 0 else 1.0, "span_ms_per_step": span / 1e3 / steps}
+            "busy": busy / span if span > 0 else 1.0, "span_ms_per_step": span / 1e3 / steps,
+            "top": [{"name": name, "ms_per_step": ms, "calls_per_step": calls / steps}
+                    for name, (ms, calls) in top]}
 
 
 class StepProfiler:
@@ -120,6 +129,9 @@ class StepProfiler:
               f"last, {100 * gpu['busy']:.1f}% of it busy; kernel time a step by kind:")
         for kind, ms in gpu["ms_per_step"].items():
             print(f"  {kind:<28}{ms:8.2f} ms")
+        print(f"the {len(gpu['top'])} kernels that take the most time, ms and calls a step:")
+        for k in gpu["top"]:  # a C++ kernel's name runs to its template arguments: its start names it
+            print(f"  {k['ms_per_step']:8.2f} ms {k['calls_per_step']:6g} x  {k['name'][:100]}")
 
     def close(self) -> None:
         if self.result is None:  # the run ended before the profiled steps did: nothing whole to show
