@@ -163,7 +163,7 @@ class Trainer:
                 for i, batch in enumerate(pieces):
                     last = i == len(pieces) - 1
                     with grad_sync(self.model, last):  # DDP/FSDP reduce gradients in the last backward
-                        loss = self.forward(batch)  # summed over its targets (faults may wrap it: loop/build.py)
+                        loss = self.forward(batch)  # summed over its targets (loop/contract.py)
                         losses.append(loss.detach().float())
                         divisor = n_targets  # the step's targets over all ranks
                         if self.lab_break == "mean_loss_per_microbatch":  # lab: each micro-batch's own mean

@@ -37,6 +37,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 CUDA = ["train.device=cuda", "run.deterministic=true"]  # after TINY's train.device=cpu: wins
 
 
+def resumes_as(a: Path, killed: Path, *args: str) -> None:
+    """A run of `args` SIGKILLed at step 12 and rerun (from step 10's checkpoint) ends with run
+    `a`'s losses and weights, bit for bit."""
+    code, printed = run_and_signal(killed, 12, *args)
+    assert code == -signal.SIGKILL, printed
+    rerun = run_train(killed, *args)
+    assert "at step 10" in rerun.stdout, rerun.stdout
+    assert [r["loss"] for r in metrics(killed)] == [r["loss"] for r in metrics(a)]
+    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
+
+
 def test_nvml_reads_the_gpu_the_run_trains_on(tmp_path, cache):
     # loop/observe/telemetry.py names the run's GPU to NVML by its UUID (NVML's numbering ignores
     # CUDA_VISIBLE_DEVICES): the readings come under gpu0, and the energy is that GPU's alone.
@@ -182,11 +193,7 @@ def test_the_chunked_loss_repeats_and_resumes_bit_identically_in_bf16(tmp_path, 
     args = [cache, *DIST, *CUDA, "train.precision=bf16", "model.loss_chunks=4"]
     a, killed = tmp_path / "a", tmp_path / "killed"
     run_train(a, *args)
-    code, printed = run_and_signal(killed, 12, *args)
-    assert code == -signal.SIGKILL, printed
-    assert "at step 10" in run_train(killed, *args).stdout
-    assert [r["loss"] for r in metrics(killed)] == [r["loss"] for r in metrics(a)]
-    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
+    resumes_as(a, killed, *args)
 
 
 def test_flex_attention_gives_sdpa_gradients_on_the_gpu():
@@ -224,11 +231,7 @@ def test_flex_attention_repeats_and_resumes_bit_identically_in_bf16(tmp_path, ca
     args = [cache, *DIST, *CUDA, "train.precision=bf16", "train.compile=true"]
     a, killed, sdpa = tmp_path / "a", tmp_path / "killed", tmp_path / "sdpa"
     run_train(a, *args, "model.attention=flex")
-    code, printed = run_and_signal(killed, 12, *args, "model.attention=flex")
-    assert code == -signal.SIGKILL, printed
-    assert "at step 10" in run_train(killed, *args, "model.attention=flex").stdout
-    assert [r["loss"] for r in metrics(killed)] == [r["loss"] for r in metrics(a)]
-    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
+    resumes_as(a, killed, *args, "model.attention=flex")
     run_train(sdpa, *args)
     assert metrics(a)[-1]["loss"] == pytest.approx(metrics(sdpa)[-1]["loss"], rel=0.05)
 
@@ -242,11 +245,7 @@ def test_cuda_graphs_train_a_step_in_one_micro_batch_resume_bit_identically_and_
     graphs = [*args, "train.compile_mode=reduce-overhead"]
     a, killed, plain, two = tmp_path / "a", tmp_path / "killed", tmp_path / "plain", tmp_path / "two"
     run_train(a, *graphs)
-    code, printed = run_and_signal(killed, 12, *graphs)
-    assert code == -signal.SIGKILL, printed
-    assert "at step 10" in run_train(killed, *graphs).stdout
-    assert [r["loss"] for r in metrics(killed)] == [r["loss"] for r in metrics(a)]
-    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
+    resumes_as(a, killed, *graphs)
     run_train(plain, *args)
     assert [r["loss"] for r in metrics(a)] == pytest.approx([r["loss"] for r in metrics(plain)], rel=1e-3)
     proc = run_train(two, *graphs, "data.batch_size=4", "train.grad_accum=2", check=False)
@@ -265,13 +264,9 @@ def test_the_gpt2_config_with_its_own_speed_settings_repeats_and_resumes_bit_ide
             "data.synthetic.tokens=200000"]
     a, killed = tmp_path / "a", tmp_path / "killed"
     run_train(a, *args)
-    code, printed = run_and_signal(killed, 12, *args)
-    assert code == -signal.SIGKILL, printed
-    assert "at step 10" in run_train(killed, *args).stdout
+    resumes_as(a, killed, *args)
     losses = [r["loss"] for r in metrics(a)]
     assert len(losses) == 20 and all(math.isfinite(x) for x in losses)
-    assert [r["loss"] for r in metrics(killed)] == losses
-    assert summary(killed)["params_sha256"] == summary(a)["params_sha256"]
     assert {r["micro_batch"] for r in metrics(a)} == {8}
     own, ran = load_config(str(config), []).train, load_config(str(a / "config.yaml"), []).train
     for key in ("precision", "compile", "compile_mode", "compile_options", "attention_kernel"):
