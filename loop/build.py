@@ -41,7 +41,7 @@ from loop.trainer import Trainer
 def build_trainer(cfg, dist: Dist, device: torch.device, datasets: dict, models: dict) -> Trainer:
     check_same_config(cfg, dist)
     check_with_world(cfg, dist)
-    check_options(cfg.train)
+    check_options(cfg.train, cfg.run.deterministic)
     auto_batch.check(cfg, dist.world)
     # The builders draw the same numbers on every rank: the same data (a random split stays one
     # split) and the same initial weights.

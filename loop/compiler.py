@@ -41,10 +41,11 @@ def compile_kwargs(train) -> dict:
     return {"options": {**list_mode_options(train.compile_mode), **options}}
 
 
-def check_options(train) -> None:
+def check_options(train, deterministic: bool = False) -> None:
     """train.compile_options: each name one of inductor's options, each value of the type torch
     declares for it (the one torch.compile checks, where it checks: a Union or a Literal it lets
-    through, and a value of the wrong one fails mid-compile, or not at all)."""
+    through, and a value of the wrong one fails mid-compile, or not at all). Under run.deterministic
+    (`deterministic`), not inductor's own deterministic mode turned off (loop/determinism.py)."""
     if not train.compile_options:
         return
     from torch._inductor import config as inductor
@@ -59,6 +60,10 @@ def check_options(train) -> None:
         if not _fits(value, hint := _declared(inductor, name)):
             raise BadInput(f"config key {key}: expected {_spelled(hint)}, the type torch declares for it "
                            f"(its default: {shown(known[name])}); got {shown(value)}.")
+    if deterministic and train.compile_options.get("deterministic") is False:
+        raise BadInput("config key train.compile_options.deterministic=false turns off what run.deterministic=true "
+                       "needs of the compiler: kernels chosen without timing them, so that two runs compile "
+                       "the same kernels; expected it left out, or run.deterministic=false.")
 
 
 def _declared(inductor, name: str):

@@ -6,9 +6,14 @@ kernel raises instead of silently varying), `cudnn.benchmark=False` and `cudnn.d
 and cuDNN's attention kernel off (its backward has no deterministic mode; torch skips it under the
 flag anyway). The fused FlashAttention and memory-efficient kernels stay: under the flag torch runs
 their backward passes deterministically (FlashAttention's deterministic mode; no split keys), where
-the math kernel would write every T x T score matrix to memory. A Dataset's random draws need
-nothing from it: each training sample is fetched with the streams seeded from its position
-(loop/data/seeded.py), in workers or not.
+the math kernel would write every T x T score matrix to memory. torch's flag also puts
+torch.compile's inductor in its own deterministic mode (`torch._inductor.config.deterministic`): no
+kernel is chosen by timing where the choice changes the numbers (a reduction's block size,
+coordinate descent on reductions, the max-autotune modes' matmul choice, padding a matmul), so a
+run with a cold compile cache builds the kernels a warm one does; `train.compile_options` that
+tune those tune less in this mode. A Dataset's random draws need nothing from it: each training
+sample is fetched with the streams seeded from its position (loop/data/seeded.py), in workers or
+not.
 
 What that guarantees: identical results on the same machine, with the same versions of everything
 and the same world size. Not across GPU models, driver/CUDA/torch versions, or process counts.
@@ -39,16 +44,19 @@ def enable() -> Callable[[], None]:
         raise BadInput(f"run.deterministic=true needs CUBLAS_WORKSPACE_CONFIG=:4096:8 or :16:8; "
                        f"the environment has {os.environ['CUBLAS_WORKSPACE_CONFIG']!r}.")
     cudnn, cuda = torch.backends.cudnn, torch.backends.cuda
+    from torch._inductor import config as inductor  # torch's flag sets inductor's: both put back
+
     saved = (torch.are_deterministic_algorithms_enabled(),
-             torch.is_deterministic_algorithms_warn_only_enabled(), cudnn.benchmark,
+             torch.is_deterministic_algorithms_warn_only_enabled(), inductor.deterministic, cudnn.benchmark,
              cudnn.deterministic, cuda.cudnn_sdp_enabled())
     torch.use_deterministic_algorithms(True)
     cudnn.benchmark, cudnn.deterministic = False, True
     cuda.enable_cudnn_sdp(False)
 
     def restore() -> None:
-        on, warn_only, benchmark, deterministic, cudnn_sdp = saved
+        on, warn_only, compiler, benchmark, deterministic, cudnn_sdp = saved
         torch.use_deterministic_algorithms(on, warn_only=warn_only)
+        inductor.deterministic = compiler
         cudnn.benchmark, cudnn.deterministic = benchmark, deterministic
         cuda.enable_cudnn_sdp(cudnn_sdp)
         if not had_workspace:

@@ -1024,6 +1024,38 @@ def test_determinism_mode_takes_either_cublas_workspace_and_turns_cudnn_s_choice
         torch.backends.cudnn.benchmark = False
 
 
+def test_determinism_mode_puts_the_compiler_in_its_deterministic_mode_and_back(monkeypatch):
+    # torch's flag turns inductor's own deterministic mode on: kernels chosen without timing them where
+    # the choice changes the numbers, so a cold compile cache builds a warm one's kernels. The mode is
+    # put back as it was (TORCHINDUCTOR_DETERMINISTIC=1 set it, whatever torch's flag), and a run that
+    # asks the compiler to leave it off is exit 2 naming the key, before anything is built.
+    from torch._inductor import config as inductor
+
+    from conftest import build_trainer
+    from loop import determinism
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    process = inductor.deterministic  # not monkeypatch: its undo would delete the option, hiding it
+    try:
+        for before in (False, True):
+            inductor.deterministic = before
+            restore = determinism.enable()
+            try:
+                assert inductor.deterministic
+            finally:
+                restore()
+            assert inductor.deterministic is before and not torch.are_deterministic_algorithms_enabled()
+    finally:
+        inductor.deterministic = process
+    off = ["train.compile=true", "train.compile_options.deterministic=false", "train.device=cpu"]
+    cfg = load_config(DEFAULT, [*off, "run.deterministic=true"])
+    with pytest.raises(BadInput, match=r"train\.compile_options\.deterministic=false.*run\.deterministic=true"):
+        build_trainer(cfg, Dist(), torch.device("cpu"))
+    build = load_config(DEFAULT, off)  # without run.deterministic: the run's choice
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: None)
+    build_trainer(build, Dist(), torch.device("cpu"))
+
+
 def test_faults_are_recorded_in_metadata(tmp_path, cache):
     out = tmp_path / "run"
     train_here(out, cache, "train.max_steps=3", "faults.nan_at_step=2")
